@@ -1,0 +1,108 @@
+"""Config handling for train.py: defaults <- config files (plain Python) <- --key=value overrides.
+
+    python train.py configs/shakespeare.py --batch_size=8 --residual=ddl-cc --compile=False
+
+A config file is executed as Python; every top-level name it sets (not starting with "_", not a module,
+function or class) must be a known key. An override value is parsed with ast.literal_eval, or taken as a
+plain string when that fails and the key holds a string (so --residual=ddl-cc needs no quotes). Every
+value is checked against the type of the key's default: a bool key takes only True/False, an int key
+only ints, a float key ints or floats (stored as float), a tuple key a list/tuple of the same length;
+a key whose default is None takes any literal. An unknown key fails with the closest known keys.
+"""
+
+import ast
+import difflib
+import types
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _unknown_key(key, known, where):
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    return ConfigError(f"{where}: unknown config key '{key}'.{hint}")
+
+
+def check_value(key, value, default, where="config"):
+    """Return `value` converted to the type of `default`, or raise ConfigError naming the key."""
+    if default is None:
+        return value
+    want = type(default).__name__
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+    elif isinstance(default, int):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(default, float):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif isinstance(default, str):
+        if isinstance(value, str):
+            return value
+    elif isinstance(default, (tuple, list)):
+        if isinstance(value, (tuple, list)) and len(value) == len(default):
+            items = enumerate(zip(value, default))
+            return tuple(check_value(f"{key}[{i}]", v, d, where) for i, (v, d) in items)
+        want = f"{want} of length {len(default)}"
+    else:
+        raise ConfigError(f"{where}: key '{key}' has a default of unsupported type {type(default).__name__}")
+    raise ConfigError(
+        f"{where}: key '{key}' expects {want} (default {default!r}), got {type(value).__name__} {value!r}"
+    )
+
+
+def parse_override(arg, defaults):
+    """'--key=value' -> (key, value) checked against defaults[key]."""
+    if not arg.startswith("--") or "=" not in arg:
+        raise ConfigError(f"argument '{arg}': expected a config file path or --key=value")
+    key, text = arg[2:].split("=", 1)
+    if key not in defaults:
+        raise _unknown_key(key, list(defaults), f"argument '{arg}'")
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        # bare words are strings for string keys (--dataset=shakespeare); for other keys it's an error
+        if isinstance(defaults[key], str) or defaults[key] is None:
+            value = text
+        else:
+            raise ConfigError(
+                f"argument '{arg}': cannot parse {text!r} as a Python literal for key '{key}' "
+                f"(default {defaults[key]!r})"
+            ) from None
+    if isinstance(defaults[key], str) and not isinstance(value, str):
+        value = text  # --wandb_run_name=123 is the string "123"
+    return key, check_value(key, value, defaults[key], f"argument '{arg}'")
+
+
+def apply_file(path, config, defaults):
+    """Execute the config file at `path` and return config updated with the keys it set."""
+    try:
+        with open(path) as f:
+            source = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file '{path}': {e.strerror}") from None
+    namespace = dict(config)  # a file may read earlier values, e.g. n_embd = 2 * n_embd
+    exec(compile(source, path, "exec"), namespace)
+    new = dict(config)
+    for key, value in namespace.items():
+        if key.startswith("_") or isinstance(value, (types.ModuleType, types.FunctionType, type)):
+            continue
+        if key not in defaults:
+            raise _unknown_key(key, list(defaults), f"config file '{path}'")
+        new[key] = check_value(key, value, defaults[key], f"config file '{path}'")
+    return new
+
+
+def load_config(defaults, argv):
+    """defaults: {key: default value}; argv: config files and --key=value, applied left to right."""
+    config = dict(defaults)
+    for arg in argv:
+        if arg.startswith("--"):
+            key, value = parse_override(arg, defaults)
+            config[key] = value
+        else:
+            config = apply_file(arg, config, defaults)
+    return config

@@ -1,0 +1,480 @@
+"""
+Train a GPT with any residual x attention variant, on one CPU/GPU or with DDP.
+
+    python train.py configs/shakespeare.py                       # 2 CPU cores, a few minutes
+    python train.py configs/gpt2_small.py --residual=ddl-cc      # one GPU
+    torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_small.py
+
+Every module-level name in the "config keys" section below, and every GPTConfig field, is a config key:
+set it in a config file (plain Python) or with --key=value (see configurator.py).
+
+Reproducibility contract:
+  * global batch `iter_num` is a pure function of (data, seed, iter_num) and holds
+    G = batch_size * gradient_accumulation_steps rows; rank r, micro-step m takes rows
+    (m * world_size + r) * batch_size ... of it, so the global batches do not depend on the number of ranks;
+  * the loss of each micro-step is weighted so that the summed gradient is that of the mean loss over all
+    valid (!= -1) targets of the global batch, whatever the number of ranks;
+  * a checkpoint holds everything that decides the future (model, optimizer, iteration = data position,
+    RNG states), so init_from="resume" continues bit-exactly on CPU.
+"""
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from configurator import ConfigError, load_config
+from model import GPT, GPTConfig
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+_names_before_config = set(globals())
+# -----------------------------------------------------------------------------
+# config keys (defaults); every GPTConfig field is a key too (model shape and variant)
+# I/O
+out_dir = "out"
+init_from = "scratch"  # "scratch" or "resume" (from out_dir/ckpt.pt)
+eval_interval = 250  # evaluate and checkpoint every eval_interval iterations and at the end
+eval_iters = 20  # val loss = mean over val global batches 0..eval_iters-1 (the same ones every time)
+log_interval = 10  # console line every log_interval iterations; log.jsonl gets every iteration
+wandb_log = False
+wandb_project = "ddl"
+wandb_run_name = "run"
+# data
+dataset = "shakespeare"  # "shakespeare" | "fineweb_edu"
+data_dir = ""  # "" = data/<dataset> in the repo
+batch_size = 8  # rows per micro-step per rank
+block_size = 1024
+gradient_accumulation_steps = 1  # GLOBAL micro-steps per iteration; divided among the ranks
+# AdamW, warmup + cosine schedule
+learning_rate = 1e-3
+min_lr = 1e-4
+warmup_iters = 100
+lr_decay_iters = 5000  # cosine from learning_rate (after warmup) to min_lr at lr_decay_iters, then flat
+max_iters = 5000
+weight_decay = 0.1  # only on >= 2-D parameters (matrices, embeddings, convolutions)
+betas = (0.9, 0.95)
+grad_clip = 1.0  # 0 = off
+# system
+seed = 1337
+device = "cuda" if torch.cuda.is_available() else "cpu"  # "cpu", "cuda", "cuda:1", ...
+dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast dtype: "bfloat16" | "float32"
+compile = torch.cuda.is_available()  # torch.compile the model
+# -----------------------------------------------------------------------------
+_train_keys = [k for k in globals() if k not in _names_before_config and not k.startswith("_")]
+_model_fields = [f for f in dataclasses.fields(GPTConfig) if f.name not in _train_keys]
+_defaults = {k: globals()[k] for k in _train_keys}
+_defaults.update({f.name: f.default for f in _model_fields})
+DATASETS = ("shakespeare", "fineweb_edu")
+
+
+def fail(message):
+    """Stop with a clear message and a non-zero exit status (on every rank)."""
+    print(f"train.py: error: {message}", file=sys.stderr, flush=True)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(1)
+
+
+try:
+    config = load_config(_defaults, sys.argv[1:])
+except ConfigError as e:
+    fail(str(e))
+globals().update(config)
+
+# ---- validate early, before any data or model work ----
+if init_from not in ("scratch", "resume"):
+    fail(f"init_from must be 'scratch' or 'resume', got {init_from!r}")
+if dataset not in DATASETS:
+    fail(f"dataset must be one of {', '.join(DATASETS)}; got {dataset!r}")
+if dtype not in ("float32", "bfloat16"):
+    fail(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+_positive = (
+    "batch_size",
+    "block_size",
+    "gradient_accumulation_steps",
+    "eval_interval",
+    "eval_iters",
+    "log_interval",
+)
+for _key in _positive:
+    if config[_key] < 1:
+        fail(f"{_key} must be >= 1, got {config[_key]}")
+for _key in ("max_iters", "warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip"):
+    if config[_key] < 0:
+        fail(f"{_key} must be >= 0, got {config[_key]}")
+if not 0 <= min_lr <= learning_rate:
+    fail(f"need 0 <= min_lr <= learning_rate, got min_lr={min_lr}, learning_rate={learning_rate}")
+if not (device == "cpu" or device.startswith("cuda")):
+    fail(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+if device.startswith("cuda") and not torch.cuda.is_available():
+    fail(f"device={device!r} but CUDA is not available (use --device=cpu)")
+model_args = {f.name: config[f.name] for f in dataclasses.fields(GPTConfig)}
+try:
+    GPTConfig(**model_args)
+except (ValueError, TypeError) as e:
+    fail(f"model config: {e}")
+
+# ---- distributed setup: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE ----
+ddp = "RANK" in os.environ
+if ddp:
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if device.startswith("cuda"):
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+else:
+    rank, local_rank, world_size = 0, 0, 1
+master = rank == 0
+if gradient_accumulation_steps % world_size:
+    fail(
+        f"gradient_accumulation_steps={gradient_accumulation_steps} (global) must be divisible by the "
+        f"number of ranks ({world_size})"
+    )
+micro_steps = gradient_accumulation_steps // world_size  # per rank
+global_rows = batch_size * gradient_accumulation_steps
+tokens_per_iter = global_rows * block_size
+device_type = "cuda" if device.startswith("cuda") else "cpu"
+if device_type == "cuda":
+    torch.set_float32_matmul_precision("high")  # TF32 matmuls (only on CUDA: CPU stays exact float32)
+    torch.backends.cudnn.allow_tf32 = True
+    if dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+        fail("dtype='bfloat16' but this GPU does not support bfloat16; use --dtype=float32")
+autocast = (
+    torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+    if dtype == "bfloat16"
+    else contextlib.nullcontext()
+)
+
+
+def log(*args):
+    if master:
+        print(*args, flush=True)
+
+
+# ---- data ----
+def make_loaders():
+    """(train_loader, val_loader) for `dataset`, each with get_batch(step, row_start, row_count, global_rows).
+
+    A new data source is one more branch here returning two objects with that method."""
+    from data.loader import ShardLoader
+    from data.shards import find_shards
+
+    directory = data_dir or os.path.join(REPO, "data", dataset)
+    prepare = {"shakespeare": "python data/shakespeare.py", "fineweb_edu": "python data/fineweb_edu.py"}
+    try:
+        train_files, val_files = find_shards(directory, "train"), find_shards(directory, "val")
+    except FileNotFoundError as e:
+        fail(f"{e}\n  dataset={dataset!r}: prepare it first with `{prepare[dataset]}` (or set data_dir)")
+    try:
+        return ShardLoader(train_files, block_size, seed=seed), ShardLoader(val_files, block_size, seed=seed)
+    except ValueError as e:
+        fail(f"dataset={dataset!r}: {e}")
+
+
+def micro_batch(loader, step, m):
+    """This rank's m-th micro-batch of global batch `step`, on the CPU."""
+    return loader.get_batch(step, (m * world_size + rank) * batch_size, batch_size, global_rows)
+
+
+def to_device(t):
+    if device_type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def all_reduce_sum(t):
+    if ddp:
+        dist.all_reduce(t)
+    return t
+
+
+train_loader, val_loader = make_loaders()
+
+# ---- model, optimizer, resume ----
+ckpt_path = os.path.join(out_dir, "ckpt.pt")
+checkpoint = None
+if init_from == "resume":
+    if not os.path.exists(ckpt_path):
+        fail(f"init_from='resume' but there is no checkpoint at {ckpt_path}")
+    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    changed = {k: (v, model_args[k]) for k, v in checkpoint["model_args"].items() if model_args.get(k) != v}
+    if changed:
+        log(f"resume: the model shape comes from the checkpoint; ignoring config values {changed}")
+    model_args = checkpoint["model_args"]
+
+random.seed(seed)
+np.random.seed(seed)
+torch.manual_seed(seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+raw_model = GPT(GPTConfig(**model_args))
+if checkpoint is not None:
+    raw_model.load_state_dict(checkpoint["model"])
+raw_model.to(device)
+
+params = [p for p in raw_model.parameters() if p.requires_grad]
+optimizer = torch.optim.AdamW(
+    [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ],
+    lr=learning_rate,
+    betas=betas,
+    fused=True if device_type == "cuda" else None,
+)
+iter_num, best_val_loss = 0, float("inf")
+if checkpoint is not None:
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
+
+model = torch.compile(raw_model) if compile else raw_model
+eval_model = model  # evaluation skips DDP: no gradients to sync
+if ddp:
+    model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
+
+
+# ---- RNG state (per rank) for exact resume ----
+def rng_state():
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        # numpy's key array as a tensor, so torch.load(weights_only=True) can read the checkpoint
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if device_type == "cuda" else [],
+    }
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if device_type == "cuda" and state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+random.seed(seed + rank)
+np.random.seed(seed + rank)
+torch.manual_seed(seed + rank)  # per-rank randomness from here on (dropout)
+if checkpoint is not None:
+    if len(checkpoint["rng"]) == world_size:
+        set_rng_state(checkpoint["rng"][rank])
+    else:
+        log(
+            f"resume: checkpoint has RNG states of {len(checkpoint['rng'])} ranks, not {world_size}: reseeded"
+        )
+    del checkpoint
+
+
+def save_checkpoint():
+    """Atomic: write ckpt.pt.tmp, fsync, rename; a crash leaves the previous checkpoint intact."""
+    states = [None] * world_size
+    if ddp:
+        dist.all_gather_object(states, rng_state())
+    else:
+        states[0] = rng_state()
+    if not master:
+        return
+    ckpt = {
+        "model": raw_model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "model_args": model_args,
+        "config": config,
+        "iter_num": iter_num,  # also the data position: global batch iter_num comes next
+        "best_val_loss": best_val_loss,
+        "rng": states,
+    }
+    tmp = ckpt_path + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(ckpt, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, ckpt_path)
+
+
+# ---- schedule, evaluation, one training iteration ----
+def get_lr(it):
+    """Linear warmup over warmup_iters, then cosine to min_lr at lr_decay_iters, then min_lr."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it >= lr_decay_iters:
+        return min_lr
+    progress = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
+
+
+@torch.no_grad()
+def evaluate():
+    """Metrics on val global batches 0..eval_iters-1 (fixed, so evals are comparable); all ranks agree."""
+    eval_model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    for step in range(eval_iters):
+        for m in range(micro_steps):
+            x, y = micro_batch(val_loader, step, m)
+            n = int((y != -1).sum())
+            if n == 0:
+                continue
+            with autocast:
+                _, loss = eval_model(to_device(x), to_device(y))
+            loss_sum += loss.double() * n
+            count += n
+    eval_model.train()
+    all_reduce_sum(loss_sum)
+    all_reduce_sum(count)
+    return {"val_loss": (loss_sum / count).item()}
+
+
+def train_iteration(step):
+    """Forward/backward over this rank's micro-batches of global batch `step`; returns the mean loss
+    over all valid targets of the global batch (all ranks, all micro-steps). Gradients end up as those
+    of that same mean, independent of the number of ranks."""
+    batches = [micro_batch(train_loader, step, m) for m in range(micro_steps)]
+    counts = [int((y != -1).sum()) for _, y in batches]
+    total = all_reduce_sum(torch.tensor(float(sum(counts)), dtype=torch.float64, device=device)).item()
+    if total == 0:
+        fail(f"global batch {step} has no valid targets (all -1)")
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for m, ((x, y), n) in enumerate(zip(batches, counts)):
+        last = m == micro_steps - 1
+        with model.no_sync() if ddp and not last else contextlib.nullcontext():
+            with autocast:
+                logits, loss = model(to_device(x), to_device(y))
+            if n == 0:  # mean over zero targets is NaN; still run a backward so DDP's sync happens
+                logits.float().sum().mul(0.0).backward()
+                continue
+            # DDP averages gradients over ranks, hence * world_size
+            (loss * (n * world_size / total)).backward()
+        loss_sum += loss.detach().double() * n
+    return all_reduce_sum(loss_sum).item() / total
+
+
+# ---- logging ----
+def peak_flops():
+    """bf16 dense peak of one GPU from its name, or None when unknown (then MFU is not reported)."""
+    if device_type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in (("H100", 989e12), ("H200", 989e12), ("A100", 312e12)):
+        if key in name:
+            return flops
+    return None
+
+
+log_path = os.path.join(out_dir, "log.jsonl")
+if master:
+    os.makedirs(out_dir, exist_ok=True)
+    kept = []
+    if init_from == "resume" and os.path.exists(log_path):
+        # drop what a crashed run logged after its last checkpoint: those iterations run again now
+        with open(log_path) as f:
+            for line in f:
+                rec = json.loads(line)
+                if rec["iter"] < iter_num or ("val_loss" in rec and rec["iter"] == iter_num):
+                    kept.append(line)
+    with open(log_path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(log_path + ".tmp", log_path)
+    log_file = open(log_path, "a")  # noqa: SIM115 (open for the whole run)
+wandb = None
+if wandb_log and master:
+    try:
+        import wandb
+    except ImportError:
+        fail("wandb_log=True but wandb is not installed (pip install wandb)")
+    wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+
+
+def write_log(record):
+    if master:
+        log_file.write(json.dumps(record) + "\n")
+        log_file.flush()
+        if wandb is not None:
+            wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
+
+
+flops_per_token = raw_model.flops_per_token(block_size) if hasattr(raw_model, "flops_per_token") else None
+peak = peak_flops()
+log(
+    f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {model_args['residual']} residual, "
+    f"{model_args['attention']} attention"
+)
+log(
+    f"{world_size} rank(s) on {device}, {micro_steps} micro-steps of {batch_size} x {block_size} per rank, "
+    f"{tokens_per_iter:,} tokens per iteration"
+)
+
+# ---- training loop ----
+resumed_at = iter_num if init_from == "resume" else None
+dt_avg = None
+while True:
+    if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != resumed_at:
+        metrics = evaluate()
+        if not all(math.isfinite(v) for v in metrics.values()):
+            fail(f"iteration {iter_num}: non-finite evaluation {metrics}; last good checkpoint left as is")
+        best_val_loss = min(best_val_loss, metrics["val_loss"])
+        log(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        write_log({"iter": iter_num, **metrics})
+        if iter_num > 0:
+            save_checkpoint()
+    if iter_num >= max_iters:
+        break
+
+    t0 = time.time()
+    lr = get_lr(iter_num)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    train_loss = train_iteration(iter_num)
+    max_norm = grad_clip if grad_clip > 0 else math.inf  # inf: only measure the norm
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm).item()
+    if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
+        fail(
+            f"iteration {iter_num}: train loss {train_loss}, gradient norm {grad_norm}: stopping before the "
+            f"update. The last good checkpoint ({ckpt_path}) is left as is; try a lower learning_rate."
+        )
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.time() - t0
+    if iter_num > (resumed_at or 0):  # the first iteration includes compilation and warm-up
+        dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
+    tok_per_s = tokens_per_iter / dt
+    mfu = flops_per_token * tok_per_s / (peak * world_size) if peak and flops_per_token else None
+    write_log(
+        {
+            "iter": iter_num,
+            "train_loss": train_loss,
+            "lr": lr,
+            "tok_per_s": tok_per_s,
+            "grad_norm": grad_norm,
+            "dt_ms": 1000 * dt,
+            "mfu": mfu,
+        }
+    )
+    if iter_num % log_interval == 0:
+        eta = (max_iters - iter_num - 1) * (dt_avg or dt)
+        log(
+            f"iter {iter_num}: loss {train_loss:.4f}, lr {lr:.2e}, {tok_per_s:,.0f} tok/s, "
+            f"mfu {f'{100 * mfu:.1f}%' if mfu is not None else '-'}, {1000 * dt:.0f} ms, "
+            f"eta {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}"
+        )
+    iter_num += 1
+
+if device_type == "cuda":
+    log(f"peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
+log(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f}, checkpoint {ckpt_path}")
+if master:
+    log_file.close()
+    if wandb is not None:
+        wandb.finish()
+if ddp:
+    dist.destroy_process_group()
