@@ -1,0 +1,533 @@
+"""GPT with switchable residual (additive | Deep Delta Learning) and attention (softmax | Deltaformer).
+
+One file, read top to bottom: config -> small pieces (RMSNorm, RoPE, MLP, attention) -> the residual
+interface (the only place the residual variants differ) -> Block -> GPT (forward, generate, counts).
+
+Architecture shared by every variant (the DDL paper's GPT-2 setup):
+- pre-norm RMSNorm with a weight and no bias; RoPE (base 10000) on queries and keys; QK-RMSNorm per head;
+  SwiGLU MLP; no biases in the linear layers; head_dim 128; tied token embedding / LM head; vocab 50304.
+- SwiGLU hidden size: floor(8 d / 3), the size that gives the MLP the 8 d^2 parameters of GPT-2's 4x MLP
+  (d 768 -> 2048 exactly; d 1024 -> 2730) and matches the paper's counts: 123.6M (small) and 353.4M
+  (medium) for additive + softmax. `mlp_hidden` overrides it (e.g. 2752 = a multiple of 64).
+- The attention width n_head * head_dim is its own number; n_embd need not equal it (presets: equal).
+
+Residual variants (cfg.residual). The stream is either a vector x [B, T, d] ("additive") or, for DDL, a
+matrix state X [B, T, d, d_v] per token. Every sublayer F (attention or MLP) runs as
+
+    additive:  x <- x + F(RMSNorm(x))
+    DDL:       x_in = compress(X);  c = RMSNorm(x_in);  h = F(c)
+               k = h (ddl_update normalises it: khat = h / sqrt(|h|^2 + eps^2));  v = W_v c  (d -> d_v)
+               beta = 2 sigmoid(w_beta . c + b_beta)          (fp32; in (0, 2): identity .. reflection)
+               X <- X + beta khat (v^T - khat^T X)             (ddl_erase=False: X <- X + beta khat v^T)
+
+    compress:  "ddl"    (d_v = 1)  x_in = X[..., 0]
+               "ddl-cc" (channel)  x_in[i] = sum_v weight[i, v] X[i, v]              weight init 1/d_v
+               "ddl-tc" (temporal) causal depthwise conv over tokens (K = ddl_conv_size) then a read
+                                   over v; conv init = identity (last tap 1), read init 1/d_v
+    The embedding becomes X0 = emb repeated d_v times, or with EC (ddl_ec, "ddl-cc"/"ddl-tc" only) a
+    causal depthwise conv of the embeddings (identity init = the repetition). A last compressor reads
+    X out before the final norm and the LM head.
+
+Attention variants (cfg.attention): "softmax" = causal SDPA. "deltaformer" = the Deltaformer paper's
+two-stage attention (kernels/deltaformer.py): u_i = v_i - beta_i sum_{j<i} kappa(w_i, k_j) u_j, then causal
+softmax attention of q over (k, u). w is q, k (default, as in the Deltaformer paper: each token erases what
+its own key would read back) or a separate projection; w is treated as a query, i.e. it gets the same
+per-head RMSNorm and RoPE as q (with w = q or k it *is* the normed, rotated q or k), so w_i . k_j depends on
+the content and the relative position only. beta_i per head = deltaformer_beta_max * sigmoid(Linear(c))
+(fp32). Default max 2: beta in (0, 2) lets a head reflect (eigenvalue 1 - beta < 0), which parity and
+permutation (swap) tracking need; deltaformer_beta_max=1 gives the classic (0, 1) delta rule.
+
+Init (nanoGPT): linear and embedding weights N(0, 0.02); the two output projections of every block
+(attention c_proj, MLP c_proj) N(0, 0.02 / sqrt(2 n_layer)); norm weights 1. DDL: W_v N(0, 0.02) (an input
+projection of c like q/k/v); w_beta = 0 and b_beta = logit(ddl_beta_init / 2), so beta starts at exactly
+ddl_beta_init for every token. ddl_beta_init defaults to 0.5: halfway between identity (0: the sublayer is
+silent and k, v get no gradient) and a full projection (1: every sublayer erases the stream's component
+along khat from the first step). Deltaformer beta projection: N(0, 0.02) weight, zero bias (beta ~ max/2).
+
+Mixed precision: training runs under bf16 autocast; the norms and both betas are computed in fp32, the
+residual stream (x or X) stays in the parameter dtype (fp32), ddl_update gets h and v in the state's dtype.
+
+Decoding (`generate`) keeps a cache per module: keys/values for softmax attention (RoPE at absolute
+positions), keys/u's for Deltaformer (deltaformer_step), the last K-1 states each DDL-TC compressor saw, the
+last K-1 embeddings for EC. Beyond block_size it crops like nanoGPT: the logits come from a plain forward
+over the last block_size tokens (there is no cache to reuse once the window slides).
+"""
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels.ddl import compress_cc, compress_tc, ddl_update, expand_ec
+from kernels.deltaformer import deltaformer_attention, deltaformer_step
+
+RESIDUALS = ("additive", "ddl", "ddl-tc", "ddl-cc")
+ATTENTIONS = ("softmax", "deltaformer")
+DELTAFORMER_WS = ("q", "k", "proj")
+DELTAFORMER_KERNELS = ("softmax", "relu", "linear")
+BACKENDS = ("auto", "torch", "triton")
+DDL_EPS = 1e-5  # khat = h / sqrt(|h|^2 + eps^2)
+NORM_EPS = 1e-6
+
+PRESETS = {
+    "gpt2-small": dict(n_layer=12, n_embd=768, n_head=6, head_dim=128),
+    "gpt2-medium": dict(n_layer=24, n_embd=1024, n_head=8, head_dim=128),
+}
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 12
+    n_head: int = 6
+    n_embd: int = 768
+    head_dim: int = 128
+    block_size: int = 1024
+    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64
+    mlp_hidden: int | None = None  # None -> floor(8 n_embd / 3)
+    rope_base: float = 10000.0
+    dropout: float = 0.0
+    residual: str = "additive"
+    ddl_dv: int | None = None  # None -> 1 for "ddl", 4 for "ddl-tc"/"ddl-cc"; must be None for additive
+    ddl_ec: bool = True  # EC expansion of the embedding ("ddl-tc"/"ddl-cc" only)
+    ddl_erase: bool = True  # False: the write-only control X <- X + beta khat v^T
+    ddl_beta_init: float = 0.5  # in (0, 2)
+    ddl_conv_size: int = 4  # K of the TC compressor and of EC
+    attention: str = "softmax"
+    deltaformer_w: str = "k"
+    deltaformer_kernel: str = "softmax"
+    deltaformer_beta_max: float = 2.0
+    backend: str = "auto"  # kernels' backend: "auto" | "torch" | "triton" (not an architecture choice)
+
+    def __post_init__(self):
+        def choice(name, allowed):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {value!r}")
+
+        def positive_int(name):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+
+        def boolean(name):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
+
+        choice("residual", RESIDUALS)
+        choice("attention", ATTENTIONS)
+        choice("deltaformer_w", DELTAFORMER_WS)
+        choice("deltaformer_kernel", DELTAFORMER_KERNELS)
+        choice("backend", BACKENDS)
+        for name in ("n_layer", "n_head", "n_embd", "head_dim", "block_size", "vocab_size", "ddl_conv_size"):
+            positive_int(name)
+        for name in ("ddl_ec", "ddl_erase"):
+            boolean(name)
+        if self.head_dim % 2:
+            raise ValueError(f"GPTConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+        if self.mlp_hidden is not None:
+            positive_int("mlp_hidden")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.rope_base > 0:
+            raise ValueError(f"GPTConfig.rope_base must be > 0, got {self.rope_base!r}")
+        if not 0.0 < self.ddl_beta_init < 2.0:
+            raise ValueError(
+                f"GPTConfig.ddl_beta_init must be in (0, 2) (beta = 2 sigmoid), got {self.ddl_beta_init!r}"
+            )
+        if not self.deltaformer_beta_max > 0:
+            raise ValueError(f"GPTConfig.deltaformer_beta_max must be > 0, got {self.deltaformer_beta_max!r}")
+        # d_v: resolved here so that asdict() -> GPTConfig(**) round-trips to the same model.
+        if self.residual == "additive":
+            if self.ddl_dv is not None:
+                raise ValueError(
+                    f"GPTConfig.ddl_dv must be None for residual='additive' (DDL only), got {self.ddl_dv!r}"
+                )
+        elif self.residual == "ddl":
+            if self.ddl_dv not in (None, 1):
+                raise ValueError(
+                    f"GPTConfig.ddl_dv must be 1 (or None) for residual='ddl' (the d_v = 1 variant; use "
+                    f"'ddl-cc' or 'ddl-tc' for a matrix state), got {self.ddl_dv!r}"
+                )
+            self.ddl_dv = 1
+        else:
+            if self.ddl_dv is None:
+                self.ddl_dv = 4
+            positive_int("ddl_dv")
+
+    @classmethod
+    def preset(cls, name, **overrides):
+        """Paper Table 6 shapes: "gpt2-small" (12L, d 768, 6x128), "gpt2-medium" (24L, d 1024, 8x128)."""
+        if name not in PRESETS:
+            raise ValueError(f"GPTConfig.preset: name must be one of {tuple(PRESETS)}, got {name!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"GPTConfig.preset: unknown field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @property
+    def is_ddl(self):
+        return self.residual != "additive"
+
+    @property
+    def uses_ec(self):
+        return self.ddl_ec and self.residual in ("ddl-tc", "ddl-cc")
+
+    @property
+    def hidden(self):
+        return self.mlp_hidden if self.mlp_hidden is not None else (8 * self.n_embd) // 3
+
+
+class Cache:
+    """Decoding state: `pos` tokens seen so far, and per-module tensors (keyed by the module)."""
+
+    def __init__(self):
+        self.pos = 0
+        self.store = {}
+
+
+def with_history(cache, module, x, n):
+    """x [B, T, ...] with the module's last n cached steps in front (zeros at the start of the sequence,
+    i.e. the same zero padding a causal conv uses at t < 0); remembers the last n steps for next time."""
+    if n == 0:
+        return x
+    past = cache.store.get(module)
+    if past is None:
+        past = x.new_zeros((x.shape[0], n) + tuple(x.shape[2:]))
+    full = torch.cat([past, x], dim=1)
+    cache.store[module] = full[:, -n:]
+    return full
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Small pieces
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 (or float64), returned in x's dtype."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + NORM_EPS) * self.weight.to(xf.dtype)
+        return y.to(x.dtype)
+
+
+def apply_rope(x, pos, base):
+    """Rotate pairs (x[..., i], x[..., i + D/2]) of x [B, H, T, D] by angle (pos + t) / base^(2i/D)."""
+    T, D = x.shape[-2], x.shape[-1]
+    dt = torch.promote_types(x.dtype, torch.float32)
+    inv_freq = base ** (-torch.arange(0, D, 2, device=x.device, dtype=dt) / D)
+    angles = torch.arange(pos, pos + T, device=x.device, dtype=dt)[:, None] * inv_freq  # [T, D/2]
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = x.to(dt).chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: c_proj(silu(gate) * up), gate/up from one fused d -> 2*hidden matrix."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 2 * cfg.hidden, bias=False)
+        self.c_proj = nn.Linear(cfg.hidden, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        gate, up = self.c_fc(x).chunk(2, dim=-1)
+        return self.c_proj(F.silu(gate) * up)
+
+
+class Attention(nn.Module):
+    """Causal self-attention: softmax (SDPA) or Deltaformer, with RoPE and QK-RMSNorm per head."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        width = cfg.n_head * cfg.head_dim
+        self.deltaformer = cfg.attention == "deltaformer"
+        n_proj = 4 if (self.deltaformer and cfg.deltaformer_w == "proj") else 3  # q, k, v (, w)
+        self.c_attn = nn.Linear(cfg.n_embd, n_proj * width, bias=False)
+        self.c_proj = nn.Linear(width, cfg.n_embd, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim)
+        self.k_norm = RMSNorm(cfg.head_dim)
+        if n_proj == 4:
+            self.w_norm = RMSNorm(cfg.head_dim)
+        if self.deltaformer:
+            self.beta = nn.Linear(cfg.n_embd, cfg.n_head, bias=True)  # per-head gate, a bias like b_beta
+
+    def forward(self, c, pos=0, cache=None):
+        B, T, _ = c.shape
+        heads = (
+            self.c_attn(c).view(B, T, -1, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        )  # [n,B,H,T,D]
+        q = apply_rope(self.q_norm(heads[0]), pos, self.cfg.rope_base)
+        k = apply_rope(self.k_norm(heads[1]), pos, self.cfg.rope_base)
+        v = heads[2]
+        if self.deltaformer:
+            y = self._deltaformer(c, q, k, v, heads, pos, cache)
+        else:
+            y = self._softmax(q, k, v, cache)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def _softmax(self, q, k, v, cache):
+        if cache is not None:  # append to the key/value cache; the T new queries see all of it
+            if self in cache.store:
+                k_past, v_past = cache.store[self]
+                k, v = torch.cat([k_past, k], dim=2), torch.cat([v_past, v], dim=2)
+            cache.store[self] = (k, v)
+        T, S = q.shape[2], k.shape[2]
+        dropout = self.cfg.dropout if self.training else 0.0
+        if S == T:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # query t sits at S - T + t
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+
+    def _deltaformer(self, c, q, k, v, heads, pos, cache):
+        cfg = self.cfg
+        if cfg.deltaformer_w == "q":
+            w = q
+        elif cfg.deltaformer_w == "k":
+            w = k
+        else:
+            w = apply_rope(self.w_norm(heads[3]), pos, cfg.rope_base)
+        with torch.autocast(c.device.type, enabled=False):
+            logits = F.linear(c.float(), self.beta.weight.float(), self.beta.bias.float())
+        beta = (cfg.deltaformer_beta_max * torch.sigmoid(logits)).transpose(1, 2)  # [B, H, T], fp32
+        if cache is None:
+            return deltaformer_attention(q, k, v, w, beta, kernel=cfg.deltaformer_kernel, backend=cfg.backend)
+        # Decoding: token by token with the cached keys and u's (a prefill of T tokens loops T times).
+        k_cache, u_cache = cache.store.get(self, (k[:, :, :0], v[:, :, :0]))
+        outs = []
+        for t in range(q.shape[2]):
+            s = slice(t, t + 1)
+            o_t, u_t = deltaformer_step(
+                q[:, :, s], k[:, :, s], v[:, :, s], w[:, :, s], beta[:, :, s], k_cache, u_cache,
+                kernel=cfg.deltaformer_kernel,
+            )  # fmt: skip
+            k_cache, u_cache = torch.cat([k_cache, k[:, :, s]], dim=2), torch.cat([u_cache, u_t], dim=2)
+            outs.append(o_t)
+        cache.store[self] = (k_cache, u_cache)
+        return torch.cat(outs, dim=2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The residual interface: how a sublayer reads from and writes to the stream. The only variant-specific code.
+
+
+class Compressor(nn.Module):
+    """DDL: reads the d-vector a sublayer (or the LM head) sees out of the state X [B, T, d, d_v]."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.kind, d, dv, K = cfg.residual, cfg.n_embd, cfg.ddl_dv, cfg.ddl_conv_size
+        self.backend = cfg.backend
+        if self.kind == "ddl-cc":
+            self.weight = nn.Parameter(torch.full((d, dv), 1.0 / dv))
+        elif self.kind == "ddl-tc":
+            self.conv = nn.Parameter(identity_conv(d, dv, K))
+            self.read = nn.Parameter(torch.full((dv,), 1.0 / dv))
+
+    def forward(self, X, cache=None):
+        if self.kind == "ddl":
+            return X[..., 0]
+        if self.kind == "ddl-cc":
+            return compress_cc(X, self.weight, backend=self.backend)
+        T, K = X.shape[1], self.conv.shape[-1]
+        if cache is not None:  # the conv needs the K-1 states before the new ones
+            X = with_history(cache, self, X, K - 1)
+        return compress_tc(X, self.conv, self.read, backend=self.backend)[:, X.shape[1] - T :]
+
+
+def identity_conv(d, dv, K):
+    """[d, d_v, K] causal conv weight that passes the current token through (last tap 1, others 0)."""
+    w = torch.zeros(d, dv, K)
+    w[:, :, K - 1] = 1.0
+    return w
+
+
+class Residual(nn.Module):
+    """One sublayer's residual connection: pre-norm, run F, write the result into the stream."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.norm = RMSNorm(cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        if cfg.is_ddl:
+            self.compress = Compressor(cfg)
+            self.v_proj = nn.Linear(cfg.n_embd, cfg.ddl_dv, bias=False)  # W_v
+            self.beta = nn.Linear(cfg.n_embd, 1, bias=True)  # w_beta, b_beta
+
+    def forward(self, X, sublayer, cache=None):
+        if not self.cfg.is_ddl:
+            return X + self.drop(sublayer(self.norm(X)))
+        c = self.norm(self.compress(X, cache))
+        h = self.drop(sublayer(c))
+        return self.ddl_write(X, c, h)
+
+    def gate(self, c):
+        """beta = 2 sigmoid(w_beta . c + b_beta) in fp32, shape [B, T]."""
+        with torch.autocast(c.device.type, enabled=False):
+            logit = F.linear(c.float(), self.beta.weight.float(), self.beta.bias.float())
+        return 2.0 * torch.sigmoid(logit[..., 0])
+
+    def ddl_write(self, X, c, h):
+        """X + beta khat (v^T - khat^T X) with k = h, v = W_v c (the one place ddl_update is called)."""
+        v = self.v_proj(c)
+        beta = self.gate(c)
+        return ddl_update(
+            X, h.to(X.dtype), v.to(X.dtype), beta.to(X.dtype), eps=DDL_EPS, erase=self.cfg.ddl_erase,
+            backend=self.cfg.backend,
+        )  # fmt: skip
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.res_attn = Residual(cfg)
+        self.attn = Attention(cfg)
+        self.res_mlp = Residual(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, X, pos=0, cache=None):
+        X = self.res_attn(X, lambda c: self.attn(c, pos, cache), cache)
+        return self.res_mlp(X, self.mlp, cache)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The model
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        if not isinstance(cfg, GPTConfig):
+            raise TypeError(f"GPT needs a GPTConfig, got {type(cfg).__name__}")
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        if cfg.uses_ec:
+            self.ec_conv = nn.Parameter(identity_conv(cfg.n_embd, cfg.ddl_dv, cfg.ddl_conv_size))
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        if cfg.is_ddl:
+            self.readout = Compressor(cfg)
+        self.ln_f = RMSNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        self._init_weights()
+
+    @torch.no_grad()
+    def _init_weights(self):
+        cfg = self.config
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+        for block in self.blocks:
+            for proj in (block.attn.c_proj, block.mlp.c_proj):
+                nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+            if cfg.is_ddl:
+                for res in (block.res_attn, block.res_mlp):
+                    nn.init.zeros_(res.beta.weight)
+                    p = cfg.ddl_beta_init / 2
+                    res.beta.bias.fill_(math.log(p / (1 - p)))
+
+    def embed(self, idx, cache=None):
+        """The initial stream: emb [B, T, d] (additive) or X0 [B, T, d, d_v] (DDL)."""
+        cfg = self.config
+        emb = self.drop(self.wte(idx))
+        if not cfg.is_ddl:
+            return emb
+        if not cfg.uses_ec:
+            return emb[..., None].expand(*emb.shape, cfg.ddl_dv).contiguous()
+        T = emb.shape[1]
+        if cache is not None:
+            emb = with_history(cache, self, emb, cfg.ddl_conv_size - 1)
+        return expand_ec(emb, self.ec_conv, backend=cfg.backend)[:, emb.shape[1] - T :]
+
+    def hidden_states(self, idx, cache=None):
+        """Final-normed features [B, T, d] of tokens idx; with a cache, idx continues the cached sequence."""
+        cfg = self.config
+        B, T = idx.shape
+        pos = 0 if cache is None else cache.pos
+        if pos + T > cfg.block_size:
+            raise ValueError(f"sequence of {pos + T} tokens exceeds block_size {cfg.block_size}")
+        X = self.embed(idx, cache)
+        for block in self.blocks:
+            X = block(X, pos, cache)
+        x = self.readout(X, cache) if cfg.is_ddl else X
+        if cache is not None:
+            cache.pos += T
+        return self.ln_f(x)
+
+    def forward(self, idx, targets=None):
+        if idx.dim() != 2 or idx.dtype != torch.long:
+            raise ValueError(f"idx must be int64 [B, T], got {idx.dtype} {tuple(idx.shape)}")
+        x = self.hidden_states(idx)
+        if targets is None:  # inference: only the last position (nanoGPT convention)
+            return self.lm_head(x[:, -1:]), None
+        logits = self.lm_head(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Append max_new_tokens sampled tokens to idx [B, T]. top_k=1 is greedy (argmax).
+
+        Uses the cache while the sequence fits in block_size; after that it crops like nanoGPT (plain
+        forward over the last block_size tokens per new token: the window slides, no cache applies).
+        """
+        block_size = self.config.block_size
+        cache = None
+        for _ in range(max_new_tokens):
+            if idx.size(1) > block_size:
+                cache = None
+                logits = self.lm_head(self.hidden_states(idx[:, -block_size:])[:, -1])
+            elif cache is None:
+                cache = Cache()
+                logits = self.lm_head(self.hidden_states(idx, cache)[:, -1])
+            else:
+                logits = self.lm_head(self.hidden_states(idx[:, -1:], cache)[:, -1])
+            idx = torch.cat([idx, self.sample(logits, temperature, top_k)], dim=1)
+        return idx
+
+    @staticmethod
+    def sample(logits, temperature=1.0, top_k=None):
+        """logits [B, V] -> token ids [B, 1]."""
+        if top_k == 1:
+            return logits.argmax(dim=-1, keepdim=True)
+        logits = logits.float() / temperature
+        if top_k is not None:
+            kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+
+    def num_params(self, non_embedding=False):
+        """Parameter count (the tied embedding / LM head once); non_embedding=True leaves it out."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wte.weight.numel() if non_embedding else n
+
+    def flops_per_token(self, T):
+        """Forward + backward FLOPs per token at sequence length T (PaLM-style estimate, as nanoGPT's MFU).
+
+        6 N for the weights (N = all parameters: every one is used once per token in a multiply-add,
+        including the tied LM head, the DDL gates, W_v, the compressors and EC, whose work is linear in
+        their weights too) + 12 L H D T for attention scores and values (softmax; full T, as PaLM).
+        Deltaformer adds stage 1 (w.k scores and kappa @ u: the same size again), so 24 L H D T.
+        DDL adds ddl_update per sublayer, not a matmul: ~4 d d_v (khat^T X and the rank-1 write) + 3 d
+        (normalising h) forward, times 3 for forward + backward.
+        """
+        cfg = self.config
+        flops = 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+        if cfg.attention == "deltaformer":
+            flops += 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+        if cfg.is_ddl:
+            flops += 3 * 2 * cfg.n_layer * (4 * cfg.n_embd * cfg.ddl_dv + 3 * cfg.n_embd)
+        return flops
