@@ -159,49 +159,654 @@ def ec_identity_weight(d, dv, K, device=None, dtype=torch.float32):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Dispatch.
+# Triton kernels. The state is memory-bound work: each kernel reads and writes every [d, d_v] tile once
+# and keeps all arithmetic in registers (fp32, or float64 for float64 inputs so tests can be exact).
+# The update needs whole-token reductions over d (|k|, khat^T x), so one program owns whole tokens;
+# compressors and EC are per-channel, so their programs take a block of d and a run of tokens.
+# Weight gradients are reduced over tokens inside a program into fp32 partials, summed by torch.
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a requirement on Linux
+    triton = None
+
+# Launch shapes (tokens per program, warps, channel block for the per-channel kernels); tuned on an H200
+# by `python bench/bench_train.py --kernels`; tests shrink TOKENS to exercise partial sums and tails.
+_CFG = {
+    "update_fwd": dict(TOKENS=1, num_warps=4),
+    "update_bwd": dict(TOKENS=32, num_warps=4),
+    "chan_fwd": dict(TOKENS=4, BLOCK_D=256, num_warps=4),
+    "chan_bwd": dict(TOKENS=64, BLOCK_D=256, num_warps=4),
+}
+_POISON = False  # tests set True: outputs start as NaN so an unwritten element cannot pass
 
 
-def _resolve(backend, *tensors):
+def _new(shape, like, dtype=None):
+    dtype = like.dtype if dtype is None else dtype
+    if _POISON:
+        return torch.full(shape, float("nan"), dtype=dtype, device=like.device)
+    return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+def _ct(*tensors):
+    return tl.float64 if any(t.dtype == torch.float64 for t in tensors) else tl.float32
+
+
+if triton is not None:
+
+    @triton.jit
+    def _update_fwd_kernel(
+        X, Kd, V, BETA, W, XOUT, H, N, D, eps,
+        DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TOKENS: tl.constexpr,
+        ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0).to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_v = tl.arange(0, BLOCK_V)
+        md = offs_d < D
+        mv = offs_v < DV
+        off2 = offs_d[:, None] * DV + offs_v[None, :]
+        if COMPRESS:
+            w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
+        for tt in tl.static_range(TOKENS):
+            n = pid * TOKENS + tt
+            ok = n < N
+            okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+            m2 = (md & okd)[:, None] & mv[None, :]
+            k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
+            rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
+            kh = k * rs
+            x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+            v = tl.load(V + n * DV + offs_v, mask=mv & (offs_v * 0 + n < N), other=0.0).to(CT)
+            b = tl.load(BETA + n, mask=ok, other=0.0).to(CT)
+            if ERASE:
+                r = v - tl.sum(kh[:, None] * x, axis=0)  # v^T - khat^T x
+            else:
+                r = v
+            xn = (x + b * kh[:, None] * r[None, :]).to(XOUT.dtype.element_ty)
+            tl.store(XOUT + n * D * DV + off2, xn, mask=m2)
+            if COMPRESS:  # the next sublayer's CC read-out of the state just written (as stored)
+                h = tl.sum(xn.to(CT) * w, axis=1)
+                tl.store(H + n * D + offs_d, h.to(H.dtype.element_ty), mask=md & okd)
+
+    @triton.jit
+    def _update_bwd_kernel(
+        X, Kd, V, BETA, W, G, DH, DX, DK, DVo, DBETA, DWP, N, D, eps, TOKENS,
+        DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+        ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
+    ):  # fmt: skip
+        # x' = x + b khat r^T, r = v - x^T khat.  With G = dL/dx' (+ dh w^T from the fused read-out):
+        # dx = G - b khat (khat^T G);  dv = b G^T khat;  dbeta = r . (G^T khat);
+        # dkhat = b (G r - x G^T khat);  dk = (dkhat - khat (khat . dkhat)) / sqrt(|k|^2 + eps^2).
+        pid = tl.program_id(0).to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_v = tl.arange(0, BLOCK_V)
+        md = offs_d < D
+        mv = offs_v < DV
+        off2 = offs_d[:, None] * DV + offs_v[None, :]
+        if COMPRESS:
+            w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
+            dw = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
+        for tt in range(TOKENS):
+            n = pid * TOKENS + tt
+            ok = n < N
+            okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+            m2 = (md & okd)[:, None] & mv[None, :]
+            k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
+            rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
+            kh = k * rs
+            x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+            v = tl.load(V + n * DV + offs_v, mask=mv & (offs_v * 0 + n < N), other=0.0).to(CT)
+            b = tl.load(BETA + n, mask=ok, other=0.0).to(CT)
+            g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+            if ERASE:
+                r = v - tl.sum(kh[:, None] * x, axis=0)
+            else:
+                r = v
+            if COMPRESS:
+                dh = tl.load(DH + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
+                xn = (x + b * kh[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)
+                dw += dh[:, None] * xn
+                g = g + dh[:, None] * w
+            gk = tl.sum(kh[:, None] * g, axis=0)  # khat^T G  [d_v]
+            gr = tl.sum(g * r[None, :], axis=1)  # G r  [d]
+            if ERASE:
+                dx = g - b * kh[:, None] * gk[None, :]
+                dkh = b * (gr - tl.sum(x * gk[None, :], axis=1))
+            else:
+                dx = g
+                dkh = b * gr
+            dk = rs * (dkh - kh * tl.sum(kh * dkh, axis=0))
+            tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
+            tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md & okd)
+            tl.store(DVo + n * DV + offs_v, (b * gk).to(DVo.dtype.element_ty), mask=mv & (offs_v * 0 + n < N))
+            tl.store(DBETA + n, tl.sum(gk * r, axis=0).to(DBETA.dtype.element_ty), mask=ok)
+        if COMPRESS:
+            tl.store(DWP + pid * D * DV + off2, dw, mask=md[:, None] & mv[None, :])
+
+    @triton.jit
+    def _cc_fwd_kernel(
+        X, W, H, N, D,
+        DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TOKENS: tl.constexpr,
+        CT: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0).to(tl.int64)
+        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        offs_v = tl.arange(0, BLOCK_V)
+        md = offs_d < D
+        mv = offs_v < DV
+        off2 = offs_d[:, None] * DV + offs_v[None, :]
+        w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
+        for tt in tl.static_range(TOKENS):
+            n = pid * TOKENS + tt
+            okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+            x = tl.load(X + n * D * DV + off2, mask=(md & okd)[:, None] & mv[None, :], other=0.0).to(CT)
+            tl.store(H + n * D + offs_d, tl.sum(x * w, axis=1).to(H.dtype.element_ty), mask=md & okd)
+
+    @triton.jit
+    def _cc_bwd_kernel(
+        X, W, DH, DX, DWP, N, D, TOKENS,
+        DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, CT: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0).to(tl.int64)
+        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        offs_v = tl.arange(0, BLOCK_V)
+        md = offs_d < D
+        mv = offs_v < DV
+        off2 = offs_d[:, None] * DV + offs_v[None, :]
+        w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
+        dw = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
+        for tt in range(TOKENS):
+            n = pid * TOKENS + tt
+            okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+            m2 = (md & okd)[:, None] & mv[None, :]
+            dh = tl.load(DH + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
+            x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+            tl.store(DX + n * D * DV + off2, (dh[:, None] * w).to(DX.dtype.element_ty), mask=m2)
+            dw += dh[:, None] * x
+        tl.store(DWP + pid * D * DV + off2, dw, mask=md[:, None] & mv[None, :])
+
+    @triton.jit
+    def _tc_fwd_kernel(
+        X, WT, H, N, T, D,
+        KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+        TOKENS: tl.constexpr, CT: tl.constexpr,
+    ):  # fmt: skip
+        # h[n] = sum_j sum_v WT[j] * x[n - (KW-1) + j] within the token's sequence (WT = conv * read)
+        pid = tl.program_id(0).to(tl.int64)
+        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        offs_v = tl.arange(0, BLOCK_V)
+        offs_j = tl.arange(0, KP)
+        md = offs_d < D
+        mv = offs_v < DV
+        mj = offs_j < KW
+        m2 = md[:, None] & mv[None, :]
+        off2 = offs_d[:, None] * DV + offs_v[None, :]
+        w3 = tl.load(
+            WT + offs_j[:, None, None] * D * DV + off2[None], mask=mj[:, None, None] & m2[None], other=0.0
+        )
+        w3 = w3.to(CT)
+        for tt in tl.static_range(TOKENS):
+            n = pid * TOKENS + tt
+            okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+            t = n % T
+            src = n - (KW - 1) + offs_j
+            valid = mj & (t - (KW - 1) + offs_j >= 0) & (offs_j * 0 + n < N)
+            x3 = tl.load(
+                X + src[:, None, None] * D * DV + off2[None], mask=valid[:, None, None] & m2[None], other=0.0
+            )
+            h = tl.sum(tl.sum(w3 * x3.to(CT), axis=0), axis=1)
+            tl.store(H + n * D + offs_d, h.to(H.dtype.element_ty), mask=md & okd)
+
+    @triton.jit
+    def _tc_bwd_kernel(
+        X, WT, DH, DX, DWP, N, T, D, TOKENS,
+        KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+        CT: tl.constexpr,
+    ):  # fmt: skip
+        # dx[n] = sum_j WT[j] dh[n + KW-1 - j];  dWT[j] = sum_n dh[n + KW-1 - j] x[n]  (same sequence only)
+        pid = tl.program_id(0).to(tl.int64)
+        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        offs_v = tl.arange(0, BLOCK_V)
+        offs_j = tl.arange(0, KP)
+        md = offs_d < D
+        mv = offs_v < DV
+        mj = offs_j < KW
+        m2 = md[:, None] & mv[None, :]
+        off2 = offs_d[:, None] * DV + offs_v[None, :]
+        off3 = offs_j[:, None, None] * D * DV + off2[None]
+        m3 = mj[:, None, None] & m2[None]
+        w3 = tl.load(WT + off3, mask=m3, other=0.0).to(CT)
+        acc = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
+        for tt in range(TOKENS):
+            n = pid * TOKENS + tt
+            okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+            t = n % T
+            dst = n + (KW - 1) - offs_j
+            valid = mj & (t + (KW - 1) - offs_j < T) & (offs_j * 0 + n < N)
+            dh2 = tl.load(
+                DH + dst[:, None] * D + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0
+            )
+            dh2 = dh2.to(CT)
+            x = tl.load(X + n * D * DV + off2, mask=m2 & okd[:, None], other=0.0).to(CT)
+            dx = tl.sum(w3 * dh2[:, :, None], axis=0)
+            tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2 & okd[:, None])
+            acc += dh2[:, :, None] * x[None, :, :]
+        tl.store(DWP + pid * KW * D * DV + off3, acc, mask=m3)
+
+    @triton.jit
+    def _ec_fwd_kernel(
+        E, WT, X0, N, T, D,
+        KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+        TOKENS: tl.constexpr, CT: tl.constexpr,
+    ):  # fmt: skip
+        # X0[n] = sum_j WT[j] * emb[n - (KW-1) + j][:, None]
+        pid = tl.program_id(0).to(tl.int64)
+        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        offs_v = tl.arange(0, BLOCK_V)
+        offs_j = tl.arange(0, KP)
+        md = offs_d < D
+        mv = offs_v < DV
+        mj = offs_j < KW
+        m2 = md[:, None] & mv[None, :]
+        off2 = offs_d[:, None] * DV + offs_v[None, :]
+        w3 = tl.load(
+            WT + offs_j[:, None, None] * D * DV + off2[None], mask=mj[:, None, None] & m2[None], other=0.0
+        )
+        w3 = w3.to(CT)
+        for tt in tl.static_range(TOKENS):
+            n = pid * TOKENS + tt
+            okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+            t = n % T
+            src = n - (KW - 1) + offs_j
+            valid = mj & (t - (KW - 1) + offs_j >= 0) & (offs_j * 0 + n < N)
+            e2 = tl.load(E + src[:, None] * D + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
+            out = tl.sum(w3 * e2.to(CT)[:, :, None], axis=0)
+            tl.store(X0 + n * D * DV + off2, out.to(X0.dtype.element_ty), mask=m2 & okd[:, None])
+
+    @triton.jit
+    def _ec_bwd_kernel(
+        E, WT, G, DE, DWP, N, T, D, TOKENS,
+        KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+        CT: tl.constexpr,
+    ):  # fmt: skip
+        # demb[n] = sum_j sum_v WT[j] G[n + KW-1 - j];  dWT[j] = sum_n emb[n - (KW-1) + j][:, None] G[n]
+        pid = tl.program_id(0).to(tl.int64)
+        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        offs_v = tl.arange(0, BLOCK_V)
+        offs_j = tl.arange(0, KP)
+        md = offs_d < D
+        mv = offs_v < DV
+        mj = offs_j < KW
+        m2 = md[:, None] & mv[None, :]
+        off2 = offs_d[:, None] * DV + offs_v[None, :]
+        off3 = offs_j[:, None, None] * D * DV + off2[None]
+        m3 = mj[:, None, None] & m2[None]
+        w3 = tl.load(WT + off3, mask=m3, other=0.0).to(CT)
+        acc = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
+        for tt in range(TOKENS):
+            n = pid * TOKENS + tt
+            okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+            t = n % T
+            dst = n + (KW - 1) - offs_j
+            vf = mj & (t + (KW - 1) - offs_j < T) & (offs_j * 0 + n < N)
+            g3 = tl.load(
+                G + dst[:, None, None] * D * DV + off2[None], mask=vf[:, None, None] & m2[None], other=0.0
+            )
+            de = tl.sum(tl.sum(w3 * g3.to(CT), axis=0), axis=1)
+            tl.store(DE + n * D + offs_d, de.to(DE.dtype.element_ty), mask=md & okd)
+            src = n - (KW - 1) + offs_j
+            vp = mj & (t - (KW - 1) + offs_j >= 0) & (offs_j * 0 + n < N)
+            e2 = tl.load(E + src[:, None] * D + offs_d[None, :], mask=vp[:, None] & md[None, :], other=0.0)
+            g = tl.load(G + n * D * DV + off2, mask=m2 & okd[:, None], other=0.0).to(CT)
+            acc += e2.to(CT)[:, :, None] * g[None, :, :]
+        tl.store(DWP + pid * KW * D * DV + off3, acc, mask=m3)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Custom ops: opaque to torch.compile (no graph break), with autograd. They take flat, contiguous
+# tensors: state [N, d, d_v], vectors [N, d]; T (sequence length) for the token convolutions.
+
+
+def _pow2(n):
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _chan_grid(N, D, cfg):
+    return (triton.cdiv(N, cfg["TOKENS"]), triton.cdiv(D, cfg["BLOCK_D"]))
+
+
+@torch.library.custom_op("ddl::update", mutates_args=())
+def _update_op(
+    x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor | None,
+    eps: float, erase: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    N, D, DV = x.shape
+    x_new = _new((N, D, DV), x)
+    h = _new((N, D) if weight is not None else (0,), x)
+    cfg = _CFG["update_fwd"]
+    grid = (triton.cdiv(N, cfg["TOKENS"]),)
+    _update_fwd_kernel[grid](
+        x, k, v, beta, weight if weight is not None else x, x_new, h, N, D, eps,
+        DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), TOKENS=cfg["TOKENS"], ERASE=erase,
+        COMPRESS=weight is not None, CT=_ct(x, k, v, beta), num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return x_new, h
+
+
+@_update_op.register_fake
+def _(x, k, v, beta, weight, eps, erase):
+    return torch.empty_like(x), x.new_empty((x.shape[0], x.shape[1]) if weight is not None else (0,))
+
+
+@torch.library.custom_op("ddl::update_bwd", mutates_args=())
+def _update_bwd_op(
+    x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor | None,
+    g: torch.Tensor, dh: torch.Tensor | None, eps: float, erase: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    N, D, DV = x.shape
+    cfg = _CFG["update_bwd"]
+    nprog = triton.cdiv(N, cfg["TOKENS"])
+    dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
+    compress = weight is not None
+    dwp = _new(
+        (nprog, D, DV) if compress else (0,),
+        x,
+        dtype=torch.float64 if x.dtype == torch.float64 else torch.float32,
+    )
+    _update_bwd_kernel[(nprog,)](
+        x, k, v, beta, weight if compress else x, g, dh if compress else g, dx, dk, dv, dbeta, dwp,
+        N, D, eps, cfg["TOKENS"], DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), ERASE=erase, COMPRESS=compress,
+        CT=_ct(x, k, v, beta, g), num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    dw = dwp.sum(0).to(weight.dtype) if compress else x.new_empty(0)
+    return dx, dk, dv, dbeta, dw
+
+
+@_update_bwd_op.register_fake
+def _(x, k, v, beta, weight, g, dh, eps, erase):
+    dw = torch.empty_like(weight) if weight is not None else x.new_empty(0)
+    return torch.empty_like(x), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta), dw
+
+
+def _update_setup(ctx, inputs, output):
+    x, k, v, beta, weight, eps, erase = inputs
+    ctx.save_for_backward(x, k, v, beta, weight)
+    ctx.eps, ctx.erase = eps, erase
+
+
+def _update_backward(ctx, gx, gh):
+    x, k, v, beta, weight = ctx.saved_tensors
+    gx = torch.zeros_like(x) if gx is None else gx.contiguous()
+    if weight is not None:
+        gh = torch.zeros(x.shape[:2], dtype=x.dtype, device=x.device) if gh is None else gh.contiguous()
+    dx, dk, dv, dbeta, dw = _update_bwd_op(
+        x, k, v, beta, weight, gx, gh if weight is not None else None, ctx.eps, ctx.erase
+    )
+    return dx, dk, dv, dbeta, (dw if weight is not None else None), None, None
+
+
+torch.library.register_autograd("ddl::update", _update_backward, setup_context=_update_setup)
+
+
+@torch.library.custom_op("ddl::cc", mutates_args=())
+def _cc_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    N, D, DV = x.shape
+    h = _new((N, D), x)
+    cfg = _CFG["chan_fwd"]
+    _cc_fwd_kernel[_chan_grid(N, D, cfg)](
+        x, weight, h, N, D, DV=DV, BLOCK_D=min(cfg["BLOCK_D"], _pow2(D)), BLOCK_V=_pow2(DV),
+        TOKENS=cfg["TOKENS"], CT=_ct(x, weight), num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return h
+
+
+@_cc_op.register_fake
+def _(x, weight):
+    return x.new_empty(x.shape[:2])
+
+
+@torch.library.custom_op("ddl::cc_bwd", mutates_args=())
+def _cc_bwd_op(x: torch.Tensor, weight: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    N, D, DV = x.shape
+    cfg = _CFG["chan_bwd"]
+    grid = _chan_grid(N, D, {**cfg, "BLOCK_D": min(cfg["BLOCK_D"], _pow2(D))})
+    dx = _new(x.shape, x)
+    dwp = _new((grid[0], D, DV), x, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+    _cc_bwd_kernel[grid](
+        x, weight, dh, dx, dwp, N, D, cfg["TOKENS"], DV=DV, BLOCK_D=min(cfg["BLOCK_D"], _pow2(D)),
+        BLOCK_V=_pow2(DV), CT=_ct(x, weight, dh), num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return dx, dwp.sum(0).to(weight.dtype)
+
+
+@_cc_bwd_op.register_fake
+def _(x, weight, dh):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _cc_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _cc_backward(ctx, dh):
+    x, weight = ctx.saved_tensors
+    return _cc_bwd_op(x, weight, dh.contiguous())
+
+
+torch.library.register_autograd("ddl::cc", _cc_backward, setup_context=_cc_setup)
+
+
+@torch.library.custom_op("ddl::tc", mutates_args=())
+def _tc_op(x: torch.Tensor, wt: torch.Tensor, T: int) -> torch.Tensor:
+    N, D, DV = x.shape
+    KW = wt.shape[0]
+    h = _new((N, D), x)
+    cfg = _CFG["chan_fwd"]
+    bd = min(cfg["BLOCK_D"], _pow2(D))
+    _tc_fwd_kernel[_chan_grid(N, D, {**cfg, "BLOCK_D": bd})](
+        x, wt, h, N, T, D, KW=KW, KP=_pow2(KW), DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV),
+        TOKENS=cfg["TOKENS"], CT=_ct(x, wt), num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return h
+
+
+@_tc_op.register_fake
+def _(x, wt, T):
+    return x.new_empty(x.shape[:2])
+
+
+@torch.library.custom_op("ddl::tc_bwd", mutates_args=())
+def _tc_bwd_op(
+    x: torch.Tensor, wt: torch.Tensor, dh: torch.Tensor, T: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    N, D, DV = x.shape
+    KW = wt.shape[0]
+    cfg = _CFG["chan_bwd"]
+    bd = min(cfg["BLOCK_D"], _pow2(D))
+    grid = _chan_grid(N, D, {**cfg, "BLOCK_D": bd})
+    dx = _new(x.shape, x)
+    dwp = _new((grid[0], KW, D, DV), x, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+    _tc_bwd_kernel[grid](
+        x, wt, dh, dx, dwp, N, T, D, cfg["TOKENS"], KW=KW, KP=_pow2(KW), DV=DV, BLOCK_D=bd,
+        BLOCK_V=_pow2(DV), CT=_ct(x, wt, dh), num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return dx, dwp.sum(0).to(wt.dtype)
+
+
+@_tc_bwd_op.register_fake
+def _(x, wt, dh, T):
+    return torch.empty_like(x), torch.empty_like(wt)
+
+
+def _tc_setup(ctx, inputs, output):
+    x, wt, T = inputs
+    ctx.save_for_backward(x, wt)
+    ctx.T = T
+
+
+def _tc_backward(ctx, dh):
+    x, wt = ctx.saved_tensors
+    dx, dwt = _tc_bwd_op(x, wt, dh.contiguous(), ctx.T)
+    return dx, dwt, None
+
+
+torch.library.register_autograd("ddl::tc", _tc_backward, setup_context=_tc_setup)
+
+
+@torch.library.custom_op("ddl::ec", mutates_args=())
+def _ec_op(emb: torch.Tensor, wt: torch.Tensor, T: int) -> torch.Tensor:
+    N, D = emb.shape
+    KW, _, DV = wt.shape
+    x0 = _new((N, D, DV), emb)
+    cfg = _CFG["chan_fwd"]
+    bd = min(cfg["BLOCK_D"], _pow2(D))
+    _ec_fwd_kernel[_chan_grid(N, D, {**cfg, "BLOCK_D": bd})](
+        emb, wt, x0, N, T, D, KW=KW, KP=_pow2(KW), DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV),
+        TOKENS=cfg["TOKENS"], CT=_ct(emb, wt), num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return x0
+
+
+@_ec_op.register_fake
+def _(emb, wt, T):
+    return emb.new_empty((emb.shape[0], emb.shape[1], wt.shape[2]))
+
+
+@torch.library.custom_op("ddl::ec_bwd", mutates_args=())
+def _ec_bwd_op(
+    emb: torch.Tensor, wt: torch.Tensor, g: torch.Tensor, T: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    N, D = emb.shape
+    KW, _, DV = wt.shape
+    cfg = _CFG["chan_bwd"]
+    bd = min(cfg["BLOCK_D"], _pow2(D))
+    grid = _chan_grid(N, D, {**cfg, "BLOCK_D": bd})
+    de = _new(emb.shape, emb)
+    dwp = _new(
+        (grid[0], KW, D, DV), emb, dtype=torch.float64 if emb.dtype == torch.float64 else torch.float32
+    )
+    _ec_bwd_kernel[grid](
+        emb, wt, g, de, dwp, N, T, D, cfg["TOKENS"], KW=KW, KP=_pow2(KW), DV=DV, BLOCK_D=bd,
+        BLOCK_V=_pow2(DV), CT=_ct(emb, wt, g), num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return de, dwp.sum(0).to(wt.dtype)
+
+
+@_ec_bwd_op.register_fake
+def _(emb, wt, g, T):
+    return torch.empty_like(emb), torch.empty_like(wt)
+
+
+def _ec_setup(ctx, inputs, output):
+    emb, wt, T = inputs
+    ctx.save_for_backward(emb, wt)
+    ctx.T = T
+
+
+def _ec_backward(ctx, g):
+    emb, wt = ctx.saved_tensors
+    de, dwt = _ec_bwd_op(emb, wt, g.contiguous(), ctx.T)
+    return de, dwt, None
+
+
+torch.library.register_autograd("ddl::ec", _ec_backward, setup_context=_ec_setup)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public functions: check, pick a backend, flatten for the kernels.
+
+
+def _resolve(fn, backend, *tensors):
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        raise ValueError(f"{fn}: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         if _auto_backend is not None:
-            return _auto_backend
-        on_cuda = all(t.is_cuda for t in tensors)
-        interpret = os.environ.get("TRITON_INTERPRET") == "1" and not any(t.is_cuda for t in tensors)
-        return "triton" if (on_cuda or interpret) and _triton_ok() else "torch"
+            backend = _auto_backend
+        else:  # the kernels are for the GPU; CPU runs (tests of other modules) take the reference
+            backend = "triton" if triton is not None and all(t.is_cuda for t in tensors) else "torch"
+    if backend == "triton":
+        if triton is None:
+            raise RuntimeError(f"{fn}: backend='triton' needs the triton package")
+        if not all(t.is_cuda for t in tensors) and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(f"{fn}: backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
     return backend
-
-
-def _triton_ok():
-    return False  # Triton kernels land in the next commit
 
 
 def ddl_update(x, k, v, beta, eps=1e-5, erase=True, backend="auto"):
     """x + beta*khat*(v^T - khat^T x), or x + beta*khat*v^T (erase=False); x [..., d, d_v], k [..., d]."""
     _check_update_args(x, k, v, beta)
-    if _resolve(backend, x, k, v, beta) == "torch":
+    if _resolve("ddl_update", backend, x, k, v, beta) == "torch":
         return ddl_update_ref(x, k, v, beta, eps=eps, erase=erase)
-    raise NotImplementedError("ddl_update: backend='triton' is not available yet")
+    d, dv = x.shape[-2:]
+    x_new, _ = _update_op(
+        x.reshape(-1, d, dv).contiguous(), k.reshape(-1, d).contiguous(), v.reshape(-1, dv).contiguous(),
+        beta.reshape(-1).contiguous(), None, float(eps), bool(erase),
+    )  # fmt: skip
+    return x_new.view(x.shape)
+
+
+def ddl_update_compress_cc_ref(x, k, v, beta, weight, eps=1e-5, erase=True):
+    x_new = ddl_update_ref(x, k, v, beta, eps=eps, erase=erase)
+    return x_new, compress_cc_ref(x_new, weight)
+
+
+def ddl_update_compress_cc(x, k, v, beta, weight, eps=1e-5, erase=True, backend="auto"):
+    """(x_new, compress_cc(x_new, weight)) in one pass over the state: the update of one sublayer fused
+    with the CC read-out of the next; x [B, T, d, d_v], weight [d, d_v]. Saves a read of x_new forward
+    and a read+write of its gradient backward."""
+    _check_update_args(x, k, v, beta)
+    _check_state("ddl_update_compress_cc", x)
+    if tuple(weight.shape) != tuple(x.shape[-2:]):
+        raise ValueError(
+            f"ddl_update_compress_cc: weight must be {tuple(x.shape[-2:])}, got {tuple(weight.shape)}"
+        )
+    if _resolve("ddl_update_compress_cc", backend, x, k, v, beta, weight) == "torch":
+        return ddl_update_compress_cc_ref(x, k, v, beta, weight, eps=eps, erase=erase)
+    B, T, d, dv = x.shape
+    x_new, h = _update_op(
+        x.reshape(-1, d, dv).contiguous(), k.reshape(-1, d).contiguous(), v.reshape(-1, dv).contiguous(),
+        beta.reshape(-1).contiguous(), weight.contiguous(), float(eps), bool(erase),
+    )  # fmt: skip
+    return x_new.view(x.shape), h.view(B, T, d)
 
 
 def compress_cc(x, weight, backend="auto"):
     """h[b,t,i] = sum_v weight[i,v] * x[b,t,i,v]; x [B, T, d, d_v], weight [d, d_v]."""
-    if _resolve(backend, x, weight) == "torch":
+    if _resolve("compress_cc", backend, x, weight) == "torch":
         return compress_cc_ref(x, weight)
-    raise NotImplementedError("compress_cc: backend='triton' is not available yet")
+    _check_state("compress_cc", x)
+    if tuple(weight.shape) != tuple(x.shape[-2:]):
+        raise ValueError(
+            f"compress_cc: weight must be {tuple(x.shape[-2:])} (= [d, d_v]), got {tuple(weight.shape)}"
+        )
+    B, T, d, dv = x.shape
+    return _cc_op(x.reshape(-1, d, dv).contiguous(), weight.contiguous()).view(B, T, d)
 
 
 def compress_tc(x, conv_weight, read, backend="auto"):
     """Causal depthwise conv over tokens of each (i, v) channel, then a read-out over v."""
-    if _resolve(backend, x, conv_weight, read) == "torch":
+    if _resolve("compress_tc", backend, x, conv_weight, read) == "torch":
         return compress_tc_ref(x, conv_weight, read)
-    raise NotImplementedError("compress_tc: backend='triton' is not available yet")
+    _check_state("compress_tc", x)
+    B, T, d, dv = x.shape
+    _check_conv("compress_tc", "conv_weight", conv_weight, d, dv)
+    if tuple(read.shape) != (dv,):
+        raise ValueError(f"compress_tc: read must be [{dv}] (= [d_v]), got {tuple(read.shape)}")
+    # fold the read-out into the taps (tiny tensor; autograd carries its gradient to conv_weight and read)
+    wt = (conv_weight * read[None, :, None]).permute(2, 0, 1).contiguous()  # [K, d, d_v]
+    return _tc_op(x.reshape(-1, d, dv).contiguous(), wt, T).view(B, T, d)
 
 
 def expand_ec(emb, conv_weight, backend="auto"):
     """X0 [B, T, d, d_v] from emb [B, T, d] by a causal depthwise conv per (i, v)."""
-    if _resolve(backend, emb, conv_weight) == "torch":
+    if _resolve("expand_ec", backend, emb, conv_weight) == "torch":
         return expand_ec_ref(emb, conv_weight)
-    raise NotImplementedError("expand_ec: backend='triton' is not available yet")
+    if emb.dim() != 3:
+        raise ValueError(f"expand_ec: emb must be [B, T, d], got shape {tuple(emb.shape)}")
+    B, T, d = emb.shape
+    _check_conv("expand_ec", "conv_weight", conv_weight, d)
+    dv = conv_weight.shape[1]
+    wt = conv_weight.permute(2, 0, 1).contiguous()
+    return _ec_op(emb.reshape(-1, d).contiguous(), wt, T).view(B, T, d, dv)

@@ -219,3 +219,183 @@ def test_bad_inputs_raise_naming_the_argument():
         expand_ec(torch.randn(1, 2, 3), torch.randn(4, 4, 2))
     with pytest.raises(ValueError, match="set_auto_backend"):
         ddl.set_auto_backend("cuda")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton kernels against the references: values and gradients, float64 (the kernels compute in float64
+# for float64 inputs, so the comparison is exact up to summation order), outputs poisoned with NaN,
+# launch shapes shrunk so that several programs, partial weight-gradient sums and ragged tails occur.
+
+
+@pytest.fixture
+def triton_small(monkeypatch):
+    monkeypatch.setattr(ddl, "_POISON", True)
+    monkeypatch.setitem(ddl._CFG, "update_fwd", dict(TOKENS=2, num_warps=4))
+    monkeypatch.setitem(ddl._CFG, "update_bwd", dict(TOKENS=3, num_warps=4))
+    monkeypatch.setitem(ddl._CFG, "chan_fwd", dict(TOKENS=2, BLOCK_D=8, num_warps=4))
+    monkeypatch.setitem(ddl._CFG, "chan_bwd", dict(TOKENS=3, BLOCK_D=8, num_warps=4))
+
+
+def compare(fn_triton, fn_ref, inputs, rtol=1e-10, atol=1e-10):
+    """Values and gradients (random upstream gradients) of two implementations of the same function."""
+    out_t, out_r = fn_triton(*inputs), fn_ref(*inputs)
+    out_t = out_t if isinstance(out_t, tuple) else (out_t,)
+    out_r = out_r if isinstance(out_r, tuple) else (out_r,)
+    ups = [torch.randn_like(o) for o in out_r]
+    for a, b in zip(out_t, out_r):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+    grads_t = torch.autograd.grad(sum((o * u).sum() for o, u in zip(out_t, ups)), inputs)
+    grads_r = torch.autograd.grad(sum((o * u).sum() for o, u in zip(out_r, ups)), inputs)
+    for a, b in zip(grads_t, grads_r):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dv", [1, 3, 4])
+@pytest.mark.parametrize("erase", [True, False])
+def test_triton_update_matches_reference(triton_small, dv, erase):
+    x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=dv))
+    compare(
+        lambda *a: ddl_update(*a, eps=1e-3, erase=erase, backend="triton"),
+        lambda *a: ddl_update_ref(*a, eps=1e-3, erase=erase),
+        (x, k, v, beta),
+    )
+
+
+@pytest.mark.parametrize("dv", [1, 4])
+@pytest.mark.parametrize("erase", [True, False])
+def test_triton_update_compress_cc_matches_reference(triton_small, dv, erase):
+    x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=dv))
+    w = torch.randn(20, dv, dtype=F64, requires_grad=True)
+    compare(
+        lambda *a: ddl.ddl_update_compress_cc(*a, erase=erase, backend="triton"),
+        lambda *a: ddl.ddl_update_compress_cc_ref(*a, erase=erase),
+        (x, k, v, beta, w),
+    )
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked-off lanes (eps = 0)
+def test_triton_update_edge_cases(triton_small):
+    # k = 0 row, beta = 0 row, one token, and the exact-write property through the kernel
+    x, k, v, beta = rand_update_args(lead=(3,), d=33, dv=4)
+    k[0] = 0.0
+    beta[1] = 0.0
+    out = ddl_update(x, k, v, beta, backend="triton")
+    torch.testing.assert_close(out[0], x[0], rtol=0, atol=0)
+    torch.testing.assert_close(out[1], x[1], rtol=0, atol=0)
+    one = ddl_update(x[2:], k[2:], v[2:], torch.ones(1, dtype=F64), eps=0.0, backend="triton")
+    khat = k[2] / k[2].norm()
+    torch.testing.assert_close(khat @ one[0], v[2], rtol=0, atol=1e-12)
+
+
+def test_triton_update_gradcheck(triton_small):
+    x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(1, 3), d=5, dv=2))
+    w = torch.randn(5, 2, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda *a: ddl.ddl_update_compress_cc(*a, eps=1e-2, backend="triton"),
+        (x, k, v, beta, w),
+        fast_mode=True,
+    )
+
+
+@pytest.mark.parametrize("K", [1, 3, 6])
+@pytest.mark.parametrize("dv", [1, 3])
+def test_triton_compressors_and_ec_match_reference(triton_small, K, dv):
+    x = torch.randn(2, 5, 20, dv, dtype=F64, requires_grad=True)
+    w = torch.randn(20, dv, dtype=F64, requires_grad=True)
+    cw = torch.randn(20, dv, K, dtype=F64, requires_grad=True)
+    read = torch.randn(dv, dtype=F64, requires_grad=True)
+    emb = torch.randn(2, 5, 20, dtype=F64, requires_grad=True)
+    compare(lambda *a: compress_cc(*a, backend="triton"), compress_cc_ref, (x, w))
+    compare(lambda *a: compress_tc(*a, backend="triton"), compress_tc_ref, (x, cw, read))
+    compare(lambda *a: expand_ec(*a, backend="triton"), expand_ec_ref, (emb, cw))
+
+
+def test_triton_bf16_and_fp32_inputs(triton_small):
+    # storage dtypes of training: fp32 math inside, result in x's dtype
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        x, k, v, beta = rand_update_args(lead=(2, 3), d=40, dv=4, dtype=dtype)
+        w = torch.randn(40, 4, dtype=dtype)
+        out, h = ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton")
+        ref = ddl_update_ref(x, k, v, beta)
+        assert out.dtype == dtype and h.dtype == dtype
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+        torch.testing.assert_close(h.float(), compress_cc_ref(ref, w).float(), rtol=tol, atol=tol * 4)
+
+
+def test_auto_backend_rule():
+    x, k, v, beta = rand_update_args()
+    assert ddl._resolve("f", "auto", x) == "torch"  # CPU tensors: the reference, even under the interpreter
+    try:
+        ddl.set_auto_backend("triton")
+        assert ddl._resolve("f", "auto", x) == "triton"
+    finally:
+        ddl.set_auto_backend(None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: realistic shapes (d 768, d_v 4, 8192 tokens), bf16 state / fp32 state, against the reference run
+# in float64 on the same inputs.
+
+cuda = pytest.mark.gpu
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpu_update_realistic(dtype, fused):
+    dev = "cuda"
+    B, T, d, dv = 8, 1024, 768, 4
+    x = torch.randn(B, T, d, dv, device=dev, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, T, d, device=dev, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, T, dv, device=dev, dtype=dtype, requires_grad=True)
+    beta = (2 * torch.rand(B, T, device=dev)).to(dtype).requires_grad_()
+    w = torch.randn(d, dv, device=dev, dtype=dtype, requires_grad=True)
+    inputs = (x, k, v, beta, w) if fused else (x, k, v, beta)
+    if fused:
+        out = ddl.ddl_update_compress_cc(*inputs, backend="triton")
+        ref = ddl.ddl_update_compress_cc_ref(*(t.double() for t in inputs))
+    else:
+        out = (ddl_update(*inputs, backend="triton"),)
+        ref = (ddl_update_ref(*(t.double() for t in inputs)),)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for a, b in zip(out, ref):
+        assert rel_err(a, b) < tol
+    ups = [torch.randn_like(o) for o in out]
+    g = torch.autograd.grad(sum((o * u).sum() for o, u in zip(out, ups)), inputs)
+    ins64 = [t.detach().double().requires_grad_() for t in inputs]
+    ref = ddl.ddl_update_compress_cc_ref(*ins64) if fused else (ddl_update_ref(*ins64),)
+    g_ref = torch.autograd.grad(sum((o * u.double()).sum() for o, u in zip(ref, ups)), ins64)
+    for name, a, b in zip("x k v beta w".split(), g, g_ref):
+        assert rel_err(a, b) < tol, name
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_compressors_realistic(dtype):
+    dev = "cuda"
+    B, T, d, dv, K = 8, 1024, 768, 4, 4
+    x = torch.randn(B, T, d, dv, device=dev, dtype=dtype, requires_grad=True)
+    emb = torch.randn(B, T, d, device=dev, dtype=dtype, requires_grad=True)
+    w = torch.randn(d, dv, device=dev, requires_grad=True)
+    cw = torch.randn(d, dv, K, device=dev, requires_grad=True)
+    read = torch.randn(dv, device=dev, requires_grad=True)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for fn, ref_fn, inputs in (
+        (compress_cc, compress_cc_ref, (x, w)),
+        (compress_tc, compress_tc_ref, (x, cw, read)),
+        (expand_ec, expand_ec_ref, (emb, cw)),
+    ):
+        out = fn(*inputs, backend="triton")
+        ins64 = [t.detach().double().requires_grad_() for t in inputs]
+        ref = ref_fn(*ins64)
+        assert rel_err(out, ref) < tol, fn.__name__
+        up = torch.randn_like(out)
+        g = torch.autograd.grad((out * up).sum(), inputs)
+        g_ref = torch.autograd.grad((ref * up.double()).sum(), ins64)
+        for a, b in zip(g, g_ref):
+            assert rel_err(a, b) < tol, fn.__name__
