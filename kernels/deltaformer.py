@@ -171,9 +171,33 @@ def deltaformer_attention(q, k, v, w, beta, kernel="softmax", scale=None, backen
 
 
 # ----------------------------------------------------------------------------------------------------
-# Triton path
+# Triton path: stage 1 (u) forward and backward in Triton; stage 2 stays SDPA (FlashAttention on CUDA).
+#
+# The rows are cut into chunks of C. Chunk c of one (batch, head) needs the u of every earlier chunk, so
+# chunks are sequential, but most of a chunk's work (scores against earlier keys, A @ u) only needs chunks
+# that finished long before. So every (chunk, batch*head) tile is its own program (a wavefront): a tile
+# takes whatever earlier chunks are published in a loop with no synchronisation inside, then waits for
+# the next one: the critical path is about one block product plus one in-chunk solve per chunk, and all
+# other work overlaps it. Each program takes a ticket from an
+# atomic counter and maps it to (chunk, batch*head) in chunk order, so a tile only ever waits on tiles
+# holding smaller tickets, which are already running: no deadlock, whatever the number of resident
+# programs. Each (batch, head) has a progress counter (chunks published): a tile publishes with a release
+# after a barrier, readers spin on an acquire. A spin that never ends (a bug) gives up and writes NaN.
+#
+# In-chunk solve: N = diag(beta_c) A_cc is strictly lower triangular (nilpotent), so
+# (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...(I + N^(C/2)): log2(C) rounds of matrix products on the tensor
+# cores instead of C dependent row updates. The inverse is saved for the backward (C*C per chunk).
+#
+# Backward, with M = I + diag(beta) A, U = M^-1 V, G = M^-T dU:
+#   dV = G, found anti-causally: G_j = dU_j - sum_{i>j} A_ij beta_i G_i (the same wavefront, reversed);
+#   dA_ij = -beta_i <G_i, u_j>;  dbeta_i = -<G_i, h_i>, h_i = sum_{j<i} A_ij u_j (saved in the forward);
+#   softmax: dS_ij = A_ij (dA_ij - sum_j' A_ij' dA_ij') = A_ij (dA_ij + beta_i <G_i, h_i>)  (rows need lse);
+#   relu: dS = dA [S > 0];  linear: dS = dA;  then dW = s dS K and dK = s dS^T W.
+# The backward tile of chunk c (columns j) accumulates dK_c on its way; dW comes from a row-parallel kernel.
 
-_TRITON_PATH_WRITTEN = False
+_TRITON_PATH_WRITTEN = True
+_KERNEL_IDS = {"softmax": 0, "relu": 1, "linear": 2}
+_SPIN_LIMIT = 20_000_000  # ~10 s of spinning: only a bug gets there
 
 
 def _triton_available():
@@ -184,5 +208,324 @@ def _triton_available():
     return True
 
 
-def deltaformer_u_triton(k, v, w, beta, kernel="softmax", scale=None):
-    raise NotImplementedError("deltaformer: the Triton path is not written yet; use backend='torch'")
+if _triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _wait_progress(ptr, target, SPIN_LIMIT: tl.constexpr):
+        """Spin until *ptr >= target (acquire); returns the last value seen (< target after SPIN_LIMIT)."""
+        seen = tl.atomic_add(ptr, 0, sem="acquire")
+        tries = seen * 0
+        while (seen < target) & (tries < SPIN_LIMIT):
+            seen = tl.atomic_add(ptr, 0, sem="acquire")
+            tries += 1
+        return seen
+
+    @triton.jit
+    def _mm(a, b, like, LOWP: tl.constexpr, PREC: tl.constexpr):
+        """a @ b, fp32 accumulation; operands in the inputs' dtype (LOWP, as in FlashAttention) or fp32."""
+        if LOWP:
+            return tl.dot(a.to(like.dtype.element_ty), b.to(like.dtype.element_ty))
+        else:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+
+    @triton.jit
+    def _unit_lower_inverse(n, C: tl.constexpr, LOG2C: tl.constexpr, PREC: tl.constexpr):
+        """(I + n)^-1 for strictly lower triangular n [C, C]: the finite Neumann series, by squaring."""
+        offs = tl.arange(0, C)
+        x = tl.where(offs[:, None] == offs[None, :], 1.0, 0.0) - n
+        p = tl.dot(n, n, input_precision=PREC)
+        for r in tl.static_range(LOG2C - 1):
+            x = x + tl.dot(x, p, input_precision=PREC)
+            if r < LOG2C - 2:
+                p = tl.dot(p, p, input_precision=PREC)
+        return x
+
+    @triton.jit
+    def _fwd_kernel(
+        W, K, V, Beta, U, U32, Hs, LSE, Xinv, Prog, Ticket, scale, T, NC, BH,
+        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr,
+        LOWP: tl.constexpr, PREC: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+    ):  # fmt: skip
+        ticket = tl.atomic_add(Ticket, 1)
+        c = ticket // BH
+        bh = ticket % BH
+        offs_c = tl.arange(0, C)
+        offs_d = tl.arange(0, D)
+        rows = c * C + offs_c
+        rmask = rows < T
+        base = bh.to(tl.int64) * T * D
+        tile = base + rows[:, None] * D + offs_d[None, :]
+        w = tl.load(W + tile, mask=rmask[:, None], other=0.0)
+        k_c = tl.load(K + tile, mask=rmask[:, None], other=0.0)
+        b = tl.load(Beta + bh.to(tl.int64) * T + rows, mask=rmask, other=0.0).to(tl.float32)
+        lower = offs_c[:, None] > offs_c[None, :]
+        s_cc = tl.dot(w, tl.trans(k_c), input_precision=PREC) * scale
+        acc = tl.zeros((C, D), dtype=tl.float32)
+        m = tl.full((C,), -1e30, tl.float32)
+        l = tl.zeros((C,), dtype=tl.float32)
+        if KERNEL == 0:
+            m = tl.maximum(m, tl.max(tl.where(lower, s_cc, -1e30), axis=1))
+        done = ticket * 0  # earlier chunks consumed
+        ok = done + 1
+        while done < c:
+            # wait for one more published chunk, then take all published ones in a loop with no
+            # synchronisation inside, which the compiler may software-pipeline safely
+            seen = _wait_progress(Prog + bh, done + 1, SPIN_LIMIT)
+            ok = ok & (seen > done).to(tl.int32)
+            ready = tl.where(seen > done, tl.minimum(seen, c), c)
+            for cp in range(done, ready):
+                prev = base + (cp * C + offs_c)[:, None] * D + offs_d[None, :]
+                k_p = tl.load(K + prev)
+                s = tl.dot(w, tl.trans(k_p), input_precision=PREC) * scale
+                if KERNEL == 0:  # online softmax, as in FlashAttention
+                    m_new = tl.maximum(m, tl.max(s, axis=1))
+                    alpha = tl.exp(m - m_new)
+                    p = tl.exp(s - m_new[:, None])
+                    l = l * alpha + tl.sum(p, axis=1)
+                    acc = acc * alpha[:, None]
+                    m = m_new
+                elif KERNEL == 1:
+                    p = tl.maximum(s, 0.0)
+                else:
+                    p = s
+                if LOWP:
+                    u_p = tl.load(U + prev, cache_modifier=".cg")
+                else:
+                    u_p = tl.load(U32 + prev, cache_modifier=".cg")
+                acc += _mm(p, u_p, W, LOWP, PREC)
+            done = ready
+        if KERNEL == 0:
+            p_cc = tl.exp(tl.where(lower, s_cc - m[:, None], float("-inf")))
+            l = l + tl.sum(p_cc, axis=1)
+            l_safe = tl.where(l > 0, l, 1.0)  # row 0 of the sequence has no j < i
+            a_cc = p_cc / l_safe[:, None]
+            acc = acc / l_safe[:, None]
+            tl.store(LSE + bh.to(tl.int64) * T + rows, m + tl.log(l_safe), mask=rmask)
+        elif KERNEL == 1:
+            a_cc = tl.where(lower, tl.maximum(s_cc, 0.0), 0.0)
+        else:
+            a_cc = tl.where(lower, s_cc, 0.0)
+        x = _unit_lower_inverse(b[:, None] * a_cc, C, LOG2C, PREC)
+        v = tl.load(V + tile, mask=rmask[:, None], other=0.0).to(tl.float32)
+        u = tl.dot(x, v - b[:, None] * acc, input_precision=PREC)
+        h = acc + tl.dot(a_cc, u, input_precision=PREC)
+        u = tl.where(ok != 0, u, float("nan"))
+        tl.store(U + tile, u.to(U.dtype.element_ty), mask=rmask[:, None])
+        tl.store(U32 + tile, u, mask=rmask[:, None])
+        tl.store(Hs + tile, h, mask=rmask[:, None])
+        xoffs = (bh.to(tl.int64) * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :]
+        tl.store(Xinv + xoffs, x)
+        tl.debug_barrier()  # every thread's stores precede the release below
+        tl.atomic_xchg(Prog + bh, c + 1, sem="release")
+
+    @triton.jit
+    def _bwd_kernel(
+        W, K, U32, DU, Beta, Hs, LSE, Xinv, G, DV, DK, DBeta, Prog, Ticket, scale, T, NC, BH,
+        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
+        LOWP: tl.constexpr, PREC: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+    ):  # fmt: skip
+        ticket = tl.atomic_add(Ticket, 1)
+        c = NC - 1 - ticket // BH  # last chunk first
+        bh = ticket % BH
+        offs_c = tl.arange(0, C)
+        offs_d = tl.arange(0, D)
+        cols = c * C + offs_c
+        cmask = cols < T
+        base = bh.to(tl.int64) * T * D
+        tile = base + cols[:, None] * D + offs_d[None, :]
+        k_c = tl.load(K + tile, mask=cmask[:, None], other=0.0)
+        u_c = tl.load(U32 + tile, mask=cmask[:, None], other=0.0)
+        acc = tl.zeros((C, D), dtype=tl.float32)  # sum_{i > j} A_ij beta_i G_i
+        dk = tl.zeros((C, D), dtype=tl.float32)
+        done = ticket * 0  # later chunks consumed, counted from the end
+        ok = done + 1
+        while done < NC - 1 - c:
+            seen = _wait_progress(Prog + bh, done + 1, SPIN_LIMIT)
+            ok = ok & (seen > done).to(tl.int32)
+            ready = tl.where(seen > done, tl.minimum(seen, NC - 1 - c), NC - 1 - c)
+            for it in range(done, ready):
+                cp = NC - 1 - it  # a later chunk, in the order they were published
+                rows = cp * C + offs_c
+                rmask = rows < T
+                later = base + rows[:, None] * D + offs_d[None, :]
+                w_r = tl.load(W + later, mask=rmask[:, None], other=0.0)
+                b_r = tl.load(Beta + bh.to(tl.int64) * T + rows, mask=rmask, other=0.0).to(tl.float32)
+                g_r = tl.load(G + later, mask=rmask[:, None], other=0.0, cache_modifier=".cg")
+                gb = g_r * b_r[:, None]
+                s = tl.dot(w_r, tl.trans(k_c), input_precision=PREC) * scale  # [rows i, cols j]
+                if KERNEL == 0:
+                    lse_r = tl.load(LSE + bh.to(tl.int64) * T + rows, mask=rmask, other=0.0)
+                    a = tl.exp(tl.where(rmask[:, None], s - lse_r[:, None], float("-inf")))
+                elif KERNEL == 1:
+                    a = tl.maximum(s, 0.0)
+                else:
+                    a = s
+                acc += _mm(tl.trans(a), gb, W, LOWP, PREC)
+                da = -_mm(gb, tl.trans(u_c), W, LOWP, PREC)
+                if KERNEL == 0:
+                    h_r = tl.load(Hs + later, mask=rmask[:, None], other=0.0)
+                    ds = a * (da + tl.sum(gb * h_r, axis=1)[:, None])
+                elif KERNEL == 1:
+                    ds = tl.where(s > 0, da, 0.0)
+                else:
+                    ds = da
+                dk += _mm(tl.trans(ds), w_r, W, LOWP, PREC)
+            done = ready
+        # the diagonal block: solve for G_c, then its own share of dK and dbeta
+        w_c = tl.load(W + tile, mask=cmask[:, None], other=0.0)
+        b_c = tl.load(Beta + bh.to(tl.int64) * T + cols, mask=cmask, other=0.0).to(tl.float32)
+        lower = offs_c[:, None] > offs_c[None, :]
+        s_cc = tl.dot(w_c, tl.trans(k_c), input_precision=PREC) * scale
+        if KERNEL == 0:
+            lse_c = tl.load(LSE + bh.to(tl.int64) * T + cols, mask=cmask, other=0.0)
+            a_cc = tl.exp(tl.where(lower, s_cc - lse_c[:, None], float("-inf")))
+        elif KERNEL == 1:
+            a_cc = tl.where(lower, tl.maximum(s_cc, 0.0), 0.0)
+        else:
+            a_cc = tl.where(lower, s_cc, 0.0)
+        xoffs = (bh.to(tl.int64) * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :]
+        x = tl.load(Xinv + xoffs)
+        du_c = tl.load(DU + tile, mask=cmask[:, None], other=0.0).to(tl.float32)
+        g_c = tl.dot(tl.trans(x), du_c - acc, input_precision=PREC)
+        g_c = tl.where(ok != 0, g_c, float("nan"))
+        gb_c = g_c * b_c[:, None]
+        h_c = tl.load(Hs + tile, mask=cmask[:, None], other=0.0)
+        tl.store(DBeta + bh.to(tl.int64) * T + cols, -tl.sum(g_c * h_c, axis=1), mask=cmask)
+        da_cc = -tl.dot(gb_c, tl.trans(u_c), input_precision=PREC)
+        if KERNEL == 0:
+            ds_cc = a_cc * (da_cc + tl.sum(gb_c * h_c, axis=1)[:, None])
+        elif KERNEL == 1:
+            ds_cc = tl.where(lower & (s_cc > 0), da_cc, 0.0)
+        else:
+            ds_cc = tl.where(lower, da_cc, 0.0)
+        dk += tl.dot(tl.trans(ds_cc), w_c.to(tl.float32), input_precision=PREC)
+        tl.store(G + tile, g_c, mask=cmask[:, None])
+        tl.store(DV + tile, g_c.to(DV.dtype.element_ty), mask=cmask[:, None])
+        tl.store(DK + tile, (dk * scale).to(DK.dtype.element_ty), mask=cmask[:, None])
+        tl.debug_barrier()
+        tl.atomic_xchg(Prog + bh, NC - c, sem="release")
+
+    @triton.jit
+    def _dw_kernel(
+        W, K, U32, G, Beta, Hs, LSE, DW, scale, T,
+        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+    ):  # fmt: skip
+        c = tl.program_id(0)
+        bh = tl.program_id(1)
+        offs_c = tl.arange(0, C)
+        offs_d = tl.arange(0, D)
+        rows = c * C + offs_c
+        rmask = rows < T
+        base = bh.to(tl.int64) * T * D
+        tile = base + rows[:, None] * D + offs_d[None, :]
+        w_c = tl.load(W + tile, mask=rmask[:, None], other=0.0)
+        b_c = tl.load(Beta + bh.to(tl.int64) * T + rows, mask=rmask, other=0.0).to(tl.float32)
+        gb = tl.load(G + tile, mask=rmask[:, None], other=0.0) * b_c[:, None]
+        if KERNEL == 0:
+            lse_c = tl.load(LSE + bh.to(tl.int64) * T + rows, mask=rmask, other=0.0)
+            h_c = tl.load(Hs + tile, mask=rmask[:, None], other=0.0)
+            rowterm = tl.sum(gb * h_c, axis=1)
+        dw = tl.zeros((C, D), dtype=tl.float32)
+        for cp in range(0, c + 1):
+            cols = cp * C + offs_c
+            cmask = cols < T
+            prev = base + cols[:, None] * D + offs_d[None, :]
+            k_p = tl.load(K + prev, mask=cmask[:, None], other=0.0)
+            u_p = tl.load(U32 + prev, mask=cmask[:, None], other=0.0)
+            valid = cols[None, :] < rows[:, None]
+            s = tl.dot(w_c, tl.trans(k_p), input_precision=PREC) * scale
+            da = -_mm(gb, tl.trans(u_p), W, LOWP, PREC)
+            if KERNEL == 0:
+                a = tl.exp(tl.where(valid, s - lse_c[:, None], float("-inf")))
+                ds = a * (da + rowterm[:, None])
+            elif KERNEL == 1:
+                ds = tl.where(valid & (s > 0), da, 0.0)
+            else:
+                ds = tl.where(valid, da, 0.0)
+            dw += _mm(ds, k_p, W, LOWP, PREC)
+        tl.store(DW + tile, (dw * scale).to(DW.dtype.element_ty), mask=rmask[:, None])
+
+
+def _triton_cfg(x, chunk, lowp):
+    D = x.shape[-1]
+    if D not in (16, 32, 64, 128):
+        raise ValueError(f"deltaformer (triton): head dim D must be 16, 32, 64 or 128, got {D}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"deltaformer (triton): dtype must be float32, bfloat16 or float16, got {x.dtype}")
+    if chunk not in (16, 32, 64, 128):
+        raise ValueError(f"deltaformer (triton): chunk must be 16, 32, 64 or 128, got {chunk}")
+    # fp32 inputs get exact fp32 products; half-precision inputs fp32 accumulation with tf32 products in
+    # the in-chunk solve and (by default) half-precision operands in the O(T^2) products.
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    lowp = (x.dtype != torch.float32) if lowp is None else (lowp and x.dtype != torch.float32)
+    num_warps = 4 if D <= 64 and chunk <= 64 else 8
+    return prec, lowp, num_warps
+
+
+class _DeltaformerUTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, k, v, w, beta, kernel, scale, chunk, lowp):
+        B, H, T, D = v.shape
+        BH, NC, C = B * H, triton.cdiv(T, chunk), chunk
+        prec, lowp, num_warps = _triton_cfg(v, chunk, lowp)
+        k, v, w, beta = (x.contiguous() for x in (k, v, w, beta))
+        f32 = dict(device=v.device, dtype=torch.float32)
+        u = torch.empty_like(v)
+        u32 = torch.empty(B, H, T, D, **f32)
+        h = torch.empty(B, H, T, D, **f32)
+        lse = torch.empty(B, H, T, **f32) if kernel == "softmax" else torch.empty(1, **f32)
+        xinv = torch.empty(BH, NC, C, C, **f32)
+        counters = torch.zeros(BH + 1, device=v.device, dtype=torch.int32)  # progress per (b, h); ticket
+        _fwd_kernel[(BH * NC,)](
+            w, k, v, beta, u, u32, h, lse, xinv, counters, counters[BH:], scale, T, NC, BH,
+            KERNEL=_KERNEL_IDS[kernel], D=D, C=C, LOG2C=C.bit_length() - 1, LOWP=lowp, PREC=prec,
+            SPIN_LIMIT=_SPIN_LIMIT, num_warps=num_warps,
+        )  # fmt: skip
+        ctx.save_for_backward(k, w, beta, u32, h, lse, xinv)
+        ctx.cfg = (kernel, scale, chunk, lowp, v.dtype)
+        return u
+
+    @staticmethod
+    def backward(ctx, du):
+        k, w, beta, u32, h, lse, xinv = ctx.saved_tensors
+        kernel, scale, chunk, lowp, v_dtype = ctx.cfg
+        B, H, T, D = k.shape
+        BH, NC, C = B * H, triton.cdiv(T, chunk), chunk
+        prec, lowp, num_warps = _triton_cfg(k, chunk, lowp)
+        du = du.contiguous()
+        g = torch.empty(B, H, T, D, device=k.device, dtype=torch.float32)
+        dv = torch.empty(B, H, T, D, device=k.device, dtype=v_dtype)
+        dk = torch.empty_like(k)
+        dw = torch.empty_like(w)
+        dbeta = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
+        counters = torch.zeros(BH + 1, device=k.device, dtype=torch.int32)
+        _bwd_kernel[(BH * NC,)](
+            w, k, u32, du, beta, h, lse, xinv, g, dv, dk, dbeta, counters, counters[BH:], scale, T, NC, BH,
+            KERNEL=_KERNEL_IDS[kernel], D=D, C=C, LOWP=lowp, PREC=prec, SPIN_LIMIT=_SPIN_LIMIT,
+            num_warps=num_warps,
+        )  # fmt: skip
+        _dw_kernel[(NC, BH)](
+            w, k, u32, g, beta, h, lse, dw, scale, T,
+            KERNEL=_KERNEL_IDS[kernel], D=D, C=C, LOWP=lowp, PREC=prec, num_warps=num_warps,
+        )  # fmt: skip
+        return dk, dv, dw, dbeta.to(beta.dtype), None, None, None, None
+
+
+def deltaformer_u_triton(k, v, w, beta, kernel="softmax", scale=None, chunk=64, lowp=None):
+    """Stage 1 by the Triton kernels: u [B, H, T, D] in v's dtype, differentiable in k, v, w, beta.
+
+    chunk: rows per tile (power of two, 16..128). lowp: half-precision operands in the O(T^2) products
+    (default: when the inputs are bf16/fp16).
+    """
+    if not _triton_available():
+        raise ValueError("deltaformer: backend='triton' needs the triton package; use backend='torch'")
+    if kernel not in KERNELS:
+        raise ValueError(f"deltaformer: kernel must be one of {KERNELS}, got {kernel!r}")
+    if not (k.dtype == v.dtype == w.dtype):
+        raise ValueError(
+            f"deltaformer (triton): k, v, w must share a dtype, got {k.dtype}, {v.dtype}, {w.dtype}"
+        )
+    s = 1.0 / math.sqrt(k.shape[-1]) if scale is None else float(scale)
+    return _DeltaformerUTriton.apply(k, v, w, beta, kernel, s, chunk, lowp)

@@ -132,3 +132,110 @@ def test_torch_path_bf16():
     out = deltaformer_attention(*[x.to(torch.bfloat16) for x in inputs], backend="torch")
     assert out.dtype == torch.bfloat16
     assert rel_err(out, ref) < 1e-2
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton path. On CPU it runs through TRITON_INTERPRET=1 (set by conftest.py) at small shapes; the
+# interpreter computes bf16 matrix products wrongly, so CPU covers fp32 and fp16 and bf16 runs on the GPU.
+# Inputs keep the recurrence bounded: relu/linear kernels grow u exponentially when beta * row sums of
+# kappa exceed ~1, so their beta shrinks with T (each case still changes u by 10-50%, see u_change).
+
+
+def beta_max_for(kernel, T):
+    return {"softmax": 1.0, "relu": min(1.0, 32.0 / T), "linear": min(1.0, T**-0.5)}[kernel]
+
+
+def check_triton_against_reference(
+    kernel, B, H, T, D, dtype, device, chunk, tol, reference="loop", lowp=None
+):
+    from kernels.deltaformer import deltaformer_u_triton
+
+    inputs = make_inputs(B, H, T, D, device=device, beta_max=beta_max_for(kernel, T))
+    q, k, v, w, beta = inputs
+    grad_out = torch.randn(B, H, T, D, dtype=torch.float64, device=device)
+
+    def ours(q, k, v, w, beta):
+        u = deltaformer_u_triton(k, v, w, beta, kernel=kernel, chunk=chunk, lowp=lowp)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, u, is_causal=True)
+
+    if reference == "loop":
+        ref_fn = lambda *x: deltaformer_reference(*x, kernel=kernel)
+    else:  # the chunked float64 path, itself checked against the loop above (faster at T ~ 1000)
+        ref_fn = lambda q, k, v, w, beta: torch.nn.functional.scaled_dot_product_attention(
+            q, k, deltaformer_u_torch(k, v, w, beta, kernel=kernel), is_causal=True
+        )
+    out_ref, g_ref = grads_of(ref_fn, inputs, grad_out)
+    low = [x.to(dtype) for x in inputs]
+    if device == "cuda":  # poison the allocator's free blocks: an unwritten output shows up as NaN
+        torch.full((64 << 20,), float("nan"), device=device)
+    out, g = grads_of(ours, low, grad_out.to(dtype))
+    assert out.dtype == dtype
+    errs = {"o": rel_err(out, out_ref)}
+    errs.update({name: rel_err(a, b) for name, a, b in zip("q k v w beta".split(), g, g_ref)})
+    assert all(e < tol for e in errs.values()), errs
+    return errs
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_triton_fp32_matches_reference(kernel):
+    # T = 37 with chunk 16: three chunks, the last one partial
+    check_triton_against_reference(kernel, 1, 2, 37, 16, torch.float32, "cpu", chunk=16, tol=1e-5)
+
+
+def test_triton_t1_and_head_dim_64():
+    check_triton_against_reference("softmax", 2, 1, 1, 16, torch.float32, "cpu", chunk=16, tol=1e-5)
+    check_triton_against_reference("relu", 1, 1, 21, 64, torch.float32, "cpu", chunk=16, tol=1e-5)
+
+
+@pytest.mark.parametrize("lowp", [False, True])
+def test_triton_fp16(lowp):
+    check_triton_against_reference(
+        "softmax", 1, 2, 29, 16, torch.float16, "cpu", chunk=16, tol=1e-2, lowp=lowp
+    )
+
+
+def test_triton_dispatch_and_errors():
+    inputs = make_inputs(1, 1, 9, 16, dtype=torch.float32)
+    ref = deltaformer_reference(*[x.double() for x in inputs])
+    assert rel_err(deltaformer_attention(*inputs, backend="triton"), ref) < 1e-5
+    q, k, v, w, beta = make_inputs(1, 1, 9, 24, dtype=torch.float32)
+    with pytest.raises(ValueError, match="head dim"):
+        deltaformer_attention(q, k, v, w, beta, backend="triton")
+    q, k, v, w, beta = inputs
+    with pytest.raises(ValueError, match="share a dtype"):
+        deltaformer_attention(q, k, v.half(), w, beta, backend="triton")
+
+
+def test_u_change_is_substantial():
+    # the inputs above must exercise the recurrence, not leave u ~ v
+    for kernel in KERNELS:
+        for T in (37, 1024):
+            q, k, v, w, beta = make_inputs(1, 1, T, 64, torch.float32, beta_max=beta_max_for(kernel, T))
+            u = deltaformer_u_torch(k, v, w, beta, kernel=kernel)
+            assert rel_err(u, v) > (0.05 if kernel == "softmax" else 0.1), (kernel, T)
+
+
+GPU_SHAPES = [(2, 3, 1024, 64), (1, 2, 1000, 128), (3, 2, 1, 64), (1, 4, 333, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_gpu_matches_reference(kernel, shape, dtype):
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    errs = check_triton_against_reference(
+        kernel, *shape, dtype, "cuda", chunk=64, tol=tol, reference="chunked"
+    )
+    print(kernel, shape, dtype, {n: f"{e:.1e}" for n, e in errs.items()})
+
+
+@pytest.mark.gpu
+def test_triton_gpu_repeatable():
+    # a race shows up as run-to-run differences on identical inputs
+    from kernels.deltaformer import deltaformer_u_triton
+
+    q, k, v, w, beta = make_inputs(4, 8, 2048, 64, dtype=torch.bfloat16, device="cuda")
+    first = deltaformer_u_triton(k, v, w, beta)
+    for _ in range(5):
+        assert torch.equal(deltaformer_u_triton(k, v, w, beta), first)

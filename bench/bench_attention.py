@@ -1,0 +1,183 @@
+"""Deltaformer attention speed on one GPU: causal SDPA vs FLA 0.6.0's Deltaformer vs ours (Triton).
+
+    python bench/bench_attention.py                 # the five shapes of issue 5, bf16
+    python bench/bench_attention.py --variants      # also our kernel's variants (chunk, operand precision)
+
+Times are medians of triton.testing.do_bench (CUDA events) in ms. "fwd" is the forward alone, "f+b" the
+forward plus the backward of all inputs. FLA's Deltaformer (when `fla` imports) is its u-stage
+(ParallelDeltaformerFunction, [B, T, H, D] layout) followed by causal SDPA, as in deltaformer_attn
+without flash-attn. The floors are METHOD.md's two numbers for our kernel: the minimal matrix FLOPs
+(forward 4 T^2 D per head: two causal products per stage; forward+backward 12 T^2 D) over the measured
+bf16 matrix rate, and the minimal bytes (inputs read once, outputs written once) over the copy bandwidth.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from kernels.deltaformer import deltaformer_u_triton  # noqa: E402
+
+SHAPES = [(8, 12, 1024, 64), (8, 6, 1024, 128), (4, 12, 2048, 64), (2, 12, 4096, 64), (8, 16, 1024, 64)]
+
+
+def measure_ceilings():
+    """bf16 matmul TFLOP/s on random data and device-to-device copy GB/s (read + write)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ b, return_mode="median")
+    tflops = 2 * 8192**3 / ms / 1e9
+    x = torch.empty(2 << 30, device="cuda", dtype=torch.uint8)
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), return_mode="median")
+    gbs = 2 * x.numel() / ms / 1e6
+    return tflops, gbs
+
+
+def make(B, H, T, D, dtype=torch.bfloat16):
+    q, k, v, w = (torch.randn(B, H, T, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(4))
+    beta = torch.rand(B, H, T, device="cuda", dtype=dtype).requires_grad_(True)
+    return q, k, v, w, beta
+
+
+def time_fn(fn, inputs, backward):
+    grad_out = torch.randn_like(fn(*inputs))
+    if not backward:
+
+        def run():
+            with torch.no_grad():
+                fn(*inputs)
+
+    else:
+
+        def run():
+            fn(*inputs).backward(grad_out)
+
+    return do_bench(run, warmup=25, rep=100, grad_to_none=list(inputs), return_mode="median")
+
+
+def sdpa(q, k, v, w, beta):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def ours(kernel, chunk=64, lowp=None):
+    def fn(q, k, v, w, beta):
+        u = deltaformer_u_triton(k, v, w, beta, kernel=kernel, chunk=chunk, lowp=lowp)
+        return F.scaled_dot_product_attention(q, k, u, is_causal=True)
+
+    return fn
+
+
+def ours_u_only(kernel, chunk=64, lowp=None):
+    return lambda q, k, v, w, beta: deltaformer_u_triton(k, v, w, beta, kernel=kernel, chunk=chunk, lowp=lowp)
+
+
+def fla_fn():
+    try:
+        from fla.ops.deltaformer.parallel import ParallelDeltaformerFunction
+    except Exception as e:  # noqa: BLE001
+        print(f"FLA not importable: {type(e).__name__}: {e}")
+        return None
+
+    def fn(q, k, v, w, beta):
+        # FLA takes [B, T, H, D]; its first argument is the first-stage query (our w), its scale 1/sqrt(D)
+        t = lambda x: x.transpose(1, 2)
+        u = ParallelDeltaformerFunction.apply(t(w), t(k), t(v), beta.transpose(1, 2))
+        return F.scaled_dot_product_attention(q, k, t(u), is_causal=True)
+
+    return fn
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", action="store_true", help="also time chunk / operand-precision variants")
+    ap.add_argument("--variant-shapes", default="0,3", help="indices into SHAPES for --variants")
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--json", default="", help="write all numbers to this file")
+    args = ap.parse_args()
+
+    print("command:", " ".join([sys.executable] + sys.argv))
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    tflops, gbs = measure_ceilings()
+    print(f"measured ceilings: bf16 matmul {tflops:.0f} TFLOP/s, device copy {gbs:.0f} GB/s")
+    fla = None if args.no_fla else fla_fn()
+    rows, results = [], {"tflops": tflops, "gbs": gbs, "shapes": {}}
+
+    variant_shapes = {SHAPES[int(i)] for i in args.variant_shapes.split(",")}
+    for B, H, T, D in SHAPES:
+        torch.manual_seed(0)
+        inputs = make(B, H, T, D)
+        res = {}
+        fns = {"sdpa": sdpa, "fla": fla, "softmax": ours("softmax"), "relu": ours("relu")}
+        for name, fn in fns.items():
+            if fn is None:
+                continue
+            for mode in ("fwd", "f+b"):
+                res[f"{name} {mode}"] = time_fn(fn, inputs, backward=mode == "f+b")
+        if args.variants and (B, H, T, D) in variant_shapes:
+            for kernel in ("softmax", "relu"):
+                for chunk in (32, 64):
+                    for lowp in (True, False):
+                        tag = f"{kernel} C{chunk} {'lowp' if lowp else 'tf32'}"
+                        for mode in ("fwd", "f+b"):
+                            res[f"{tag} {mode}"] = time_fn(ours(kernel, chunk, lowp), inputs, mode == "f+b")
+                            res[f"{tag} u-only {mode}"] = time_fn(
+                                ours_u_only(kernel, chunk, lowp), inputs, mode == "f+b"
+                            )
+        bh = B * H
+        flop_fwd, flop_fb = 4 * T * T * D * bh, 12 * T * T * D * bh
+        n = bh * T * D
+        bytes_fwd = 2 * (5 * n + bh * T)  # read q k v w beta, write o (bf16)
+        bytes_fb = bytes_fwd + 2 * (6 * n + bh * T)  # + read do, write dq dk dv dw dbeta
+        floor_fwd = max(flop_fwd / tflops / 1e9, bytes_fwd / gbs / 1e6)
+        floor_fb = max(flop_fb / tflops / 1e9, bytes_fb / gbs / 1e6)
+        res.update({"floor fwd": floor_fwd, "floor f+b": floor_fb})
+        results["shapes"][f"{B},{H},{T},{D}"] = res
+        rows.append(((B, H, T, D), res))
+        print(f"{B},{H},{T},{D}: " + ", ".join(f"{k} {v:.3f}" for k, v in res.items()), flush=True)
+
+    if args.json:
+        with open(args.json + ".tmp", "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(args.json + ".tmp", args.json)
+
+    print("\nmedians in ms, bf16; ours/SDPA = time ratio; FLA/ours = speed-up over FLA 0.6.0")
+    cols = [
+        "sdpa fwd",
+        "sdpa f+b",
+        "fla fwd",
+        "fla f+b",
+        "softmax fwd",
+        "softmax f+b",
+        "relu fwd",
+        "relu f+b",
+    ]
+    head = cols + [
+        "softmax/SDPA f+b",
+        "relu/SDPA f+b",
+        "FLA/softmax f+b",
+        "FLA/relu f+b",
+        "floor fwd",
+        "floor f+b",
+    ]
+    print("| B,H,T,D | " + " | ".join(head) + " |")
+    print("|---" * (len(head) + 1) + "|")
+    for shape, r in rows:
+        vals = [r.get(c, math.nan) for c in cols]
+        sd, fl, so, re_ = (r.get(c, math.nan) for c in ("sdpa f+b", "fla f+b", "softmax f+b", "relu f+b"))
+        ratios = [so / sd, re_ / sd, fl / so, fl / re_]
+        cells = [f"{x:.3f}" for x in vals] + [f"{x:.2f}x" for x in ratios]
+        cells += [f"{r['floor fwd']:.3f}", f"{r['floor f+b']:.3f}"]
+        print(f"| {','.join(map(str, shape))} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
