@@ -1,0 +1,456 @@
+"""End-to-end training throughput of every residual x attention variant on one GPU, and micro-benchmarks
+of the DDL kernels.
+
+    python bench/bench_train.py                       # the table: gpt2-small and gpt2-medium, 6 variants
+    python bench/bench_train.py --kernels-only        # DDL kernel timings and bytes moved
+    python bench/bench_train.py --models gpt2-small --variants additive,ddl-cc --out /tmp/b
+
+For each (model, variant): bf16 autocast, torch.compile, fused AdamW, seq 1024, the largest micro-batch of
+--batches that fits (OOM is caught and the next smaller one tried); tokens/s, step time (median of the
+timed steps), peak memory, MFU = tokens/s * (6 N + 12 L H Q T) / 989e12 (N: the variant's parameters,
+H heads of width Q), and ratios to additive + softmax of the same size. Peak memory is also measured at
+one common micro-batch (--mem-batch) so that its ratio compares like with like.
+
+Compiling a dozen models one after another would take longer than the measurements, so every
+(model, variant) gets its own process: all compile at once (batch dimension marked dynamic, a tiny
+batch, so compiled code serves every batch size), move their weights off the GPU, then take turns on
+the GPU one at a time for the timed part, alone on it and with the CPU quiet.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+PEAK_FLOPS = 989e12  # H100/H200 dense bf16
+VARIANTS = {
+    "additive": dict(residual="additive"),
+    "ddl": dict(residual="ddl"),
+    "ddl-tc": dict(residual="ddl-tc"),
+    "ddl-cc": dict(residual="ddl-cc"),
+    "additive+deltaformer": dict(residual="additive", attention="deltaformer"),
+    "ddl-cc+deltaformer": dict(residual="ddl-cc", attention="deltaformer"),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One (model, variant): runs in its own process.
+
+
+def issue_flops_per_token(model, T):
+    cfg = model.config
+    return 6 * model.num_params() + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+
+
+def train_steps(model, opt, B, T, steps, vocab, device):
+    """Run `steps` optimizer steps on random tokens; return per-step times (s) measured with CUDA events."""
+    times = []
+    for _ in range(steps):
+        idx = torch.randint(0, vocab, (B, T), device=device)
+        tgt = torch.randint(0, vocab, (B, T), device=device)
+        torch._dynamo.maybe_mark_dynamic(idx, 0)
+        torch._dynamo.maybe_mark_dynamic(tgt, 0)
+        cuda = device == "cuda"
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            _, loss = model(idx, tgt)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            times.append(time.perf_counter() - t0)
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"non-finite loss {loss.item()}")
+    return times
+
+
+def empty_cache():
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def reset_peak():
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gb():
+    return torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan")
+
+
+def worker(job, barrier, gpu_lock, results):
+    name, size, overrides, args = job["name"], job["size"], job["overrides"], job["args"]
+    row = dict(model=size, variant=name)
+    device = args.device
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    model = compiled = None
+    try:
+        from kernels import ddl
+        from model import GPT, GPTConfig
+
+        if args.ddl_backend != "auto":
+            ddl.set_auto_backend(args.ddl_backend)
+        cfg = GPTConfig.preset(size, block_size=args.seq, **overrides, **args.model_overrides)
+        torch.manual_seed(0)
+        model = GPT(cfg).to(device)
+        row["params_M"] = model.num_params() / 1e6
+        compiled = torch.compile(model) if args.compile else model
+        t0 = time.time()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.0)
+        train_steps(compiled, sgd, 2, args.seq, 1, cfg.vocab_size, device)
+        row["compile_s"] = round(time.time() - t0, 1)
+        model.zero_grad(set_to_none=True)
+        model.cpu()
+        empty_cache()
+    except Exception as e:  # still take part in the barrier, report the error
+        row["error"] = f"build/compile: {type(e).__name__}: {e}"[:400]
+        traceback.print_exc()
+    barrier.wait(timeout=args.time_limit)
+    if "error" in row:
+        results.put(row)
+        return
+    with gpu_lock:
+        try:
+            model.to(device)
+            for B in args.batches:
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device == "cuda")
+                try:
+                    reset_peak()
+                    train_steps(compiled, opt, B, args.seq, args.warmup, cfg.vocab_size, device)
+                    times = train_steps(compiled, opt, B, args.seq, args.steps, cfg.vocab_size, device)
+                except torch.OutOfMemoryError:
+                    row.setdefault("oom_batches", []).append(B)
+                    del opt
+                    model.zero_grad(set_to_none=True)
+                    empty_cache()
+                    continue
+                step = statistics.median(times)
+                tok_s = B * args.seq / step
+                row.update(
+                    batch=B,
+                    step_ms=step * 1e3,
+                    tok_s=tok_s,
+                    peak_GB=peak_gb(),
+                    mfu=tok_s * issue_flops_per_token(model, args.seq) / PEAK_FLOPS,
+                    mfu_model_flops=tok_s * model.flops_per_token(args.seq) / PEAK_FLOPS,
+                )
+                break
+            else:
+                raise RuntimeError(f"no batch of {args.batches} fits")
+            if args.mem_batch and args.mem_batch <= row["batch"]:
+                model.zero_grad(set_to_none=True)
+                empty_cache()
+                reset_peak()
+                train_steps(compiled, opt, args.mem_batch, args.seq, 2, cfg.vocab_size, device)
+                row["peak_GB_at_mem_batch"] = peak_gb()
+        except Exception as e:
+            row["error"] = f"run: {type(e).__name__}: {e}"[:400]
+            traceback.print_exc()
+        finally:
+            results.put(row)
+            opt = None
+            model.zero_grad(set_to_none=True)
+            model.cpu()
+            empty_cache()
+
+
+def run_table(args):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    jobs = [
+        dict(name=v, size=m, overrides=VARIANTS[v], args=args) for m in args.models for v in args.variants
+    ]
+    barrier, gpu_lock, results = ctx.Barrier(len(jobs)), ctx.Lock(), ctx.Queue()
+    # each process compiles with a share of the cores
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 2) // len(jobs))))
+    procs = [ctx.Process(target=worker, args=(j, barrier, gpu_lock, results)) for j in jobs]
+    t0 = time.time()
+    for p in procs:
+        p.start()
+    rows = []
+    while len(rows) < len(jobs) and time.time() - t0 < args.time_limit:
+        try:
+            row = results.get(timeout=5)
+        except Exception:
+            if not any(p.is_alive() for p in procs):
+                break
+            continue
+        row["t_done_s"] = round(time.time() - t0, 1)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        save(args, rows)
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.terminate()
+    done = {(r["model"], r["variant"]) for r in rows}
+    for j in jobs:
+        if (j["size"], j["name"]) not in done:
+            rows.append(dict(model=j["size"], variant=j["name"], error="did not finish within --time-limit"))
+    order = [(j["size"], j["name"]) for j in jobs]
+    return sorted(rows, key=lambda r: order.index((r["model"], r["variant"])))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Output
+
+
+def versions():
+    import triton
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    py = platform.python_version()
+    return f"GPU {gpu}; torch {torch.__version__}; triton {triton.__version__}; Python {py}"
+
+
+def table(args, rows):
+    base = {r["model"]: r for r in rows if r["variant"] == "additive" and "tok_s" in r}
+    lines = [
+        "| model | variant | batch | tokens/s | ×additive | step ms | peak GB | peak GB @B="
+        f"{args.mem_batch} | ×additive | MFU | compile s |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if "tok_s" not in r:
+            lines.append(f"| {r['model']} | {r['variant']} | error: {r.get('error', '?')} |||||||||")
+            continue
+        b = base.get(r["model"])
+        ratio = f"{r['tok_s'] / b['tok_s']:.3f}" if b else "-"
+        pm = r.get("peak_GB_at_mem_batch")
+        pm_ratio = (
+            f"{pm / b['peak_GB_at_mem_batch']:.3f}" if b and pm and b.get("peak_GB_at_mem_batch") else "-"
+        )
+        pm = "-" if pm is None else f"{pm:.1f}"
+        cells = [r["model"], r["variant"], r["batch"], f"{r['tok_s']:,.0f}", ratio, f"{r['step_ms']:.1f}"]
+        cells += [f"{r['peak_GB']:.1f}", pm, pm_ratio, f"{100 * r['mfu']:.1f}%", r.get("compile_s", "-")]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def save(args, rows):
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        tmp = os.path.join(args.out, "bench_train.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(dict(command=args.command, versions=versions(), rows=rows), f, indent=1)
+        os.replace(tmp, os.path.join(args.out, "bench_train.json"))
+
+
+def write_results_section(path, text):
+    """Replace (or append) the '## Training throughput' section of path, leaving other sections alone."""
+    head = "## Training throughput"
+    old = open(path).read() if os.path.exists(path) else ""
+    if head in old:
+        before, rest = old.split(head, 1)
+        nxt = rest.find("\n## ")
+        after = rest[nxt + 1 :] if nxt >= 0 else ""
+        new = before + text.rstrip() + "\n" + ("\n" + after if after else "")
+    else:
+        new = (old.rstrip() + "\n\n" if old.strip() else "# Benchmark results\n\n") + text.rstrip() + "\n"
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(new)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernel micro-benchmarks: time per call and the bytes it must move, against the copy bandwidth.
+
+
+def bench_kernels(args):
+    from triton.testing import do_bench
+
+    out = []
+
+    def report(name, ms, nbytes):
+        line = f"{name:60s} {ms * 1e3:9.1f} us  {nbytes / 1e9:7.3f} GB  {nbytes / ms / 1e6:7.0f} GB/s"
+        print(line, flush=True)
+        out.append(dict(name=name, us=ms * 1e3, GB=nbytes / 1e9, GBps=nbytes / ms / 1e6))
+
+    bufs = [torch.randint(0, 255, (2**30,), dtype=torch.uint8, device="cuda"), None]
+    bufs[1] = torch.empty_like(bufs[0])
+    ms = do_bench(lambda: bufs[1].copy_(bufs[0]), return_mode="median")
+    report("copy 1 GiB (read + write)", ms, 2 * 2**30)
+    bufs.clear()
+    for dtype in (torch.float32, torch.bfloat16):
+        bench_kernels_dtype(args, dtype, do_bench, report)
+        torch.cuda.empty_cache()
+    return out
+
+
+def bench_kernels_dtype(args, dtype, do_bench, report):
+    from kernels import ddl
+
+    dev = "cuda"
+    N, d, dv, K = args.kernel_tokens, 768, 4, 4
+    B, T = N // 1024, 1024
+    es = torch.finfo(dtype).bits // 8
+    S = N * d * dv * es  # bytes of one pass over the state
+    V = N * d * es  # bytes of one pass over a [N, d] vector
+    tag = f"{str(dtype).replace('torch.', '')}, N={N}"
+    x = torch.randn(B, T, d, dv, device=dev, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, T, d, device=dev, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, T, dv, device=dev, dtype=dtype, requires_grad=True)
+    beta = torch.rand(B, T, device=dev, dtype=dtype, requires_grad=True)
+    w = torch.randn(d, dv, device=dev, dtype=dtype, requires_grad=True)
+    cw = torch.randn(d, dv, K, device=dev, requires_grad=True)
+    read = torch.randn(dv, device=dev, requires_grad=True)
+    emb = torch.randn(B, T, d, device=dev, dtype=dtype, requires_grad=True)
+    gx, gh = torch.randn_like(x), torch.randn_like(k)
+    leaves = (x, k, v, beta, w, cw, read, emb)
+
+    upd_c = torch.compile(ddl.ddl_update_ref)
+    updcc_c = torch.compile(ddl.ddl_update_compress_cc_ref)
+    tc_c = torch.compile(ddl.compress_tc_ref)
+
+    def fb(fn, grads):
+        def run():
+            outs = fn()
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            torch.autograd.backward(outs, grads[: len(outs)])
+
+        return run
+
+    def unfused():
+        xn = ddl.ddl_update(x, k, v, beta, backend="triton")
+        return xn, ddl.compress_cc(xn, w, backend="triton")
+
+    cases = [
+        ("update fwd  triton", lambda: ddl.ddl_update(x, k, v, beta, backend="triton"), 2 * S + V),
+        ("update fwd  torch.compile(ref)", lambda: upd_c(x, k, v, beta), 2 * S + V),
+        (
+            "update f+b  triton",
+            fb(lambda: ddl.ddl_update(x, k, v, beta, backend="triton"), (gx,)),
+            5 * S + 3 * V,
+        ),
+        ("update f+b  torch.compile(ref)", fb(lambda: upd_c(x, k, v, beta), (gx,)), 5 * S + 3 * V),
+        (
+            "update+cc f+b  fused triton",
+            fb(lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"), (gx, gh)),
+            5 * S + 5 * V,
+        ),
+        ("update+cc f+b  triton, unfused", fb(unfused, (gx, gh)), 5 * S + 5 * V),
+        ("update+cc f+b  torch.compile(ref)", fb(lambda: updcc_c(x, k, v, beta, w), (gx, gh)), 5 * S + 5 * V),
+        ("tc f+b  triton", fb(lambda: ddl.compress_tc(x, cw, read, backend="triton"), (gh,)), 3 * S + 2 * V),
+        ("tc f+b  torch.compile(ref)", fb(lambda: tc_c(x, cw, read), (gh,)), 3 * S + 2 * V),
+        ("ec f+b  triton", fb(lambda: ddl.expand_ec(emb, cw, backend="triton"), (gx,)), 2 * S + 3 * V),
+    ]
+    for name, fn, nbytes in cases:
+        try:
+            fn()
+            torch.cuda.synchronize()
+            report(f"{name} [{tag}]", do_bench(fn, return_mode="median"), nbytes)
+        except Exception as e:
+            print(f"{name} [{tag}] FAILED: {type(e).__name__}: {e}"[:300], flush=True)
+        for t in leaves:
+            t.grad = None
+    if dtype != torch.bfloat16:
+        return
+    # launch shapes of the update kernels
+    saved = {key: dict(val) for key, val in ddl._CFG.items()}
+    for tok, nw in ((1, 4), (1, 8), (2, 4), (4, 8)):
+        ddl._CFG["update_fwd"] = dict(TOKENS=tok, num_warps=nw)
+        ms = do_bench(lambda: ddl.ddl_update(x, k, v, beta, backend="triton"), return_mode="median")
+        report(f"  cfg update_fwd TOKENS={tok} warps={nw} [{tag}]", ms, 2 * S + V)
+    ddl._CFG.update(saved)
+    f = fb(lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"), (gx, gh))
+    for tok, nw in ((16, 4), (32, 4), (64, 4), (32, 8), (8, 4)):
+        ddl._CFG["update_bwd"] = dict(TOKENS=tok, num_warps=nw)
+        ms = do_bench(f, return_mode="median")
+        report(f"  cfg update_bwd TOKENS={tok} warps={nw} (fused f+b) [{tag}]", ms, 5 * S + 5 * V)
+    ddl._CFG.update(saved)
+    f = fb(lambda: ddl.compress_tc(x, cw, read, backend="triton"), (gh,))
+    for tok, bd, nw in ((4, 256, 4), (8, 128, 4), (16, 256, 8), (64, 256, 4)):
+        ddl._CFG["chan_fwd"] = dict(TOKENS=min(tok, 8), BLOCK_D=bd, num_warps=nw)
+        ddl._CFG["chan_bwd"] = dict(TOKENS=tok, BLOCK_D=bd, num_warps=nw)
+        ms = do_bench(f, return_mode="median")
+        report(f"  cfg chan TOKENS={tok} BLOCK_D={bd} warps={nw} (tc f+b) [{tag}]", ms, 3 * S + 2 * V)
+    ddl._CFG.update(saved)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="gpt2-small,gpt2-medium")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--batches", default="64,32,16,8", help="micro-batch sizes to try, largest first")
+    p.add_argument("--mem-batch", type=int, default=16, help="common micro-batch for the peak-memory ratio")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--compile", type=int, default=1)
+    p.add_argument("--ddl-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--time-limit", type=float, default=540, help="seconds for the whole table")
+    p.add_argument("--kernels", action="store_true", help="also run the DDL kernel micro-benchmarks first")
+    p.add_argument("--kernels-only", action="store_true")
+    p.add_argument("--kernel-tokens", type=int, default=32768)
+    p.add_argument(
+        "--device", default="cuda", help="cpu: a smoke test of this script (tiny --model-overrides)"
+    )
+    p.add_argument("--model-overrides", default="", help="GPTConfig overrides, e.g. n_layer=2,n_embd=64")
+    p.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_train.json / .md")
+    p.add_argument("--results", default=os.path.join(ROOT, "bench", "RESULTS.md"), help="'' to skip")
+    args = p.parse_args()
+    args.command = "python bench/bench_train.py " + " ".join(sys.argv[1:])
+    args.models = [m for m in args.models.split(",") if m]
+    args.variants = [v for v in args.variants.split(",") if v]
+    for v in args.variants:
+        if v not in VARIANTS:
+            raise SystemExit(f"--variants: unknown variant {v!r}; allowed: {', '.join(VARIANTS)}")
+    args.batches = sorted({int(b) for b in args.batches.split(",")}, reverse=True)
+    args.model_overrides = {
+        key: (int(val) if val.isdigit() else val)
+        for key, val in (kv.split("=", 1) for kv in args.model_overrides.split(",") if kv)
+    }
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_train.py needs a CUDA GPU (or --device cpu for a smoke test)")
+    print(versions(), flush=True)
+    if args.kernels or args.kernels_only:
+        krows = bench_kernels(args)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
+                json.dump(krows, f, indent=1)
+        if args.kernels_only:
+            return
+    rows = run_table(args)
+    save(args, rows)
+    text = "\n".join(
+        [
+            "## Training throughput",
+            "",
+            f"`{args.command}` — {versions()}; seq {args.seq}, bf16 autocast, torch.compile "
+            f"(batch dim dynamic), fused AdamW, median of {args.steps} steps after {args.warmup} warm-up; "
+            f"MFU = tokens/s × (6N + 12·L·H·Q·T) / 989 TF.",
+            "",
+            table(args, rows),
+        ]
+    )
+    print("\n" + text, flush=True)
+    if args.out:
+        with open(os.path.join(args.out, "bench_train.md"), "w") as f:
+            f.write(text + "\n")
+    if args.results:
+        write_results_section(args.results, text)
+
+
+if __name__ == "__main__":
+    main()
