@@ -229,6 +229,13 @@ def apply_rope(x, pos, base):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
+def fp32_linear(x, linear):
+    """linear(x) in fp32 (float64 stays float64) even under autocast: for the beta gates' logits."""
+    dt = torch.promote_types(x.dtype, torch.float32)
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x.to(dt), linear.weight.to(dt), None if linear.bias is None else linear.bias.to(dt))
+
+
 class MLP(nn.Module):
     """SwiGLU: c_proj(silu(gate) * up), gate/up from one fused d -> 2*hidden matrix."""
 
@@ -296,9 +303,8 @@ class Attention(nn.Module):
             w = k
         else:
             w = apply_rope(self.w_norm(heads[3]), pos, cfg.rope_base)
-        with torch.autocast(c.device.type, enabled=False):
-            logits = F.linear(c.float(), self.beta.weight.float(), self.beta.bias.float())
-        beta = (cfg.deltaformer_beta_max * torch.sigmoid(logits)).transpose(1, 2)  # [B, H, T], fp32
+        beta = cfg.deltaformer_beta_max * torch.sigmoid(fp32_linear(c, self.beta))
+        beta = beta.transpose(1, 2)  # [B, H, T], fp32
         if cache is None:
             return deltaformer_attention(q, k, v, w, beta, kernel=cfg.deltaformer_kernel, backend=cfg.backend)
         # Decoding: token by token with the cached keys and u's (a prefill of T tokens loops T times).
@@ -373,9 +379,7 @@ class Residual(nn.Module):
 
     def gate(self, c):
         """beta = 2 sigmoid(w_beta . c + b_beta) in fp32, shape [B, T]."""
-        with torch.autocast(c.device.type, enabled=False):
-            logit = F.linear(c.float(), self.beta.weight.float(), self.beta.bias.float())
-        return 2.0 * torch.sigmoid(logit[..., 0])
+        return 2.0 * torch.sigmoid(fp32_linear(c, self.beta)[..., 0])
 
     def ddl_write(self, X, c, h):
         """X + beta khat (v^T - khat^T X) with k = h, v = W_v c (the one place ddl_update is called)."""
@@ -425,6 +429,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def _init_weights(self):
         cfg = self.config
+        if self.wte.weight.is_meta:  # built on the meta device (to count or to materialise later): no data
+            return
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)

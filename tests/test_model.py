@@ -1,0 +1,420 @@
+"""model.py: shapes and loss, the DDL sublayer math against an independent float64 formula, EC, config
+validation, checkpoints, parameter/FLOP counts. Cached decoding lives in tests/test_generate.py.
+
+Tiny models in float64 with every parameter perturbed away from its init (identity convs, zero gates and
+1/d_v reads would otherwise hide wiring mistakes). The kernels run on their PyTorch backend here; their
+Triton paths are tested against the same references in tests/test_ddl.py and tests/test_deltaformer.py.
+"""
+
+import dataclasses
+import io
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import ATTENTIONS, DDL_EPS, GPT, RESIDUALS, GPTConfig, Residual
+
+COMBOS = [(r, a) for r in RESIDUALS for a in ATTENTIONS]
+DDL_RESIDUALS = [r for r in RESIDUALS if r != "additive"]
+V = 67
+
+
+def tiny(**overrides):
+    base = dict(n_layer=2, n_head=2, n_embd=32, head_dim=16, block_size=24, vocab_size=V, backend="torch")
+    return GPTConfig(**{**base, **overrides})
+
+
+def make(cfg, noise=0.1, seed=0):
+    """A float64 model in eval mode with every parameter moved off its init by N(0, noise)."""
+    torch.manual_seed(seed)
+    model = GPT(cfg).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(noise * torch.randn_like(p))
+    return model
+
+
+def tokens(B=2, T=11, seed=1):
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Forward, loss, gradients
+
+
+@pytest.mark.parametrize("residual,attention", COMBOS)
+def test_forward_loss_shapes_and_ignore_index(residual, attention):
+    model = make(tiny(residual=residual, attention=attention))
+    idx = tokens()
+    targets = tokens(seed=2)
+    targets[0, :4] = -1
+    targets[1, -1] = -1
+    logits, loss = model(idx, targets)
+    assert logits.shape == (2, 11, V) and loss.shape == ()
+    keep = targets != -1
+    logp = F.log_softmax(logits, dim=-1)
+    want = -logp[keep].gather(-1, targets[keep][:, None]).mean()
+    torch.testing.assert_close(loss, want.float() if loss.dtype == torch.float32 else want)
+
+    last, none = model(idx)
+    assert none is None and last.shape == (2, 1, V)
+    torch.testing.assert_close(last, logits[:, -1:], rtol=1e-12, atol=1e-12)
+
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name} gets no gradient"
+        assert torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, f"{name} has an all-zero gradient"
+
+
+def test_causal():
+    """Changing a later token never changes earlier logits (every variant's mixing is causal)."""
+    for residual, attention in COMBOS:
+        model = make(tiny(residual=residual, attention=attention))
+        idx = tokens(B=1, T=9)
+        other = idx.clone()
+        other[0, 6] = (other[0, 6] + 1) % V
+        a, _ = model(idx, idx)
+        b, _ = model(other, other)
+        torch.testing.assert_close(a[:, :6], b[:, :6], rtol=0, atol=1e-12, msg=f"{residual} {attention}")
+        assert (a[:, 6] - b[:, 6]).abs().max() > 1e-6
+
+
+def test_too_long_raises():
+    model = make(tiny(block_size=8))
+    with pytest.raises(ValueError, match="block_size"):
+        model(tokens(T=9))
+
+
+def test_bf16_autocast_close_to_fp32():
+    """The training setting: bf16 autocast, fp32 parameters; the stream and the betas stay fp32."""
+    torch.manual_seed(0)
+    cfg = tiny(residual="ddl-tc", attention="deltaformer", deltaformer_w="proj")
+    model = GPT(cfg)
+    idx, targets = tokens(), tokens(seed=2)
+    _, loss32 = model(idx, targets)
+    seen = {}
+    res = model.blocks[0].res_attn
+    hook = res.register_forward_hook(lambda m, args, out: seen.update(X=out.dtype))
+    orig_gate = res.gate
+    res.gate = lambda c: seen.setdefault("beta", orig_gate(c))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss16 = model(idx, targets)
+    hook.remove()
+    assert seen["X"] == torch.float32 and seen["beta"].dtype == torch.float32
+    assert torch.isfinite(loss16) and abs(loss16.item() - loss32.item()) < 0.05 * loss32.item()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The DDL sublayer, checked against the formula with values captured at run time
+
+
+def naive_compress(residual, res_module, X):
+    """x_in = compress(X), written out independently of kernels/ddl.py."""
+    comp = res_module.compress
+    if residual == "ddl":
+        return X[..., 0]
+    if residual == "ddl-cc":
+        return (X * comp.weight).sum(-1)
+    K, T = comp.conv.shape[-1], X.shape[1]
+    out = torch.zeros_like(X)
+    for t in range(T):
+        for j in range(K):
+            s = t - (K - 1) + j
+            if s >= 0:
+                out[:, t] += comp.conv[:, :, j] * X[:, s]
+    return (out * comp.read).sum(-1)
+
+
+def capture(model):
+    """Per DDL sublayer: X in, X out, the norm's input x_in and output c, the sublayer output h."""
+    records, hooks = [], []
+    for m in model.modules():
+        if isinstance(m, Residual):
+            rec = {"module": m}
+            records.append(rec)
+            hooks.append(
+                m.register_forward_hook(lambda mod, args, out, r=rec: r.update(X=args[0], X_new=out))
+            )
+            hooks.append(
+                m.norm.register_forward_hook(lambda mod, args, out, r=rec: r.update(x_in=args[0], c=out))
+            )
+            hooks.append(m.drop.register_forward_hook(lambda mod, args, out, r=rec: r.update(h=out)))
+    return records, hooks
+
+
+@pytest.mark.parametrize("erase", [True, False])
+@pytest.mark.parametrize("residual", DDL_RESIDUALS)
+def test_ddl_sublayer_matches_formula(residual, erase):
+    """Every sublayer: x_in = compress(X), c = RMSNorm(x_in), X' = X + beta khat (v^T - khat^T X) with
+    khat = h/sqrt(|h|^2+eps^2), v = W_v c, beta = 2 sigmoid(w.c + b); erase=False: X' = X + beta khat v^T."""
+    model = make(tiny(residual=residual, ddl_erase=erase, attention="deltaformer"))
+    records, hooks = capture(model)
+    with torch.no_grad():
+        model(tokens(), tokens(seed=2))
+    for h in hooks:
+        h.remove()
+    assert len(records) == 4
+    for r in records:
+        m, X, X_new, c, h = r["module"], r["X"], r["X_new"], r["c"], r["h"]
+        assert X.shape == (2, 11, 32, model.config.ddl_dv)
+        torch.testing.assert_close(r["x_in"], naive_compress(residual, m, X), rtol=1e-12, atol=1e-12)
+        rms = torch.sqrt((r["x_in"] ** 2).mean(-1, keepdim=True) + 1e-6)
+        torch.testing.assert_close(c, r["x_in"] / rms * m.norm.weight, rtol=1e-12, atol=1e-12)
+        khat = h / torch.sqrt((h * h).sum(-1, keepdim=True) + DDL_EPS**2)
+        v = c @ m.v_proj.weight.T
+        beta = 2 * torch.sigmoid(c @ m.beta.weight[0] + m.beta.bias[0])
+        assert beta.std() > 0.01  # the gates really differ per token
+        target = v - torch.einsum("btiv,bti->btv", X, khat) if erase else v
+        want = X + beta[..., None, None] * khat[..., :, None] * target[..., None, :]
+        torch.testing.assert_close(X_new, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("residual", DDL_RESIDUALS)
+def test_ddl_beta_zero_is_identity(residual):
+    """b_beta very negative -> beta = 0 exactly: every sublayer returns X unchanged, so the logits are
+    those of the embedding read straight out."""
+    model = make(tiny(residual=residual))
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, Residual):
+                m.beta.bias.fill_(-1e4)
+    records, hooks = capture(model)
+    idx = tokens()
+    with torch.no_grad():
+        logits, _ = model(idx, idx)
+        direct = model.lm_head(model.ln_f(model.readout(model.embed(idx))))
+    for h in hooks:
+        h.remove()
+    for r in records:
+        assert torch.equal(r["X_new"], r["X"])
+    torch.testing.assert_close(logits, direct, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("residual", DDL_RESIDUALS)
+def test_ddl_beta_one_overwrites(residual):
+    """w_beta = 0, b_beta = 0 -> beta = 1: khat^T X' = v^T (up to |khat|^2 = 1 - eps^2/(|h|^2+eps^2))."""
+    model = make(tiny(residual=residual))
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, Residual):
+                m.beta.weight.zero_()
+                m.beta.bias.zero_()
+    records, hooks = capture(model)
+    with torch.no_grad():
+        model(tokens(), tokens(seed=2))
+    for h in hooks:
+        h.remove()
+    for r in records:
+        m, X_new, h, c = r["module"], r["X_new"], r["h"], r["c"]
+        assert (h * h).sum(-1).min() > 1e-4  # so eps^2/|h|^2 < 1e-6
+        khat = h / torch.sqrt((h * h).sum(-1, keepdim=True) + DDL_EPS**2)
+        read = torch.einsum("bti,btiv->btv", khat, X_new)
+        v = c @ m.v_proj.weight.T
+        torch.testing.assert_close(read, v, rtol=0, atol=1e-8)
+        assert (r["X"] - X_new).abs().max() > 1e-3  # it did write
+
+
+def test_write_only_differs_from_erase():
+    a = make(tiny(residual="ddl-cc", ddl_erase=True))
+    b = make(tiny(residual="ddl-cc", ddl_erase=False))
+    b.load_state_dict(a.state_dict())
+    idx = tokens()
+    assert (a(idx, idx)[0] - b(idx, idx)[0]).abs().max() > 1e-4
+
+
+# ---------------------------------------------------------------------------------------------------------
+# EC
+
+
+@pytest.mark.parametrize("residual", ["ddl-cc", "ddl-tc"])
+def test_ec_identity_init_is_repetition(residual):
+    torch.manual_seed(0)
+    with_ec = GPT(tiny(residual=residual, ddl_ec=True)).double()
+    without = GPT(tiny(residual=residual, ddl_ec=False)).double()
+    assert "ec_conv" in dict(with_ec.named_parameters()) and "ec_conv" not in dict(without.named_parameters())
+    missing, unexpected = without.load_state_dict(with_ec.state_dict(), strict=False)
+    assert missing == [] and unexpected == ["ec_conv"]
+    idx = tokens()
+    emb = with_ec.wte(idx)
+    X0 = with_ec.embed(idx)
+    assert X0.shape == (2, 11, 32, 4)
+    assert torch.equal(X0, emb[..., None].expand(-1, -1, -1, 4))
+    assert torch.equal(without.embed(idx), X0)
+    torch.testing.assert_close(with_ec(idx, idx)[0], without(idx, idx)[0], rtol=0, atol=0)
+
+
+def test_ec_perturbed_is_causal_conv():
+    model = make(tiny(residual="ddl-tc", ddl_conv_size=3))
+    idx = tokens()
+    emb = model.wte(idx)
+    w = model.ec_conv  # [d, d_v, K]
+    want = torch.zeros(2, 11, 32, 4, dtype=torch.float64)
+    for t in range(11):
+        for j in range(3):
+            if t - 2 + j >= 0:
+                want[:, t] += w[:, :, j] * emb[:, t - 2 + j, :, None]
+    torch.testing.assert_close(model.embed(idx), want, rtol=1e-12, atol=1e-12)
+
+
+def test_ddl_dv1_has_no_ec_and_vector_state():
+    model = make(tiny(residual="ddl"))
+    assert model.config.ddl_dv == 1 and not hasattr(model, "ec_conv")
+    idx = tokens()
+    torch.testing.assert_close(model.embed(idx)[..., 0], model.wte(idx), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (dict(residual="ddl-xx"), "residual"),
+        (dict(attention="linear"), "attention"),
+        (dict(deltaformer_w="v"), "deltaformer_w"),
+        (dict(deltaformer_kernel="gelu"), "deltaformer_kernel"),
+        (dict(backend="cuda"), "backend"),
+        (dict(residual="ddl", ddl_dv=4), "ddl_dv"),
+        (dict(residual="additive", ddl_dv=4), "ddl_dv"),
+        (dict(residual="ddl-cc", ddl_dv=0), "ddl_dv"),
+        (dict(residual="ddl-tc", ddl_dv=2.5), "ddl_dv"),
+        (dict(ddl_beta_init=0.0), "ddl_beta_init"),
+        (dict(ddl_beta_init=2.0), "ddl_beta_init"),
+        (dict(ddl_conv_size=0), "ddl_conv_size"),
+        (dict(ddl_ec="yes"), "ddl_ec"),
+        (dict(ddl_erase=1), "ddl_erase"),
+        (dict(deltaformer_beta_max=0.0), "deltaformer_beta_max"),
+        (dict(head_dim=15), "head_dim"),
+        (dict(n_head=0), "n_head"),
+        (dict(n_layer=-1), "n_layer"),
+        (dict(n_embd=32.0), "n_embd"),
+        (dict(vocab_size=0), "vocab_size"),
+        (dict(block_size=0), "block_size"),
+        (dict(mlp_hidden=0), "mlp_hidden"),
+        (dict(dropout=1.0), "dropout"),
+    ],
+)
+def test_invalid_config_raises_naming_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        tiny(**overrides)
+
+
+def test_preset_and_defaults():
+    with pytest.raises(ValueError, match="gpt2-small"):
+        GPTConfig.preset("gpt2-large")
+    with pytest.raises(ValueError, match="n_layers"):
+        GPTConfig.preset("gpt2-small", n_layers=3)
+    small = GPTConfig.preset("gpt2-small", residual="ddl-tc")
+    assert (small.n_layer, small.n_embd, small.n_head, small.head_dim, small.block_size) == (
+        12,
+        768,
+        6,
+        128,
+        1024,
+    )
+    assert small.ddl_dv == 4 and small.vocab_size == 50304 and small.hidden == 2048
+    medium = GPTConfig.preset("gpt2-medium", residual="ddl")
+    assert (medium.n_layer, medium.n_embd, medium.n_head, medium.ddl_dv, medium.hidden) == (
+        24,
+        1024,
+        8,
+        1,
+        2730,
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(residual="ddl-tc", attention="deltaformer", deltaformer_w="proj", ddl_conv_size=3),
+        dict(residual="ddl-cc", ddl_ec=False, ddl_erase=False, ddl_dv=3, mlp_hidden=40),
+        dict(
+            residual="additive", attention="deltaformer", deltaformer_kernel="relu", deltaformer_beta_max=1.0
+        ),
+    ],
+)
+def test_checkpoint_round_trip(overrides):
+    model = make(tiny(**overrides))
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "model_args": dataclasses.asdict(model.config)}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    assert GPTConfig(**ckpt["model_args"]) == model.config
+    loaded = GPT(GPTConfig(**ckpt["model_args"])).double().eval()
+    loaded.load_state_dict(ckpt["model"])
+    idx = tokens()
+    torch.testing.assert_close(loaded(idx, idx)[0], model(idx, idx)[0], rtol=0, atol=0)
+    assert loaded.lm_head.weight is loaded.wte.weight  # still tied after loading
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parameter and FLOP counts (presets built on the meta device: nothing is allocated)
+
+
+def expected_params(cfg):
+    """Written out from the architecture description, independently of the modules."""
+    d, L, H, D, dv, K = cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.head_dim, cfg.ddl_dv, cfg.ddl_conv_size
+    hidden = (8 * d) // 3
+    attn = d * 3 * H * D + H * D * d + 2 * D  # qkv, out, q/k norm weights
+    if cfg.attention == "deltaformer":
+        attn += d * H + H  # beta projection with bias
+        if cfg.deltaformer_w == "proj":
+            attn += d * H * D + D
+    per_sublayer = d  # pre-norm weight
+    compressor = 0
+    if cfg.residual != "additive":
+        compressor = {"ddl": 0, "ddl-cc": d * dv, "ddl-tc": d * dv * K + dv}[cfg.residual]
+        per_sublayer += compressor + d * dv + d + 1  # + W_v, w_beta, b_beta
+    layer = attn + 3 * d * hidden + 2 * per_sublayer
+    total = cfg.vocab_size * d + L * layer + d  # tied embedding, blocks, final norm
+    if cfg.residual != "additive":
+        total += compressor  # the readout before the final norm
+        if cfg.residual in ("ddl-cc", "ddl-tc") and cfg.ddl_ec:
+            total += d * dv * K
+    return total
+
+
+def preset_variants():
+    for size in ("gpt2-small", "gpt2-medium"):
+        for residual, extra in [
+            ("additive", {}),
+            ("ddl", {}),
+            ("ddl-cc", {}),
+            ("ddl-cc", dict(ddl_ec=False)),
+            ("ddl-tc", {}),
+            ("ddl-tc", dict(ddl_ec=False)),
+        ]:
+            for attention, w in [("softmax", "k"), ("deltaformer", "k"), ("deltaformer", "proj")]:
+                yield size, dict(residual=residual, attention=attention, deltaformer_w=w, **extra)
+
+
+def test_preset_param_counts():
+    with torch.device("meta"):
+        for size, overrides in preset_variants():
+            cfg = GPTConfig.preset(size, **overrides)
+            model = GPT(cfg)
+            n = model.num_params()
+            assert n == expected_params(cfg), (size, overrides)
+            assert model.num_params(non_embedding=True) == n - cfg.vocab_size * cfg.n_embd
+    with torch.device("meta"):
+        small = GPT(GPTConfig.preset("gpt2-small")).num_params()
+        medium = GPT(GPTConfig.preset("gpt2-medium")).num_params()
+    assert 123e6 < small < 124e6 and 353e6 < medium < 354e6  # the paper's 123-124M / 353-354M
+
+
+def test_flops_per_token():
+    with torch.device("meta"):
+        base = GPT(GPTConfig.preset("gpt2-small"))
+        delta = GPT(GPTConfig.preset("gpt2-small", attention="deltaformer"))
+        ddl = GPT(GPTConfig.preset("gpt2-small", residual="ddl-tc"))
+    T, LHD = 1024, 12 * 6 * 128
+    assert base.flops_per_token(T) == 6 * base.num_params() + 12 * LHD * T
+    assert delta.flops_per_token(T) == 6 * delta.num_params() + 24 * LHD * T
+    assert ddl.flops_per_token(T) == 6 * ddl.num_params() + 12 * LHD * T + 3 * 2 * 12 * (
+        4 * 768 * 4 + 3 * 768
+    )
+    assert math.isclose(base.flops_per_token(T) / 1e9, 0.87, rel_tol=0.05)  # ~6 * 124M + attention
