@@ -350,6 +350,11 @@ def bench_kernels_dtype(args, dtype, do_bench, report):
         ),
         ("update+cc f+b  triton, unfused", fb(unfused, (gx, gh)), 5 * S + 5 * V),
         ("update+cc f+b  torch.compile(ref)", fb(lambda: updcc_c(x, k, v, beta, w), (gx, gh)), 5 * S + 5 * V),
+        (
+            "update+tc f+b  fused triton",
+            fb(lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton"), (gx, gh)),
+            6 * S + 6 * V,
+        ),
         ("tc f+b  triton", fb(lambda: ddl.compress_tc(x, cw, read, backend="triton"), (gh,)), 3 * S + 2 * V),
         ("tc f+b  torch.compile(ref)", fb(lambda: tc_c(x, cw, read), (gh,)), 3 * S + 2 * V),
         ("ec f+b  triton", fb(lambda: ddl.expand_ec(emb, cw, backend="triton"), (gx,)), 2 * S + 3 * V),

@@ -463,6 +463,131 @@ if triton is not None:
             acc += e2.to(CT)[:, :, None] * g[None, :, :]
         tl.store(DWP + pid * KW * D * DV + off3, acc, mask=m3)
 
+    @triton.jit
+    def _update_tc_fwd_kernel(
+        X, Kd, V, BETA, WT, XOUT, H, RS, R, N, T, D, eps,
+        KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+        ERASE: tl.constexpr, CT: tl.constexpr,
+    ):  # fmt: skip
+        # x'[n] = update(x[n]) and the next sublayer's TC read-out h[n] = sum_j WT[j] . x'[n - (KW-1) + j]:
+        # the K-1 earlier states are recomputed from their x, k, v, beta (reads that hit L2), so x' is
+        # written once and never read back. RS = 1/sqrt(|k|^2 + eps^2) and R = v - khat^T x (erase) are
+        # kept for the weight gradient, which needs x' again.
+        n = tl.program_id(0).to(tl.int64)
+        t = n % T
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_v = tl.arange(0, BLOCK_V)
+        md = offs_d < D
+        mv = offs_v < DV
+        m2 = md[:, None] & mv[None, :]
+        off2 = offs_d[:, None] * DV + offs_v[None, :]
+        acc = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
+        for j in tl.static_range(KW):
+            s = n - (KW - 1) + j
+            okd = md & (offs_d * 0 + t - (KW - 1) + j >= 0)  # vector masks (the interpreter needs them)
+            okv = mv & (offs_v * 0 + t - (KW - 1) + j >= 0)
+            k = tl.load(Kd + s * D + offs_d, mask=okd, other=0.0).to(CT)
+            rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
+            kh = k * rs
+            x = tl.load(X + s * D * DV + off2, mask=okd[:, None] & mv[None, :], other=0.0).to(CT)
+            v = tl.load(V + s * DV + offs_v, mask=okv, other=0.0).to(CT)
+            b = tl.sum(tl.load(BETA + s + offs_v * 0, mask=okv & (offs_v == 0), other=0.0).to(CT), axis=0)
+            if ERASE:
+                r = v - tl.sum(kh[:, None] * x, axis=0)
+            else:
+                r = v
+            xn = (x + b * kh[:, None] * r[None, :]).to(XOUT.dtype.element_ty)
+            w = tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT)
+            acc += w * xn.to(CT)
+            if j == KW - 1:
+                tl.store(XOUT + n * D * DV + off2, xn, mask=m2)
+                tl.store(R + n * DV + offs_v, r, mask=mv)
+                tl.store(RS + n + offs_v * 0, rs + tl.zeros([BLOCK_V], dtype=CT), mask=offs_v == 0)
+        tl.store(H + n * D + offs_d, tl.sum(acc, axis=1).to(H.dtype.element_ty), mask=md)
+
+    @triton.jit
+    def _update_tc_bwd_kernel(
+        X, Kd, V, BETA, WT, G, DH, DX, DK, DVo, DBETA, N, T, D, eps,
+        KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+        ERASE: tl.constexpr, CT: tl.constexpr,
+    ):  # fmt: skip
+        # As _update_bwd_kernel, with G += sum_j WT[j] * dh[n + KW-1 - j] (x'[n] feeds the read-outs of
+        # tokens n .. n+KW-1 of its sequence).
+        n = tl.program_id(0).to(tl.int64)
+        t = n % T
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_v = tl.arange(0, BLOCK_V)
+        md = offs_d < D
+        mv = offs_v < DV
+        m2 = md[:, None] & mv[None, :]
+        off2 = offs_d[:, None] * DV + offs_v[None, :]
+        k = tl.load(Kd + n * D + offs_d, mask=md, other=0.0).to(CT)
+        rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
+        kh = k * rs
+        x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+        v = tl.load(V + n * DV + offs_v, mask=mv, other=0.0).to(CT)
+        b = tl.load(BETA + n).to(CT)
+        g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+        for j in tl.static_range(KW):
+            okd = md & (offs_d * 0 + t + (KW - 1) - j < T)
+            dh = tl.load(DH + (n + (KW - 1) - j) * D + offs_d, mask=okd, other=0.0).to(CT)
+            w = tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT)
+            g += w * dh[:, None]
+        if ERASE:
+            r = v - tl.sum(kh[:, None] * x, axis=0)
+        else:
+            r = v
+        gk = tl.sum(kh[:, None] * g, axis=0)
+        gr = tl.sum(g * r[None, :], axis=1)
+        if ERASE:
+            dx = g - b * kh[:, None] * gk[None, :]
+            dkh = b * (gr - tl.sum(x * gk[None, :], axis=1))
+        else:
+            dx = g
+            dkh = b * gr
+        dk = rs * (dkh - kh * tl.sum(kh * dkh, axis=0))
+        tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
+        tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md)
+        tl.store(DVo + n * DV + offs_v, (b * gk).to(DVo.dtype.element_ty), mask=mv)
+        tl.store(DBETA + n, tl.sum(gk * r, axis=0).to(DBETA.dtype.element_ty))
+
+    @triton.jit
+    def _update_tc_wgrad_kernel(
+        X, Kd, BETA, RS, R, DH, DWP, N, T, D, TOKENS,
+        KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+        CT: tl.constexpr,
+    ):  # fmt: skip
+        # dWT[j] = sum_n dh[n + KW-1 - j] x'[n], x'[n] = x + beta (k rs) r^T rebuilt per channel block
+        pid = tl.program_id(0).to(tl.int64)
+        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        offs_v = tl.arange(0, BLOCK_V)
+        offs_j = tl.arange(0, KP)
+        md = offs_d < D
+        mv = offs_v < DV
+        mj = offs_j < KW
+        m2 = md[:, None] & mv[None, :]
+        off2 = offs_d[:, None] * DV + offs_v[None, :]
+        acc = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
+        for tt in range(TOKENS):
+            n = pid * TOKENS + tt
+            okd = offs_d * 0 + n < N
+            okv = offs_v * 0 + n < N
+            t = n % T
+            dst = n + (KW - 1) - offs_j
+            valid = mj & (t + (KW - 1) - offs_j < T) & (offs_j * 0 + n < N)
+            dh2 = tl.load(
+                DH + dst[:, None] * D + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0
+            )
+            x = tl.load(X + n * D * DV + off2, mask=m2 & okd[:, None], other=0.0).to(CT)
+            k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
+            rs = tl.sum(tl.load(RS + n + offs_v * 0, mask=okv & (offs_v == 0), other=0.0), axis=0)
+            b = tl.sum(tl.load(BETA + n + offs_v * 0, mask=okv & (offs_v == 0), other=0.0).to(CT), axis=0)
+            r = tl.load(R + n * DV + offs_v, mask=mv & okv, other=0.0)
+            xn = (x + b * (k * rs)[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)
+            acc += dh2.to(CT)[:, :, None] * xn[None, :, :]
+        off3 = offs_j[:, None, None] * D * DV + off2[None]
+        tl.store(DWP + pid * KW * D * DV + off3, acc, mask=mj[:, None, None] & m2[None])
+
 
 # ----------------------------------------------------------------------------------------------------
 # Custom ops: opaque to torch.compile (no graph break), with autograd. They take flat, contiguous
@@ -714,6 +839,90 @@ def _ec_backward(ctx, g):
 torch.library.register_autograd("ddl::ec", _ec_backward, setup_context=_ec_setup)
 
 
+@torch.library.custom_op("ddl::update_tc", mutates_args=())
+def _update_tc_op(
+    x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, wt: torch.Tensor, T: int,
+    eps: float, erase: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    N, D, DV = x.shape
+    ft = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x_new, h, rs, r = (
+        _new((N, D, DV), x),
+        _new((N, D), x),
+        _new((N,), x, dtype=ft),
+        _new((N, DV), x, dtype=ft),
+    )
+    _update_tc_fwd_kernel[(N,)](
+        x, k, v, beta, wt, x_new, h, rs, r, N, T, D, eps, KW=wt.shape[0], DV=DV, BLOCK_D=_pow2(D),
+        BLOCK_V=_pow2(DV), ERASE=erase, CT=_ct(x, k, v, beta), num_warps=_CFG["update_fwd"]["num_warps"],
+    )  # fmt: skip
+    return x_new, h, rs, r
+
+
+@_update_tc_op.register_fake
+def _(x, k, v, beta, wt, T, eps, erase):
+    ft = torch.float64 if x.dtype == torch.float64 else torch.float32
+    N, D, DV = x.shape
+    return (
+        torch.empty_like(x),
+        x.new_empty((N, D)),
+        x.new_empty((N,), dtype=ft),
+        x.new_empty((N, DV), dtype=ft),
+    )
+
+
+@torch.library.custom_op("ddl::update_tc_bwd", mutates_args=())
+def _update_tc_bwd_op(
+    x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, wt: torch.Tensor, rs: torch.Tensor,
+    r: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, T: int, eps: float, erase: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    N, D, DV = x.shape
+    KW = wt.shape[0]
+    dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
+    ct = _ct(x, k, v, beta, g)
+    _update_tc_bwd_kernel[(N,)](
+        x, k, v, beta, wt, g, dh, dx, dk, dv, dbeta, N, T, D, eps, KW=KW, DV=DV, BLOCK_D=_pow2(D),
+        BLOCK_V=_pow2(DV), ERASE=erase, CT=ct, num_warps=_CFG["update_fwd"]["num_warps"],
+    )  # fmt: skip
+    cfg = _CFG["chan_bwd"]
+    bd = min(cfg["BLOCK_D"], _pow2(D))
+    grid = _chan_grid(N, D, {**cfg, "BLOCK_D": bd})
+    dwp = _new((grid[0], KW, D, DV), x, dtype=rs.dtype)
+    _update_tc_wgrad_kernel[grid](
+        x, k, beta, rs, r, dh, dwp, N, T, D, cfg["TOKENS"], KW=KW, KP=_pow2(KW), DV=DV, BLOCK_D=bd,
+        BLOCK_V=_pow2(DV), CT=ct, num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return dx, dk, dv, dbeta, dwp.sum(0).to(wt.dtype)
+
+
+@_update_tc_bwd_op.register_fake
+def _(x, k, v, beta, wt, rs, r, g, dh, T, eps, erase):
+    return (
+        torch.empty_like(x),
+        torch.empty_like(k),
+        torch.empty_like(v),
+        torch.empty_like(beta),
+        torch.empty_like(wt),
+    )
+
+
+def _update_tc_setup(ctx, inputs, output):
+    x, k, v, beta, wt, T, eps, erase = inputs
+    ctx.save_for_backward(x, k, v, beta, wt, output[2], output[3])
+    ctx.T, ctx.eps, ctx.erase = T, eps, erase
+
+
+def _update_tc_backward(ctx, gx, gh, _grs, _gr):
+    x, k, v, beta, wt, rs, r = ctx.saved_tensors
+    gx = torch.zeros_like(x) if gx is None else gx.contiguous()
+    gh = torch.zeros(x.shape[:2], dtype=x.dtype, device=x.device) if gh is None else gh.contiguous()
+    dx, dk, dv, dbeta, dwt = _update_tc_bwd_op(x, k, v, beta, wt, rs, r, gx, gh, ctx.T, ctx.eps, ctx.erase)
+    return dx, dk, dv, dbeta, dwt, None, None, None
+
+
+torch.library.register_autograd("ddl::update_tc", _update_tc_backward, setup_context=_update_tc_setup)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Public functions: check, pick a backend, flatten for the kernels.
 
@@ -768,6 +977,31 @@ def ddl_update_compress_cc(x, k, v, beta, weight, eps=1e-5, erase=True, backend=
     x_new, h = _update_op(
         x.reshape(-1, d, dv).contiguous(), k.reshape(-1, d).contiguous(), v.reshape(-1, dv).contiguous(),
         beta.reshape(-1).contiguous(), weight.contiguous(), float(eps), bool(erase),
+    )  # fmt: skip
+    return x_new.view(x.shape), h.view(B, T, d)
+
+
+def ddl_update_compress_tc_ref(x, k, v, beta, conv_weight, read, eps=1e-5, erase=True):
+    x_new = ddl_update_ref(x, k, v, beta, eps=eps, erase=erase)
+    return x_new, compress_tc_ref(x_new, conv_weight, read)
+
+
+def ddl_update_compress_tc(x, k, v, beta, conv_weight, read, eps=1e-5, erase=True, backend="auto"):
+    """(x_new, compress_tc(x_new, conv_weight, read)) in one pass over the state: the update of one
+    sublayer fused with the TC read-out of the next (the K-1 earlier tokens' new states are recomputed
+    in registers, not re-read). x [B, T, d, d_v], conv_weight [d, d_v, K], read [d_v]."""
+    _check_update_args(x, k, v, beta)
+    _check_state("ddl_update_compress_tc", x)
+    B, T, d, dv = x.shape
+    _check_conv("ddl_update_compress_tc", "conv_weight", conv_weight, d, dv)
+    if tuple(read.shape) != (dv,):
+        raise ValueError(f"ddl_update_compress_tc: read must be [{dv}] (= [d_v]), got {tuple(read.shape)}")
+    if _resolve("ddl_update_compress_tc", backend, x, k, v, beta, conv_weight, read) == "torch":
+        return ddl_update_compress_tc_ref(x, k, v, beta, conv_weight, read, eps=eps, erase=erase)
+    wt = (conv_weight * read[None, :, None]).permute(2, 0, 1).contiguous()  # [K, d, d_v], read folded in
+    x_new, h, _, _ = _update_tc_op(
+        x.reshape(-1, d, dv).contiguous(), k.reshape(-1, d).contiguous(), v.reshape(-1, dv).contiguous(),
+        beta.reshape(-1).contiguous(), wt, T, float(eps), bool(erase),
     )  # fmt: skip
     return x_new.view(x.shape), h.view(B, T, d)
 

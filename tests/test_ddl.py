@@ -274,6 +274,18 @@ def test_triton_update_compress_cc_matches_reference(triton_small, dv, erase):
     )
 
 
+@pytest.mark.parametrize("dv,K,erase", [(1, 3, True), (3, 1, False), (4, 6, True), (3, 3, False)])
+def test_triton_update_compress_tc_matches_reference(triton_small, dv, K, erase):
+    x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=dv))
+    cw = torch.randn(20, dv, K, dtype=F64, requires_grad=True)
+    read = torch.randn(dv, dtype=F64, requires_grad=True)
+    compare(
+        lambda *a: ddl.ddl_update_compress_tc(*a, erase=erase, backend="triton"),
+        lambda *a: ddl.ddl_update_compress_tc_ref(*a, erase=erase),
+        (x, k, v, beta, cw, read),
+    )
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked-off lanes (eps = 0)
 def test_triton_update_edge_cases(triton_small):
     # k = 0 row, beta = 0 row, one token, and the exact-write property through the kernel
@@ -342,6 +354,31 @@ cuda = pytest.mark.gpu
 
 def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_update_compress_tc_realistic(dtype):
+    dev = "cuda"
+    B, T, d, dv, K = 8, 1024, 768, 4, 4
+    x = torch.randn(B, T, d, dv, device=dev, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, T, d, device=dev, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, T, dv, device=dev, dtype=dtype, requires_grad=True)
+    beta = (2 * torch.rand(B, T, device=dev)).to(dtype).requires_grad_()
+    cw = torch.randn(d, dv, K, device=dev, requires_grad=True)
+    read = torch.randn(dv, device=dev, requires_grad=True)
+    inputs = (x, k, v, beta, cw, read)
+    out = ddl.ddl_update_compress_tc(*inputs, backend="triton")
+    ins64 = [t.detach().double().requires_grad_() for t in inputs]
+    ref = ddl.ddl_update_compress_tc_ref(*ins64)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for a, b in zip(out, ref):
+        assert rel_err(a, b) < tol
+    ups = [torch.randn_like(o) for o in out]
+    g = torch.autograd.grad(sum((o * u).sum() for o, u in zip(out, ups)), inputs)
+    g_ref = torch.autograd.grad(sum((o * u.double()).sum() for o, u in zip(ref, ups)), ins64)
+    for name, a, b in zip("x k v beta conv read".split(), g, g_ref):
+        assert rel_err(a, b) < tol, name
 
 
 @cuda
