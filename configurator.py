@@ -100,7 +100,7 @@ def load_config(defaults, argv):
     """defaults: {key: default value}; argv: config files and --key=value, applied left to right."""
     config = dict(defaults)
     for arg in argv:
-        if arg.startswith("--"):
+        if arg.startswith("-"):
             key, value = parse_override(arg, defaults)
             config[key] = value
         else:

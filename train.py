@@ -68,12 +68,14 @@ seed = 1337
 device = "cuda" if torch.cuda.is_available() else "cpu"  # "cpu", "cuda", "cuda:1", ...
 dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast dtype: "bfloat16" | "float32"
 compile = torch.cuda.is_available()  # torch.compile the model
+dry_run = False  # print the resolved config and the model size, then exit (needs no data)
 # -----------------------------------------------------------------------------
 _train_keys = [k for k in globals() if k not in _names_before_config and not k.startswith("_")]
 _model_fields = [f for f in dataclasses.fields(GPTConfig) if f.name not in _train_keys]
 _defaults = {k: globals()[k] for k in _train_keys}
 _defaults.update({f.name: f.default for f in _model_fields})
 DATASETS = ("shakespeare", "fineweb_edu")
+RUN_FIELDS = ("dropout", "backend")  # GPTConfig fields that a resumed run may change
 
 
 def fail(message):
@@ -117,9 +119,10 @@ if not (device == "cpu" or device.startswith("cuda")):
     fail(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 if device.startswith("cuda") and not torch.cuda.is_available():
     fail(f"device={device!r} but CUDA is not available (use --device=cpu)")
-model_args = {f.name: config[f.name] for f in dataclasses.fields(GPTConfig)}
-try:
-    GPTConfig(**model_args)
+try:  # resolved (e.g. ddl_dv=None -> 4), so model_args round-trips through the checkpoint
+    model_args = dataclasses.asdict(
+        GPTConfig(**{f.name: config[f.name] for f in dataclasses.fields(GPTConfig)})
+    )
 except (ValueError, TypeError) as e:
     fail(f"model config: {e}")
 
@@ -197,8 +200,6 @@ def all_reduce_sum(t):
     return t
 
 
-train_loader, val_loader = make_loaders()
-
 # ---- model, optimizer, resume ----
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 checkpoint = None
@@ -206,10 +207,12 @@ if init_from == "resume":
     if not os.path.exists(ckpt_path):
         fail(f"init_from='resume' but there is no checkpoint at {ckpt_path}")
     checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-    changed = {k: (v, model_args[k]) for k, v in checkpoint["model_args"].items() if model_args.get(k) != v}
+    # the architecture comes from the checkpoint; dropout and the kernel backend from this run's config
+    resumed_args = {**checkpoint["model_args"], **{k: model_args[k] for k in RUN_FIELDS if k in model_args}}
+    changed = {k: v for k, v in model_args.items() if resumed_args.get(k) != v}
     if changed:
-        log(f"resume: the model shape comes from the checkpoint; ignoring config values {changed}")
-    model_args = checkpoint["model_args"]
+        log(f"resume: the model comes from the checkpoint; ignoring config values {changed}")
+    model_args = resumed_args
 
 random.seed(seed)
 np.random.seed(seed)
@@ -218,6 +221,14 @@ raw_model = GPT(GPTConfig(**model_args))
 if checkpoint is not None:
     raw_model.load_state_dict(checkpoint["model"])
 raw_model.to(device)
+if dry_run:
+    log("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in config.items()))
+    log(f"parameters: {raw_model.num_params():,}")
+    log(f"forward+backward FLOPs per token at T={block_size}: {raw_model.flops_per_token(block_size):,}")
+    if ddp:
+        dist.destroy_process_group()
+    sys.exit(0)
+train_loader, val_loader = make_loaders()
 
 params = [p for p in raw_model.parameters() if p.requires_grad]
 optimizer = torch.optim.AdamW(

@@ -1,0 +1,92 @@
+"""
+Sample from a trained model (out_dir/ckpt.pt written by train.py); runs on CPU or GPU.
+
+    python sample.py --out_dir=out-shakespeare --start="ROMEO:" --num_samples=2 --max_new_tokens=200
+    python sample.py --out_dir=out --start=FILE:prompt.txt --temperature=0.7 --top_k=50
+
+The prompt is GPT-2 tokenized; "<|endoftext|>" in it is the EOT token (the document separator the model
+saw before every document, so it asks for the start of a fresh document). Generation uses the model's
+incremental cache (model.generate). --top_k=1 is greedy decoding.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+from data.tokenizer import get_encoding
+from model import GPT, GPTConfig
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out_dir", default="out", help="directory holding ckpt.pt (default: out)")
+    p.add_argument("--start", default="\n", help="prompt text, or FILE:path to read it from a file")
+    p.add_argument("--num_samples", type=int, default=3)
+    p.add_argument("--max_new_tokens", type=int, default=300)
+    p.add_argument("--temperature", type=float, default=0.8, help="> 0; lower is more conservative")
+    p.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens; 0 = all")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    if args.num_samples < 1:
+        p.error(f"--num_samples must be >= 1, got {args.num_samples}")
+    if args.max_new_tokens < 0:
+        p.error(f"--max_new_tokens must be >= 0, got {args.max_new_tokens}")
+    if not args.temperature > 0:
+        p.error(f"--temperature must be > 0, got {args.temperature}")
+    if args.top_k < 0:
+        p.error(f"--top_k must be >= 0 (0 = no top-k filter), got {args.top_k}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device={args.device} but CUDA is not available (use --device=cpu)")
+    return p, args
+
+
+def load_model(out_dir, device):
+    path = os.path.join(out_dir, "ckpt.pt")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint at {path} (train one with train.py, or set --out_dir)")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    model.load_state_dict(ckpt["model"])
+    return model.eval().to(device), ckpt
+
+
+def main(argv=None):
+    parser, args = parse_args(argv)
+    try:
+        model, ckpt = load_model(args.out_dir, args.device)
+    except FileNotFoundError as e:
+        parser.error(str(e))
+    start = args.start
+    if start.startswith("FILE:"):
+        with open(start[len("FILE:") :], encoding="utf-8") as f:
+            start = f.read()
+    enc = get_encoding()
+    ids = enc.encode(start, allowed_special={"<|endoftext|>"})
+    vocab_size = model.config.vocab_size
+    if not ids:
+        parser.error("--start is empty after tokenization; give at least one character (default '\\n')")
+    if max(ids) >= vocab_size:
+        parser.error(f"the prompt has token ids >= the model's vocab_size ({vocab_size}): {sorted(set(ids))}")
+    print(
+        f"# {args.out_dir}/ckpt.pt: iteration {ckpt['iter_num']}, {model.num_params() / 1e6:.2f}M params, "
+        f"{model.config.residual} residual, {model.config.attention} attention",
+        file=sys.stderr,
+    )
+
+    torch.manual_seed(args.seed)
+    x = torch.tensor(ids, dtype=torch.long, device=args.device)[None].repeat(args.num_samples, 1)
+    top_k = args.top_k or None
+    y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=top_k)
+    for k, row in enumerate(y.tolist()):
+        # ids past GPT-2's 50257 (vocab padding rows) never occur in the data and have no text
+        text = enc.decode([t for t in row if t < enc.n_vocab])
+        print(text)
+        if k < args.num_samples - 1:
+            print("---------------")
+
+
+if __name__ == "__main__":
+    main()
