@@ -45,7 +45,8 @@ silent and k, v get no gradient) and a full projection (1: every sublayer erases
 along khat from the first step). Deltaformer beta projection: N(0, 0.02) weight, zero bias (beta ~ max/2).
 
 Mixed precision: training runs under bf16 autocast; the norms and both betas are computed in fp32, the
-residual stream (x or X) stays in the parameter dtype (fp32), ddl_update gets h and v in the state's dtype.
+residual stream (x or X) stays in the parameter dtype (fp32); the DDL kernels normalise h and update X in
+fp32 whatever dtype h and v come in (bf16 from the autocast matmuls).
 
 Decoding (`generate`) keeps a cache per module: keys/values for softmax attention (RoPE at absolute
 positions), keys/u's for Deltaformer (deltaformer_step), the last K-1 states each DDL-TC compressor saw, the
@@ -60,7 +61,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.ddl import compress_cc, compress_tc, ddl_update, expand_ec
+from kernels.ddl import compress_cc, compress_tc, ddl_update, ddl_update_compress_cc, expand_ec
 from kernels.deltaformer import deltaformer_attention, deltaformer_step
 
 RESIDUALS = ("additive", "ddl", "ddl-tc", "ddl-cc")
@@ -370,25 +371,37 @@ class Residual(nn.Module):
             self.v_proj = nn.Linear(cfg.n_embd, cfg.ddl_dv, bias=False)  # W_v
             self.beta = nn.Linear(cfg.n_embd, 1, bias=True)  # w_beta, b_beta
 
-    def forward(self, X, sublayer, cache=None):
+    def forward(self, X, sublayer, cache=None, x_in=None, next_read=None):
+        """Returns (new stream, the next sublayer's input if this write computed it already, else None).
+
+        x_in: this sublayer's compressed input when the previous write produced it; next_read: the
+        Compressor that reads the stream after this sublayer (DDL-CC fuses that read into the update).
+        """
         if not self.cfg.is_ddl:
-            return X + self.drop(sublayer(self.norm(X)))
-        c = self.norm(self.compress(X, cache))
+            return X + self.drop(sublayer(self.norm(X))), None
+        if x_in is None:
+            x_in = self.compress(X, cache)
+        c = self.norm(x_in)
         h = self.drop(sublayer(c))
-        return self.ddl_write(X, c, h)
+        return self.ddl_write(X, c, h, next_read)
 
     def gate(self, c):
         """beta = 2 sigmoid(w_beta . c + b_beta) in fp32, shape [B, T]."""
         return 2.0 * torch.sigmoid(fp32_linear(c, self.beta)[..., 0])
 
-    def ddl_write(self, X, c, h):
-        """X + beta khat (v^T - khat^T X) with k = h, v = W_v c (the one place ddl_update is called)."""
+    def ddl_write(self, X, c, h, next_read=None):
+        """X + beta khat (v^T - khat^T X) with k = h, v = W_v c: the one place the DDL update runs.
+
+        The kernels normalise h and do the update in fp32 whatever the input dtypes; the new state comes
+        back in X's dtype. When the next reader is a CC compressor, one fused kernel also returns its read
+        (saves a pass over the d x d_v state). Returns (X_new, next x_in or None).
+        """
         v = self.v_proj(c)
         beta = self.gate(c)
-        return ddl_update(
-            X, h.to(X.dtype), v.to(X.dtype), beta.to(X.dtype), eps=DDL_EPS, erase=self.cfg.ddl_erase,
-            backend=self.cfg.backend,
-        )  # fmt: skip
+        kw = dict(eps=DDL_EPS, erase=self.cfg.ddl_erase, backend=self.cfg.backend)
+        if next_read is not None and next_read.kind == "ddl-cc":
+            return ddl_update_compress_cc(X, h, v, beta, next_read.weight, **kw)
+        return ddl_update(X, h, v, beta, **kw), None
 
 
 class Block(nn.Module):
@@ -399,9 +412,11 @@ class Block(nn.Module):
         self.res_mlp = Residual(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, X, pos=0, cache=None):
-        X = self.res_attn(X, lambda c: self.attn(c, pos, cache), cache)
-        return self.res_mlp(X, self.mlp, cache)
+    def forward(self, X, x_in=None, pos=0, cache=None, next_read=None):
+        """(stream, precomputed input or None) -> the same after attention and MLP (see Residual)."""
+        mlp_read = getattr(self.res_mlp, "compress", None)
+        X, x_in = self.res_attn(X, lambda c: self.attn(c, pos, cache), cache, x_in, mlp_read)
+        return self.res_mlp(X, self.mlp, cache, x_in, next_read)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -458,6 +473,12 @@ class GPT(nn.Module):
             emb = with_history(cache, self, emb, cfg.ddl_conv_size - 1)
         return expand_ec(emb, self.ec_conv, backend=cfg.backend)[:, emb.shape[1] - T :]
 
+    def reader_after(self, i):
+        """The Compressor that reads the DDL state after block i (None for additive)."""
+        if not self.config.is_ddl:
+            return None
+        return self.blocks[i + 1].res_attn.compress if i + 1 < len(self.blocks) else self.readout
+
     def hidden_states(self, idx, cache=None):
         """Final-normed features [B, T, d] of tokens idx; with a cache, idx continues the cached sequence."""
         cfg = self.config
@@ -465,10 +486,13 @@ class GPT(nn.Module):
         pos = 0 if cache is None else cache.pos
         if pos + T > cfg.block_size:
             raise ValueError(f"sequence of {pos + T} tokens exceeds block_size {cfg.block_size}")
-        X = self.embed(idx, cache)
-        for block in self.blocks:
-            X = block(X, pos, cache)
-        x = self.readout(X, cache) if cfg.is_ddl else X
+        X, x_in = self.embed(idx, cache), None
+        for i, block in enumerate(self.blocks):
+            X, x_in = block(X, x_in, pos, cache, next_read=self.reader_after(i))
+        if not cfg.is_ddl:
+            x = X
+        else:
+            x = x_in if x_in is not None else self.readout(X, cache)
         if cache is not None:
             cache.pos += T
         return self.ln_f(x)

@@ -2,8 +2,9 @@
 validation, checkpoints, parameter/FLOP counts. Cached decoding lives in tests/test_generate.py.
 
 Tiny models in float64 with every parameter perturbed away from its init (identity convs, zero gates and
-1/d_v reads would otherwise hide wiring mistakes). The kernels run on their PyTorch backend here; their
-Triton paths are tested against the same references in tests/test_ddl.py and tests/test_deltaformer.py.
+1/d_v reads would otherwise hide wiring mistakes). The kernels run on their PyTorch backend here, except
+one test that runs the whole model on the Triton kernels (the interpreter on CPU) against it; the kernels
+themselves are tested in tests/test_ddl.py and tests/test_deltaformer.py.
 """
 
 import dataclasses
@@ -97,7 +98,7 @@ def test_bf16_autocast_close_to_fp32():
     _, loss32 = model(idx, targets)
     seen = {}
     res = model.blocks[0].res_attn
-    hook = res.register_forward_hook(lambda m, args, out: seen.update(X=out.dtype))
+    hook = res.register_forward_hook(lambda m, args, out: seen.update(X=out[0].dtype))
     orig_gate = res.gate
     res.gate = lambda c: seen.setdefault("beta", orig_gate(c))
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -105,6 +106,35 @@ def test_bf16_autocast_close_to_fp32():
     hook.remove()
     assert seen["X"] == torch.float32 and seen["beta"].dtype == torch.float32
     assert torch.isfinite(loss16) and abs(loss16.item() - loss32.item()) < 0.05 * loss32.item()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(residual="ddl-cc", attention="softmax"),  # fused update + CC read, EC
+        dict(residual="ddl-tc", attention="deltaformer", deltaformer_kernel="relu"),
+        dict(residual="ddl", attention="deltaformer", deltaformer_w="proj", ddl_erase=False),
+    ],
+)
+def test_triton_backend_matches_torch_backend(overrides):
+    """The model wired to the Triton kernels (CUDA, or the interpreter on CPU) gives the reference's loss
+    and gradients: float32, so the tolerance is float32 rounding."""
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    results = {}
+    for backend in ("torch", "triton"):
+        torch.manual_seed(0)
+        model = GPT(tiny(backend=backend, **overrides)).to(device)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        idx, targets = tokens(T=9).to(device), tokens(T=9, seed=2).to(device)
+        logits, loss = model(idx, targets)
+        loss.backward()
+        results[backend] = logits, {n: p.grad for n, p in model.named_parameters()}
+    torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=1e-5, atol=1e-5)
+    for name, grad in results["torch"][1].items():
+        torch.testing.assert_close(results["triton"][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -136,7 +166,7 @@ def capture(model):
             rec = {"module": m}
             records.append(rec)
             hooks.append(
-                m.register_forward_hook(lambda mod, args, out, r=rec: r.update(X=args[0], X_new=out))
+                m.register_forward_hook(lambda mod, args, out, r=rec: r.update(X=args[0], X_new=out[0]))
             )
             hooks.append(
                 m.norm.register_forward_hook(lambda mod, args, out, r=rec: r.update(x_in=args[0], c=out))
