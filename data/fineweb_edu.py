@@ -1,0 +1,440 @@
+"""FineWeb-Edu -> GPT-2 token shards in llm.c's format, resumable.
+
+    python data/fineweb_edu.py --out data/fineweb_edu                     # streams sample-10BT from the Hub
+    python data/fineweb_edu.py --config sample-100BT --workers 16
+    python data/fineweb_edu.py --input DIR_OR_FILES ... --min-int-score 3 --shard-tokens 10000000
+
+Documents are read in input order (the Hub stream's order, or the --input files in the order given, a
+directory contributing its *.parquet / *.jsonl files recursively in sorted order), optionally filtered on
+`int_score`, tokenized by --workers processes (results are consumed in order, so the output does not
+depend on the worker count), and each one is written as EOT + its tokens into a stream of shards of
+--shard-tokens tokens: fineweb_edu_val_000000.bin, fineweb_edu_train_000001.bin, ... As in llm.c,
+documents straddle shard boundaries, so the shards concatenated in index order are exactly the token
+stream; shard 0 is the validation split; the last shard may be shorter.
+
+Resumable. A shard is built in memory and written under a temporary name, then renamed (data/shards.py),
+so a file with a final name is always complete. After each shard, fineweb_edu_state.json (written
+atomically too) records how many shards are done and where the next one starts: (document index in the
+input, token offset inside that document). It also holds a hash of the arguments that determine the
+output. Killed at any moment and re-run with the same arguments, the run skips the documents already in
+finished shards (re-tokenizing only the one that straddles) and ends with the same bytes as an
+uninterrupted run. Bad input stops the run with an InputError naming the file (and row/line): every input
+file's schema is checked before anything is written, so a broken or foreign file leaves no output at
+all; a bad row found later leaves only the finished shards and the state, never a partial shard.
+"""
+
+import argparse
+import collections
+import hashlib
+import json
+import multiprocessing
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from data.shards import write_shard  # noqa: E402
+from data.tokenizer import EOT, get_encoding  # noqa: E402
+
+HUB_DATASET = "HuggingFaceFW/fineweb-edu"
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fineweb_edu")
+STATE_NAME = "fineweb_edu_state.json"
+BATCH_DOCS = 64  # documents per tokenization task (~250 KB): amortizes IPC, keeps the workers evenly busy
+
+
+class InputError(ValueError):
+    """Malformed input; the message names the file (or the Hub dataset) and the row."""
+
+
+def shard_path(out, index):
+    split = "val" if index == 0 else "train"
+    return os.path.join(out, f"fineweb_edu_{split}_{index:06d}.bin")
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+def list_inputs(paths):
+    """Expand files and directories (recursively, sorted) into the ordered list of input files."""
+    files = []
+    for p in paths:
+        if os.path.isdir(p):
+            found = []
+            for root, dirs, names in os.walk(p):
+                dirs.sort()
+                found += [os.path.join(root, n) for n in sorted(names) if n.endswith((".parquet", ".jsonl"))]
+            if not found:
+                raise InputError(f"{p}: directory holds no .parquet or .jsonl files")
+            files += found
+        elif os.path.isfile(p):
+            if not p.endswith((".parquet", ".jsonl")):
+                raise InputError(f"{p}: unsupported input type (expected .parquet or .jsonl)")
+            files.append(p)
+        else:
+            raise InputError(f"{p}: no such file or directory")
+    return [os.path.abspath(f) for f in files]
+
+
+def check_input(path, need_int_score):
+    """Fail early, before any output exists, on a file that cannot be read or lacks the needed columns."""
+    if path.endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            schema = pq.ParquetFile(path).schema_arrow
+        except Exception as e:
+            raise InputError(f"{path}: not a readable parquet file ({e})") from e
+        columns = {"text": (pa.types.is_string, pa.types.is_large_string)}
+        if need_int_score:
+            columns["int_score"] = (pa.types.is_integer,)
+        for name, type_checks in columns.items():
+            if name not in schema.names:
+                raise InputError(f"{path}: no '{name}' column (columns: {', '.join(schema.names)})")
+            if not any(check(schema.field(name).type) for check in type_checks):
+                raise InputError(f"{path}: column '{name}' has type {schema.field(name).type}")
+    else:
+        try:
+            with open(path, encoding="utf-8") as f:
+                first = next((line for line in f if line.strip()), None)
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"{path}: cannot read as UTF-8 JSON lines ({e})") from e
+        if first is None:
+            raise InputError(f"{path}: empty jsonl file")
+        _parse_json_line(path, 1, first, need_int_score)
+
+
+def _parse_json_line(path, line_no, line, need_int_score):
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}:{line_no}: invalid JSON ({e.msg})") from e
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        raise InputError(f"{path}:{line_no}: record has no string field 'text'")
+    score = record.get("int_score")
+    if need_int_score and not (isinstance(score, int) and not isinstance(score, bool)):
+        raise InputError(f"{path}:{line_no}: record has no integer field 'int_score'")
+    return record["text"], score
+
+
+def _check_batch(where, first_row, texts, scores):
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise InputError(f"{where}: row {first_row + i}: 'text' is {type(t).__name__}, not a string")
+    if scores is not None:
+        for i, s in enumerate(scores):
+            if not isinstance(s, int):
+                raise InputError(f"{where}: row {first_row + i}: 'int_score' is {s!r}, not an integer")
+
+
+def read_files(files, start_doc, need_int_score, batch_docs=BATCH_DOCS):
+    """Yield (first_doc_index, texts, int_scores or None) in input order, from document `start_doc` on.
+
+    Documents before `start_doc` are skipped cheaply (whole files / row groups by their metadata)."""
+    import pyarrow.parquet as pq
+
+    doc = 0  # index of the next document in the whole input
+    for path in files:
+        if path.endswith(".parquet"):
+            columns = ["text"] + (["int_score"] if need_int_score else [])
+            try:
+                pf = pq.ParquetFile(path)
+                rg_rows = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
+                first_rg = 0  # skip whole row groups (and files) that lie before start_doc
+                while first_rg < len(rg_rows) and doc + rg_rows[first_rg] <= start_doc:
+                    doc += rg_rows[first_rg]
+                    first_rg += 1
+                if first_rg == len(rg_rows):
+                    continue
+                file_row = sum(rg_rows[:first_rg])
+                row_groups = list(range(first_rg, len(rg_rows)))
+                for batch in pf.iter_batches(batch_size=batch_docs, row_groups=row_groups, columns=columns):
+                    texts = batch.column("text").to_pylist()
+                    scores = batch.column("int_score").to_pylist() if need_int_score else None
+                    _check_batch(path, file_row, texts, scores)
+                    skip = max(0, start_doc - doc)
+                    if skip < len(texts):
+                        yield doc + skip, texts[skip:], scores[skip:] if scores is not None else None
+                    doc += len(texts)
+                    file_row += len(texts)
+            except InputError:
+                raise
+            except Exception as e:  # a corrupt page or row group
+                raise InputError(f"{path}: cannot read parquet data ({e})") from e
+        else:
+            texts, scores, first = [], [], doc
+            with open(path, encoding="utf-8") as f:
+                try:
+                    for line_no, line in enumerate(f, 1):
+                        if not line.strip():
+                            continue
+                        if doc >= start_doc:
+                            if not texts:
+                                first = doc
+                            text, score = _parse_json_line(path, line_no, line, need_int_score)
+                            texts.append(text)
+                            scores.append(score)
+                            if len(texts) == batch_docs:
+                                yield first, texts, scores if need_int_score else None
+                                texts, scores = [], []
+                        doc += 1
+                except UnicodeDecodeError as e:
+                    raise InputError(f"{path}: not UTF-8 text ({e})") from e
+            if texts:
+                yield first, texts, scores if need_int_score else None
+
+
+def read_hub(config, start_doc, need_int_score, batch_docs=BATCH_DOCS):
+    """Like read_files, streaming HuggingFaceFW/fineweb-edu (config e.g. sample-10BT) via `datasets`."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError("streaming from the Hub needs `pip install datasets` (or use --input)") from e
+    ds = datasets.load_dataset(HUB_DATASET, name=config, split="train", streaming=True)
+    if start_doc:
+        ds = ds.skip(start_doc)
+    where = f"{HUB_DATASET} ({config})"
+    doc = start_doc
+    texts, scores = [], []
+    for record in ds:
+        texts.append(record.get("text"))
+        scores.append(record.get("int_score"))
+        if len(texts) == batch_docs:
+            _check_batch(where, doc, texts, scores if need_int_score else None)
+            yield doc, texts, scores if need_int_score else None
+            doc += len(texts)
+            texts, scores = [], []
+    if texts:
+        _check_batch(where, doc, texts, scores if need_int_score else None)
+        yield doc, texts, scores if need_int_score else None
+
+
+# ---------------------------------------------------------------------------------------- tokenizing
+
+
+def tokenize_docs(texts):
+    """EOT + tokens of every text, concatenated (uint16); per-document lengths; UTF-8 bytes read."""
+    enc = get_encoding()
+    lengths = np.empty(len(texts), dtype=np.int64)
+    ids = []
+    nbytes = 0
+    for i, text in enumerate(texts):
+        tokens = enc.encode_ordinary(text)
+        ids.append(EOT)
+        ids.extend(tokens)
+        lengths[i] = len(tokens) + 1
+        nbytes += len(text.encode("utf-8"))
+    return np.array(ids, dtype=np.uint16), lengths, nbytes
+
+
+def _init_worker():
+    get_encoding()  # build the encoding once per process, before the first task
+
+
+def make_pool(workers):
+    """A process pool for tokenize_docs, or None for workers <= 1 (tokenize in this process).
+
+    Linux forks (instant start; no re-import of __main__, so it also works from a notebook or stdin);
+    prepare() makes the pool before it reads any input or starts tqdm, i.e. while this process has no
+    other threads, which is what makes forking safe. Elsewhere: spawn."""
+    if workers <= 1:
+        return None
+    method = "fork" if sys.platform.startswith("linux") else "spawn"
+    return multiprocessing.get_context(method).Pool(workers, initializer=_init_worker)
+
+
+def tokenized(batches, min_int_score, pool, workers):
+    """Yield (doc_indices, tokens, lengths, nbytes) for the documents that pass the filter, in order.
+
+    With a pool, at most 4 tasks per worker are in flight, so memory stays bounded whatever the input."""
+
+    def tasks():
+        for first, texts, scores in batches:
+            index = np.arange(first, first + len(texts), dtype=np.int64)
+            if min_int_score is not None:
+                keep = [i for i, s in enumerate(scores) if s >= min_int_score]
+                index = index[keep]
+                texts = [texts[i] for i in keep]
+            if texts:
+                yield index, texts
+
+    if pool is None:
+        for index, texts in tasks():
+            yield (index, *tokenize_docs(texts))
+        return
+    pending = collections.deque()
+    for index, texts in tasks():
+        pending.append((index, pool.apply_async(tokenize_docs, (texts,))))
+        if len(pending) >= 4 * workers:
+            index, result = pending.popleft()
+            yield (index, *result.get())
+    while pending:
+        index, result = pending.popleft()
+        yield (index, *result.get())
+
+
+# -------------------------------------------------------------------------------------------- driver
+
+
+def _write_json_atomic(path, obj):
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def prepare(
+    out,
+    inputs=None,
+    config="sample-10BT",
+    shard_tokens=100_000_000,
+    min_int_score=None,
+    workers=1,
+    progress=True,
+    on_shard=None,
+):
+    """Write the shards into `out` (resuming from its state file); return the list of shard paths.
+
+    inputs: local .parquet/.jsonl files or directories (None: stream `config` from the Hub).
+    on_shard(index, path): test hook, called after a shard file is written, before the state records it.
+    """
+    if shard_tokens < 1:
+        raise ValueError(f"--shard-tokens must be >= 1, got {shard_tokens}")
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    need_int_score = min_int_score is not None
+    if inputs is not None:
+        files = list_inputs(inputs)
+        for f in files:
+            check_input(f, need_int_score)
+        source = {"inputs": files}
+    else:
+        source = {"hub": HUB_DATASET, "config": config}
+    # Everything that determines the output bytes (not --workers: the output does not depend on it).
+    args = {**source, "shard_tokens": shard_tokens, "min_int_score": min_int_score, "tokenizer": "gpt2"}
+    args_hash = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()
+
+    os.makedirs(out, exist_ok=True)
+    state_path = os.path.join(out, STATE_NAME)
+    for name in os.listdir(out):  # temporary files of a killed run
+        if name.startswith("fineweb_edu_") and ".tmp." in name:
+            os.remove(os.path.join(out, name))
+    if os.path.exists(state_path):
+        with open(state_path) as f:
+            state = json.load(f)
+        if state.get("args_hash") != args_hash:
+            raise ValueError(
+                f"{state_path} was written by a run with different arguments ({state.get('args')}); "
+                "re-run with those, or use an empty --out directory"
+            )
+    else:
+        stale = [n for n in os.listdir(out) if n.startswith("fineweb_edu_") and n.endswith(".bin")]
+        if stale:
+            raise ValueError(f"{out} holds shards ({stale[0]}, ...) but no {STATE_NAME}; use an empty --out")
+        state = {"args": args, "args_hash": args_hash, "shards_done": 0, "next_doc": 0, "next_offset": 0}
+        state.update(tokens=0, complete=False)
+        _write_json_atomic(state_path, state)  # before the first shard, so a shard never lacks a state
+    if state["complete"]:
+        print(f"{out}: already complete ({state['shards_done']} shards, {state['tokens']:,} tokens)")
+        return [shard_path(out, i) for i in range(state["shards_done"])]
+    if state["shards_done"]:
+        print(f"resuming after {state['shards_done']} shards, at document {state['next_doc']:,}")
+
+    def finish_shard(tokens, next_doc, next_offset):
+        index = state["shards_done"]
+        path = shard_path(out, index)
+        write_shard(path, tokens)
+        if on_shard is not None:
+            on_shard(index, path)
+        state.update(shards_done=index + 1, next_doc=int(next_doc), next_offset=int(next_offset))
+        state["tokens"] += len(tokens)
+        _write_json_atomic(state_path, state)
+
+    start_doc, skip = state["next_doc"], state["next_offset"]
+    pool = make_pool(workers)  # first: before anything starts threads (see make_pool)
+    try:
+        if inputs is not None:
+            batches = read_files(files, start_doc, need_int_score)
+        else:
+            batches = read_hub(config, start_doc, need_int_score)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(unit=" docs", desc="fineweb-edu", dynamic_ncols=True)
+        buf = np.empty(shard_tokens, dtype=np.uint16)
+        fill, tokens_seen, bytes_seen, t0 = 0, 0, 0, time.time()
+        for index, tokens, lengths, nbytes in tokenized(batches, min_int_score, pool, workers):
+            ends = np.cumsum(lengths)  # end of each document inside `tokens`
+            pos = 0
+            if skip:  # the document that straddled the last finished shard: its head is already written
+                assert index[0] == start_doc, "resume position out of sync with the input"
+                pos, skip = skip, 0
+            while pos < len(tokens):
+                take = min(shard_tokens - fill, len(tokens) - pos)
+                buf[fill : fill + take] = tokens[pos : pos + take]
+                fill += take
+                pos += take
+                if fill == shard_tokens:
+                    k = int(np.searchsorted(ends, pos, side="right"))  # documents finished by `pos`
+                    if k == len(index):
+                        finish_shard(buf, index[-1] + 1, 0)
+                    else:
+                        finish_shard(buf, index[k], pos - (ends[k - 1] if k else 0))
+                    fill = 0
+            tokens_seen += len(tokens)
+            bytes_seen += nbytes
+            if bar is not None:
+                mb_s = bytes_seen / 1e6 / max(time.time() - t0, 1e-9)
+                bar.set_postfix_str(f"{tokens_seen:,} tokens, {state['shards_done']} shards, {mb_s:.1f} MB/s")
+                bar.update(len(index))
+        if bar is not None:
+            bar.close()
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    if fill or state["shards_done"] == 0:
+        if fill == 0:
+            raise InputError("no documents in the input (after the --min-int-score filter)")
+        finish_shard(buf[:fill], state["next_doc"], 0)  # the position no longer matters: complete below
+    state["complete"] = True
+    _write_json_atomic(state_path, state)
+    n = state["shards_done"]
+    print(f"{out}: {n} shards ({n - 1} train + 1 val), {state['tokens']:,} tokens")
+    if n == 1:
+        print("warning: everything fits in the validation shard; lower --shard-tokens to get train shards")
+    return [shard_path(out, i) for i in range(n)]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="FineWeb-Edu -> GPT-2 token shards (llm.c format), resumable")
+    p.add_argument("--out", default=DEFAULT_OUT, help="output directory (default data/fineweb_edu)")
+    p.add_argument("--config", default="sample-10BT", help=f"{HUB_DATASET} config to stream")
+    p.add_argument("--input", nargs="+", help="local .parquet/.jsonl files or directories instead of the Hub")
+    p.add_argument("--min-int-score", type=int, default=None, help="keep documents with int_score >= this")
+    p.add_argument("--shard-tokens", type=int, default=100_000_000)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        prepare(
+            a.out,
+            inputs=a.input,
+            config=a.config,
+            shard_tokens=a.shard_tokens,
+            min_int_score=a.min_int_score,
+            workers=a.workers,
+            progress=not a.no_progress,
+        )
+    except (InputError, ValueError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

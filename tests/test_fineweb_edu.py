@@ -1,0 +1,282 @@
+"""data/fineweb_edu.py on parquet/jsonl files written here in FineWeb-Edu's schema.
+
+The reference for every run is the obvious one: EOT + encode_ordinary(text) of each kept document in
+input order, concatenated; the shards, concatenated in index order, must be exactly that.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from data import fineweb_edu
+from data.fineweb_edu import InputError, prepare
+from data.shards import read_shard
+from data.tokenizer import EOT, get_encoding
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARD = 997  # tiny shards: many boundaries, most of them inside a document
+
+
+def make_docs(n, seed):
+    rng = np.random.default_rng(seed)
+    words = [
+        "the",
+        "cat",
+        "naïve",
+        "café",
+        "中文",
+        "🙂",
+        "it's",
+        "  ",
+        "\n",
+        "1234",
+        "<|endoftext|>",
+        "Delta",
+    ]
+    docs = []
+    for _ in range(n):
+        k = int(rng.integers(1, 120))
+        docs.append(" ".join(words[i] for i in rng.integers(0, len(words), size=k)))
+    return docs, rng.integers(0, 6, size=n).tolist()
+
+
+def write_parquet(path, docs, scores, row_group_size=7):
+    n = len(docs)
+    table = pa.table(
+        {
+            "text": docs,
+            "id": [f"<urn:uuid:{i:08d}>" for i in range(n)],
+            "dump": ["CC-MAIN-2024-10"] * n,
+            "url": [f"https://example.com/{i}" for i in range(n)],
+            "date": ["2024-02-20T12:00:00Z"] * n,
+            "file_path": ["s3://commoncrawl/crawl-data/x.warc.gz"] * n,
+            "language": ["en"] * n,
+            "language_score": pa.array([0.95] * n, pa.float64()),
+            "token_count": pa.array([len(d) for d in docs], pa.int64()),
+            "score": pa.array([s + 0.3 for s in scores], pa.float64()),
+            "int_score": pa.array(scores, pa.int64()),
+        }
+    )
+    pq.write_table(table, path, row_group_size=row_group_size)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Three parquet files (different row-group sizes) and the docs/scores in input order."""
+    d = tmp_path_factory.mktemp("fineweb_in")
+    files, docs, scores = [], [], []
+    for i, (n, rg) in enumerate([(40, 7), (25, 100), (35, 3)]):
+        dd, ss = make_docs(n, seed=i)
+        path = str(d / f"part_{i}.parquet")
+        write_parquet(path, dd, ss, rg)
+        files.append(path)
+        docs += dd
+        scores += ss
+    return files, docs, scores
+
+
+def reference_stream(docs, scores=None, min_int_score=None):
+    enc = get_encoding()
+    out = []
+    for i, doc in enumerate(docs):
+        if min_int_score is None or scores[i] >= min_int_score:
+            out += [EOT] + enc.encode_ordinary(doc)
+    return np.array(out, dtype=np.uint16)
+
+
+def shard_bytes(out):
+    return {n: open(os.path.join(out, n), "rb").read() for n in sorted(os.listdir(out)) if n.endswith(".bin")}
+
+
+def check_output(out, expected, shard_tokens=SHARD):
+    names = sorted(n for n in os.listdir(out) if n.endswith(".bin"))
+    n = -(-len(expected) // shard_tokens)
+    assert names == sorted(
+        [f"fineweb_edu_val_{0:06d}.bin"] + [f"fineweb_edu_train_{i:06d}.bin" for i in range(1, n)]
+    )
+    shards = [read_shard(fineweb_edu.shard_path(out, i)) for i in range(n)]
+    assert all(len(s) == shard_tokens for s in shards[:-1]) and 0 < len(shards[-1]) <= shard_tokens
+    assert np.array_equal(np.concatenate(shards), expected)
+    assert not [f for f in os.listdir(out) if ".tmp" in f]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_shards_are_the_token_stream(corpus, tmp_path, workers):
+    files, docs, scores = corpus
+    out = str(tmp_path / "out")
+    paths = prepare(out, inputs=files, shard_tokens=SHARD, workers=workers, progress=workers == 2)
+    expected = reference_stream(docs)
+    check_output(out, expected)
+    assert len(paths) > 5 and paths[0].endswith("fineweb_edu_val_000000.bin")
+    # a directory input reads the same files in sorted order; re-running a finished run is a no-op
+    out2 = str(tmp_path / "out2")
+    prepare(out2, inputs=[os.path.dirname(files[0])], shard_tokens=SHARD, progress=False)
+    assert shard_bytes(out2) == shard_bytes(out)
+    before = shard_bytes(out2)
+    prepare(out2, inputs=[os.path.dirname(files[0])], shard_tokens=SHARD, progress=False)
+    assert shard_bytes(out2) == before
+
+
+def test_min_int_score(corpus, tmp_path):
+    files, docs, scores = corpus
+    out = str(tmp_path / "out")
+    prepare(out, inputs=files, shard_tokens=SHARD, min_int_score=3, workers=2, progress=False)
+    expected = reference_stream(docs, scores, 3)
+    assert len(expected) < len(reference_stream(docs))
+    check_output(out, expected)
+
+
+def test_jsonl_input_matches_parquet(corpus, tmp_path):
+    files, docs, scores = corpus
+    path = tmp_path / "docs.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for i, (d, s) in enumerate(zip(docs, scores)):
+            f.write(json.dumps({"text": d, "id": str(i), "int_score": s}) + "\n")
+            if i == 10:
+                f.write("\n")  # blank lines are not records
+    out = str(tmp_path / "out")
+    prepare(out, inputs=[str(path)], shard_tokens=SHARD, min_int_score=2, progress=False)
+    check_output(out, reference_stream(docs, scores, 2))
+
+
+@pytest.mark.parametrize("kill_at", [0, 3, 9])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_interrupted_run_resumes_to_identical_shards(corpus, tmp_path, kill_at, workers):
+    files, docs, scores = corpus
+    full = str(tmp_path / "full")
+    prepare(full, inputs=files, shard_tokens=SHARD, min_int_score=1, progress=False)
+
+    class Crash(Exception):
+        pass
+
+    def crash(index, path):  # the worst moment: shard written, state not yet updated
+        if index == kill_at:
+            raise Crash
+
+    out = str(tmp_path / "out")
+    with pytest.raises(Crash):
+        prepare(out, inputs=files, shard_tokens=SHARD, min_int_score=1, workers=workers, on_shard=crash)
+    assert len(shard_bytes(out)) == kill_at + 1
+    with open(os.path.join(out, "fineweb_edu_state.json")) as f:
+        assert json.load(f)["shards_done"] == kill_at
+    open(os.path.join(out, "fineweb_edu_train_000099.bin.tmp.123"), "wb").close()  # debris of a kill
+    prepare(out, inputs=files, shard_tokens=SHARD, min_int_score=1, workers=3 - workers, progress=False)
+    assert shard_bytes(out) == shard_bytes(full)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(full))
+
+
+def test_sigkill_then_cli_resume(corpus, tmp_path):
+    """A real SIGKILL mid-run (after shard 4 is written, before its state), then the CLI resumes."""
+    files, docs, scores = corpus
+    out = str(tmp_path / "out")
+    script = (
+        f"import os, signal, sys; sys.path.insert(0, {ROOT!r})\n"
+        "from data.fineweb_edu import prepare\n"
+        "def kill(i, p):\n"
+        "    if i == 4: os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"prepare({out!r}, inputs={files!r}, shard_tokens={SHARD}, progress=False, on_shard=kill)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL
+    assert len(shard_bytes(out)) == 5
+    cli = [sys.executable, os.path.join(ROOT, "data", "fineweb_edu.py"), "--out", out, "--input", *files]
+    proc = subprocess.run(
+        cli + ["--shard-tokens", str(SHARD), "--workers", "2"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "resuming after 4 shards" in proc.stdout
+    check_output(out, reference_stream(docs))
+    # other arguments against the same directory are refused
+    proc = subprocess.run(cli + ["--shard-tokens", "500"], capture_output=True, text=True)
+    assert proc.returncode != 0 and "different arguments" in proc.stderr
+
+
+def test_malformed_files_named_and_no_output(corpus, tmp_path):
+    files, docs, scores = corpus
+    garbage = tmp_path / "broken.parquet"
+    garbage.write_bytes(b"PAR1 this is not parquet")
+    no_text = tmp_path / "no_text.parquet"
+    pq.write_table(pa.table({"content": ["a", "b"]}), no_text)
+    no_score = tmp_path / "no_score.parquet"
+    pq.write_table(pa.table({"text": ["a", "b"]}), no_score)
+    cases = [
+        ([files[0], str(garbage)], None, "broken.parquet"),
+        ([files[0], str(no_text)], None, "no_text.parquet: no 'text' column"),
+        ([str(no_score)], 3, "no_score.parquet: no 'int_score' column"),
+        ([str(tmp_path / "missing.parquet")], None, "missing.parquet: no such file"),
+        ([str(tmp_path / "notes.txt")], None, "notes.txt"),
+    ]
+    (tmp_path / "notes.txt").write_text("x")
+    for i, (inputs, min_score, message) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        with pytest.raises(InputError, match=message):
+            prepare(str(out), inputs=inputs, shard_tokens=SHARD, min_int_score=min_score, progress=False)
+        assert not out.exists() or not os.listdir(out)
+
+
+def test_bad_row_found_late_leaves_no_partial_shard(corpus, tmp_path):
+    files, docs, scores = corpus
+    many = (docs * 3)[:200]
+    bad = tmp_path / "late.jsonl"
+    lines = [json.dumps({"text": d}) for d in many]
+    lines.insert(180, '{"text": "unterminated')
+    bad.write_text("\n".join(lines) + "\n")
+    null_text = tmp_path / "null.parquet"
+    write_parquet(str(null_text), docs[:30], scores[:30])
+    table = pq.read_table(null_text)
+    table = table.set_column(0, "text", pa.array(docs[:25] + [None] + docs[26:30], pa.string()))
+    pq.write_table(table, null_text, row_group_size=7)
+    cases = [(bad, 1, r"late.jsonl:181: invalid JSON"), (null_text, 2, r"null.parquet: row 25: 'text'")]
+    for path, workers, message in cases:
+        out = tmp_path / ("out_" + path.stem)
+        with pytest.raises(InputError, match=message):
+            prepare(str(out), inputs=[str(path)], shard_tokens=SHARD, workers=workers, progress=False)
+        # only complete shards (each exactly SHARD tokens, from the docs before the bad row) remain
+        names = [n for n in os.listdir(out) if n.endswith(".bin")]
+        assert not [n for n in os.listdir(out) if ".tmp" in n]
+        if workers == 1:  # in-process: the 128 documents of the first two batches were written out
+            assert len(names) >= 10
+        for i in range(len(names)):
+            got = read_shard(fineweb_edu.shard_path(str(out), i))
+            assert np.array_equal(got, reference_stream(many[:180])[i * SHARD : (i + 1) * SHARD])
+
+
+def test_hub_path_is_lazy_and_uses_datasets(monkeypatch, tmp_path):
+    """The default (Hub) path streams through `datasets`; a fake module stands in for the network."""
+    import types
+
+    docs, scores = make_docs(30, seed=5)
+    calls = {}
+
+    class FakeStream:
+        def __init__(self, start=0):
+            self.start = start
+
+        def skip(self, n):
+            return FakeStream(self.start + n)
+
+        def __iter__(self):
+            for d, s in zip(docs[self.start :], scores[self.start :]):
+                yield {"text": d, "int_score": s, "id": "x"}
+
+    def load_dataset(path, name=None, **kw):
+        calls.update(path=path, name=name, **kw)
+        return FakeStream()
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    out = str(tmp_path / "hub")
+    prepare(out, config="sample-10BT", shard_tokens=SHARD, progress=False)
+    assert calls == {
+        "path": "HuggingFaceFW/fineweb-edu",
+        "name": "sample-10BT",
+        "split": "train",
+        "streaming": True,
+    }
+    check_output(out, reference_stream(docs))
