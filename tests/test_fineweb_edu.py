@@ -248,35 +248,32 @@ def test_bad_row_found_late_leaves_no_partial_shard(corpus, tmp_path):
             assert np.array_equal(got, reference_stream(many[:180])[i * SHARD : (i + 1) * SHARD])
 
 
-def test_hub_path_is_lazy_and_uses_datasets(monkeypatch, tmp_path):
-    """The default (Hub) path streams through `datasets`; a fake module stands in for the network."""
-    import types
-
-    docs, scores = make_docs(30, seed=5)
-    calls = {}
-
-    class FakeStream:
-        def __init__(self, start=0):
-            self.start = start
-
-        def skip(self, n):
-            return FakeStream(self.start + n)
-
-        def __iter__(self):
-            for d, s in zip(docs[self.start :], scores[self.start :]):
-                yield {"text": d, "int_score": s, "id": "x"}
+def test_hub_path_streams_through_datasets(monkeypatch, corpus, tmp_path):
+    """The default path streams the Hub through `datasets`. Offline, load_dataset is redirected to a
+    real streaming IterableDataset over the local parquet files, so `datasets`' iteration and .skip()
+    (used on resume) are the library's own."""
+    datasets = pytest.importorskip("datasets")
+    files, docs, scores = corpus
+    real_load = datasets.load_dataset
+    calls = []
 
     def load_dataset(path, name=None, **kw):
-        calls.update(path=path, name=name, **kw)
-        return FakeStream()
+        calls.append(dict(path=path, name=name, **kw))
+        return real_load("parquet", data_files=files, split="train", streaming=True)
 
-    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+
+    class Crash(Exception):
+        pass
+
+    def crash(index, path):
+        if index == 3:
+            raise Crash
+
     out = str(tmp_path / "hub")
-    prepare(out, config="sample-10BT", shard_tokens=SHARD, progress=False)
-    assert calls == {
-        "path": "HuggingFaceFW/fineweb-edu",
-        "name": "sample-10BT",
-        "split": "train",
-        "streaming": True,
-    }
+    with pytest.raises(Crash):
+        prepare(out, config="sample-10BT", shard_tokens=SHARD, progress=False, on_shard=crash)
+    prepare(out, config="sample-10BT", shard_tokens=SHARD, workers=2, progress=False)
+    expected = dict(path="HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train", streaming=True)
+    assert calls == [expected, expected]
     check_output(out, reference_stream(docs))
