@@ -174,26 +174,34 @@ def deltaformer_attention(q, k, v, w, beta, kernel="softmax", scale=None, backen
 # Triton path: stage 1 (u) forward and backward in Triton; stage 2 stays SDPA (FlashAttention on CUDA).
 #
 # The rows are cut into chunks of C. Chunk c of one (batch, head) needs the u of every earlier chunk, so
-# chunks are sequential, but most of a chunk's work (scores against earlier keys, A @ u) only needs chunks
-# that finished long before. So every (chunk, batch*head) tile is its own program (a wavefront): a tile
-# takes whatever earlier chunks are published in a loop with no synchronisation inside, then waits for
-# the next one: the critical path is about one block product plus one in-chunk solve per chunk, and all
-# other work overlaps it. Each program takes a ticket from an
-# atomic counter and maps it to (chunk, batch*head) in chunk order, so a tile only ever waits on tiles
-# holding smaller tickets, which are already running: no deadlock, whatever the number of resident
-# programs. Each (batch, head) has a progress counter (chunks published): a tile publishes with a release
-# after a barrier, readers spin on an acquire. A spin that never ends (a bug) gives up and writes NaN.
+# chunks are sequential; but the in-chunk matrices and the softmax row statistics depend only on w, k and
+# beta, and most of a chunk's remaining work (scores against earlier keys, A @ u) only needs chunks that
+# finished long before. Hence, forward:
+#   1. `_prep_kernel`, fully parallel over (chunk, batch*head): the softmax log-sum-exp of every row over
+#      j < i, and X_c = (I + diag(beta_c) A_cc)^-1 for every chunk.
+#   2. `_fwd_kernel`, a wavefront: every (chunk, batch*head) tile is its own program; it takes whatever
+#      earlier chunks are already published in a loop with no synchronisation inside (which the compiler
+#      may software-pipeline safely), then waits for the next one. Once all are in,
+#      u_c = X_c (v_c - beta_c * sum_{j < chunk} A_cj u_j); it publishes u_c, then computes
+#      h_c = sum_{j<i} A_ij u_j for the backward. The critical path per chunk is one block of scores and
+#      A @ u plus one product with X_c.
+# Each program takes a ticket from an atomic counter and maps it to (chunk, batch*head) in chunk order, so
+# a tile only waits on tiles holding smaller tickets, which are already running: no deadlock, whatever the
+# number of resident programs. Each (batch, head) has a progress counter (chunks published): a tile
+# publishes with a release after a barrier; readers spin on an acquire. A spin that never ends (a bug)
+# gives up and writes NaN.
 #
-# In-chunk solve: N = diag(beta_c) A_cc is strictly lower triangular (nilpotent), so
+# In-chunk inverse: N = diag(beta_c) A_cc is strictly lower triangular (nilpotent), so
 # (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...(I + N^(C/2)): log2(C) rounds of matrix products on the tensor
-# cores instead of C dependent row updates. The inverse is saved for the backward (C*C per chunk).
+# cores instead of C dependent row updates; X_c is saved for the backward (C*C per chunk).
 #
 # Backward, with M = I + diag(beta) A, U = M^-1 V, G = M^-T dU:
-#   dV = G, found anti-causally: G_j = dU_j - sum_{i>j} A_ij beta_i G_i (the same wavefront, reversed);
-#   dA_ij = -beta_i <G_i, u_j>;  dbeta_i = -<G_i, h_i>, h_i = sum_{j<i} A_ij u_j (saved in the forward);
-#   softmax: dS_ij = A_ij (dA_ij - sum_j' A_ij' dA_ij') = A_ij (dA_ij + beta_i <G_i, h_i>)  (rows need lse);
-#   relu: dS = dA [S > 0];  linear: dS = dA;  then dW = s dS K and dK = s dS^T W.
-# The backward tile of chunk c (columns j) accumulates dK_c on its way; dW comes from a row-parallel kernel.
+#   dV = G, found anti-causally: G_j = dU_j - sum_{i>j} A_ij beta_i G_i: the same wavefront, reversed
+#   (`_bwd_g_kernel`), with G_c = X_c^T (dU_c - ...);
+#   dA_ij = -beta_i <G_i, u_j>;  dbeta_i = -<G_i, h_i>;
+#   softmax: dS_ij = A_ij (dA_ij - sum_j' A_ij' dA_ij') = A_ij (dA_ij + beta_i <G_i, h_i>);
+#   relu: dS = dA [S > 0];  linear: dS = dA;  then dK = s dS^T W (`_dk_kernel`, parallel over column
+#   chunks) and dW = s dS K (`_dw_kernel`, parallel over row chunks).
 
 _TRITON_PATH_WRITTEN = True
 _KERNEL_IDS = {"softmax": 0, "relu": 1, "linear": 2}
@@ -231,6 +239,26 @@ if _triton_available():
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
 
     @triton.jit
+    def _kappa(s, valid, lse, KERNEL: tl.constexpr):
+        """The first-stage kernel on a block of scaled scores; 0 where not valid. lse: [rows] (softmax)."""
+        if KERNEL == 0:
+            return tl.exp(tl.where(valid, s - lse[:, None], float("-inf")))
+        elif KERNEL == 1:
+            return tl.where(valid, tl.maximum(s, 0.0), 0.0)
+        else:
+            return tl.where(valid, s, 0.0)
+
+    @triton.jit
+    def _dscores(a, s, da, rowterm, valid, KERNEL: tl.constexpr):
+        """dS from dA for one block: softmax A (dA + rowterm), relu dA [S > 0], linear dA; 0 if not valid."""
+        if KERNEL == 0:
+            return a * (da + rowterm[:, None])
+        elif KERNEL == 1:
+            return tl.where(valid & (s > 0), da, 0.0)
+        else:
+            return tl.where(valid, da, 0.0)
+
+    @triton.jit
     def _unit_lower_inverse(n, C: tl.constexpr, LOG2C: tl.constexpr, PREC: tl.constexpr):
         """(I + n)^-1 for strictly lower triangular n [C, C]: the finite Neumann series, by squaring."""
         offs = tl.arange(0, C)
@@ -243,102 +271,110 @@ if _triton_available():
         return x
 
     @triton.jit
+    def _prep_kernel(
+        W, K, Beta, LSE, Xinv, scale, T, NC,
+        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, PREC: tl.constexpr,
+    ):  # fmt: skip
+        c = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        offs_c = tl.arange(0, C)
+        offs_d = tl.arange(0, D)
+        rows = c * C + offs_c
+        rmask = rows < T
+        tile = bh * T * D + rows[:, None] * D + offs_d[None, :]
+        w = tl.load(W + tile, mask=rmask[:, None], other=0.0)
+        k_c = tl.load(K + tile, mask=rmask[:, None], other=0.0)
+        b = tl.load(Beta + bh * T + rows, mask=rmask, other=0.0).to(tl.float32)
+        lower = offs_c[:, None] > offs_c[None, :]
+        s_cc = tl.dot(w, tl.trans(k_c), input_precision=PREC) * scale
+        lse = tl.zeros((C,), dtype=tl.float32)
+        if KERNEL == 0:
+            m = tl.maximum(tl.max(tl.where(lower, s_cc, -1e30), axis=1), -1e30)
+            l = tl.sum(tl.exp(tl.where(lower, s_cc - m[:, None], float("-inf"))), axis=1)
+            for cp in range(0, c):
+                k_p = tl.load(K + bh * T * D + (cp * C + offs_c)[:, None] * D + offs_d[None, :])
+                s = tl.dot(w, tl.trans(k_p), input_precision=PREC) * scale
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+                m = m_new
+            lse = m + tl.log(tl.where(l > 0, l, 1.0))  # row 0 of the sequence has no j < i
+            tl.store(LSE + bh * T + rows, lse, mask=rmask)
+        a_cc = _kappa(s_cc, lower, lse, KERNEL)
+        x = _unit_lower_inverse(b[:, None] * a_cc, C, LOG2C, PREC)
+        tl.store(Xinv + (bh * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :], x)
+
+    @triton.jit
     def _fwd_kernel(
         W, K, V, Beta, U, U32, Hs, LSE, Xinv, Prog, Ticket, scale, T, NC, BH,
-        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr,
+        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
         LOWP: tl.constexpr, PREC: tl.constexpr, SPIN_LIMIT: tl.constexpr,
     ):  # fmt: skip
         ticket = tl.atomic_add(Ticket, 1)
         c = ticket // BH
         bh = ticket % BH
+        bh64 = bh.to(tl.int64)
         offs_c = tl.arange(0, C)
         offs_d = tl.arange(0, D)
         rows = c * C + offs_c
         rmask = rows < T
-        base = bh.to(tl.int64) * T * D
-        tile = base + rows[:, None] * D + offs_d[None, :]
+        tile = bh64 * T * D + rows[:, None] * D + offs_d[None, :]
         w = tl.load(W + tile, mask=rmask[:, None], other=0.0)
-        k_c = tl.load(K + tile, mask=rmask[:, None], other=0.0)
-        b = tl.load(Beta + bh.to(tl.int64) * T + rows, mask=rmask, other=0.0).to(tl.float32)
-        lower = offs_c[:, None] > offs_c[None, :]
-        s_cc = tl.dot(w, tl.trans(k_c), input_precision=PREC) * scale
-        acc = tl.zeros((C, D), dtype=tl.float32)
-        m = tl.full((C,), -1e30, tl.float32)
-        l = tl.zeros((C,), dtype=tl.float32)
+        lse = tl.zeros((C,), dtype=tl.float32)
         if KERNEL == 0:
-            m = tl.maximum(m, tl.max(tl.where(lower, s_cc, -1e30), axis=1))
+            lse = tl.load(LSE + bh64 * T + rows, mask=rmask, other=0.0)
+        everything = offs_c[:, None] >= 0  # earlier chunks: every j < i
+        acc = tl.zeros((C, D), dtype=tl.float32)
         done = ticket * 0  # earlier chunks consumed
         ok = done + 1
         while done < c:
-            # wait for one more published chunk, then take all published ones in a loop with no
-            # synchronisation inside, which the compiler may software-pipeline safely
             seen = _wait_progress(Prog + bh, done + 1, SPIN_LIMIT)
             ok = ok & (seen > done).to(tl.int32)
             ready = tl.where(seen > done, tl.minimum(seen, c), c)
             for cp in range(done, ready):
-                prev = base + (cp * C + offs_c)[:, None] * D + offs_d[None, :]
+                prev = bh64 * T * D + (cp * C + offs_c)[:, None] * D + offs_d[None, :]
                 k_p = tl.load(K + prev)
                 s = tl.dot(w, tl.trans(k_p), input_precision=PREC) * scale
-                if KERNEL == 0:  # online softmax, as in FlashAttention
-                    m_new = tl.maximum(m, tl.max(s, axis=1))
-                    alpha = tl.exp(m - m_new)
-                    p = tl.exp(s - m_new[:, None])
-                    l = l * alpha + tl.sum(p, axis=1)
-                    acc = acc * alpha[:, None]
-                    m = m_new
-                elif KERNEL == 1:
-                    p = tl.maximum(s, 0.0)
-                else:
-                    p = s
+                p = _kappa(s, everything, lse, KERNEL)
                 if LOWP:
                     u_p = tl.load(U + prev, cache_modifier=".cg")
                 else:
                     u_p = tl.load(U32 + prev, cache_modifier=".cg")
                 acc += _mm(p, u_p, W, LOWP, PREC)
             done = ready
-        if KERNEL == 0:
-            p_cc = tl.exp(tl.where(lower, s_cc - m[:, None], float("-inf")))
-            l = l + tl.sum(p_cc, axis=1)
-            l_safe = tl.where(l > 0, l, 1.0)  # row 0 of the sequence has no j < i
-            a_cc = p_cc / l_safe[:, None]
-            acc = acc / l_safe[:, None]
-            tl.store(LSE + bh.to(tl.int64) * T + rows, m + tl.log(l_safe), mask=rmask)
-        elif KERNEL == 1:
-            a_cc = tl.where(lower, tl.maximum(s_cc, 0.0), 0.0)
-        else:
-            a_cc = tl.where(lower, s_cc, 0.0)
-        x = _unit_lower_inverse(b[:, None] * a_cc, C, LOG2C, PREC)
+        b = tl.load(Beta + bh64 * T + rows, mask=rmask, other=0.0).to(tl.float32)
         v = tl.load(V + tile, mask=rmask[:, None], other=0.0).to(tl.float32)
+        x = tl.load(Xinv + (bh64 * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :])
         u = tl.dot(x, v - b[:, None] * acc, input_precision=PREC)
-        h = acc + tl.dot(a_cc, u, input_precision=PREC)
         u = tl.where(ok != 0, u, float("nan"))
         tl.store(U + tile, u.to(U.dtype.element_ty), mask=rmask[:, None])
-        tl.store(U32 + tile, u, mask=rmask[:, None])
-        tl.store(Hs + tile, h, mask=rmask[:, None])
-        xoffs = (bh.to(tl.int64) * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :]
-        tl.store(Xinv + xoffs, x)
+        if not LOWP:
+            tl.store(U32 + tile, u, mask=rmask[:, None])
         tl.debug_barrier()  # every thread's stores precede the release below
         tl.atomic_xchg(Prog + bh, c + 1, sem="release")
+        # off the critical path: h = sum_{j<i} A_ij u_j, for the backward
+        k_c = tl.load(K + tile, mask=rmask[:, None], other=0.0)
+        s_cc = tl.dot(w, tl.trans(k_c), input_precision=PREC) * scale
+        a_cc = _kappa(s_cc, offs_c[:, None] > offs_c[None, :], lse, KERNEL)
+        h = acc + tl.dot(a_cc, u, input_precision=PREC)
+        tl.store(Hs + tile, h, mask=rmask[:, None])
 
     @triton.jit
-    def _bwd_kernel(
-        W, K, U32, DU, Beta, Hs, LSE, Xinv, G, DV, DK, DBeta, Prog, Ticket, scale, T, NC, BH,
+    def _bwd_g_kernel(
+        W, K, DU, Beta, Hs, LSE, Xinv, GB, DV, DBeta, RT, Prog, Ticket, scale, T, NC, BH,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
         LOWP: tl.constexpr, PREC: tl.constexpr, SPIN_LIMIT: tl.constexpr,
     ):  # fmt: skip
         ticket = tl.atomic_add(Ticket, 1)
         c = NC - 1 - ticket // BH  # last chunk first
         bh = ticket % BH
+        bh64 = bh.to(tl.int64)
         offs_c = tl.arange(0, C)
         offs_d = tl.arange(0, D)
         cols = c * C + offs_c
         cmask = cols < T
-        base = bh.to(tl.int64) * T * D
-        tile = base + cols[:, None] * D + offs_d[None, :]
+        tile = bh64 * T * D + cols[:, None] * D + offs_d[None, :]
         k_c = tl.load(K + tile, mask=cmask[:, None], other=0.0)
-        u_c = tl.load(U32 + tile, mask=cmask[:, None], other=0.0)
-        acc = tl.zeros((C, D), dtype=tl.float32)  # sum_{i > j} A_ij beta_i G_i
-        dk = tl.zeros((C, D), dtype=tl.float32)
+        acc = tl.zeros((C, D), dtype=tl.float32)  # sum_{i in later chunks} A_ij beta_i G_i
         done = ticket * 0  # later chunks consumed, counted from the end
         ok = done + 1
         while done < NC - 1 - c:
@@ -346,104 +382,98 @@ if _triton_available():
             ok = ok & (seen > done).to(tl.int32)
             ready = tl.where(seen > done, tl.minimum(seen, NC - 1 - c), NC - 1 - c)
             for it in range(done, ready):
-                cp = NC - 1 - it  # a later chunk, in the order they were published
-                rows = cp * C + offs_c
+                rows = (NC - 1 - it) * C + offs_c  # a later chunk, in the order they were published
                 rmask = rows < T
-                later = base + rows[:, None] * D + offs_d[None, :]
+                later = bh64 * T * D + rows[:, None] * D + offs_d[None, :]
                 w_r = tl.load(W + later, mask=rmask[:, None], other=0.0)
-                b_r = tl.load(Beta + bh.to(tl.int64) * T + rows, mask=rmask, other=0.0).to(tl.float32)
-                g_r = tl.load(G + later, mask=rmask[:, None], other=0.0, cache_modifier=".cg")
-                gb = g_r * b_r[:, None]
+                gb_r = tl.load(GB + later, mask=rmask[:, None], other=0.0, cache_modifier=".cg")
+                lse_r = tl.zeros((C,), dtype=tl.float32)
+                if KERNEL == 0:
+                    lse_r = tl.load(LSE + bh64 * T + rows, mask=rmask, other=0.0)
                 s = tl.dot(w_r, tl.trans(k_c), input_precision=PREC) * scale  # [rows i, cols j]
-                if KERNEL == 0:
-                    lse_r = tl.load(LSE + bh.to(tl.int64) * T + rows, mask=rmask, other=0.0)
-                    a = tl.exp(tl.where(rmask[:, None], s - lse_r[:, None], float("-inf")))
-                elif KERNEL == 1:
-                    a = tl.maximum(s, 0.0)
-                else:
-                    a = s
-                acc += _mm(tl.trans(a), gb, W, LOWP, PREC)
-                da = -_mm(gb, tl.trans(u_c), W, LOWP, PREC)
-                if KERNEL == 0:
-                    h_r = tl.load(Hs + later, mask=rmask[:, None], other=0.0)
-                    ds = a * (da + tl.sum(gb * h_r, axis=1)[:, None])
-                elif KERNEL == 1:
-                    ds = tl.where(s > 0, da, 0.0)
-                else:
-                    ds = da
-                dk += _mm(tl.trans(ds), w_r, W, LOWP, PREC)
+                a = _kappa(s, rmask[:, None], lse_r, KERNEL)
+                acc += _mm(tl.trans(a), gb_r, W, LOWP, PREC)
             done = ready
-        # the diagonal block: solve for G_c, then its own share of dK and dbeta
-        w_c = tl.load(W + tile, mask=cmask[:, None], other=0.0)
-        b_c = tl.load(Beta + bh.to(tl.int64) * T + cols, mask=cmask, other=0.0).to(tl.float32)
-        lower = offs_c[:, None] > offs_c[None, :]
-        s_cc = tl.dot(w_c, tl.trans(k_c), input_precision=PREC) * scale
-        if KERNEL == 0:
-            lse_c = tl.load(LSE + bh.to(tl.int64) * T + cols, mask=cmask, other=0.0)
-            a_cc = tl.exp(tl.where(lower, s_cc - lse_c[:, None], float("-inf")))
-        elif KERNEL == 1:
-            a_cc = tl.where(lower, tl.maximum(s_cc, 0.0), 0.0)
-        else:
-            a_cc = tl.where(lower, s_cc, 0.0)
-        xoffs = (bh.to(tl.int64) * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :]
-        x = tl.load(Xinv + xoffs)
+        x = tl.load(Xinv + (bh64 * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :])
         du_c = tl.load(DU + tile, mask=cmask[:, None], other=0.0).to(tl.float32)
         g_c = tl.dot(tl.trans(x), du_c - acc, input_precision=PREC)
         g_c = tl.where(ok != 0, g_c, float("nan"))
+        b_c = tl.load(Beta + bh64 * T + cols, mask=cmask, other=0.0).to(tl.float32)
         gb_c = g_c * b_c[:, None]
-        h_c = tl.load(Hs + tile, mask=cmask[:, None], other=0.0)
-        tl.store(DBeta + bh.to(tl.int64) * T + cols, -tl.sum(g_c * h_c, axis=1), mask=cmask)
-        da_cc = -tl.dot(gb_c, tl.trans(u_c), input_precision=PREC)
-        if KERNEL == 0:
-            ds_cc = a_cc * (da_cc + tl.sum(gb_c * h_c, axis=1)[:, None])
-        elif KERNEL == 1:
-            ds_cc = tl.where(lower & (s_cc > 0), da_cc, 0.0)
-        else:
-            ds_cc = tl.where(lower, da_cc, 0.0)
-        dk += tl.dot(tl.trans(ds_cc), w_c.to(tl.float32), input_precision=PREC)
-        tl.store(G + tile, g_c, mask=cmask[:, None])
-        tl.store(DV + tile, g_c.to(DV.dtype.element_ty), mask=cmask[:, None])
-        tl.store(DK + tile, (dk * scale).to(DK.dtype.element_ty), mask=cmask[:, None])
+        tl.store(GB + tile, gb_c.to(GB.dtype.element_ty), mask=cmask[:, None])
         tl.debug_barrier()
         tl.atomic_xchg(Prog + bh, NC - c, sem="release")
+        # off the critical path
+        tl.store(DV + tile, g_c.to(DV.dtype.element_ty), mask=cmask[:, None])
+        h_c = tl.load(Hs + tile, mask=cmask[:, None], other=0.0)
+        tl.store(DBeta + bh64 * T + cols, -tl.sum(g_c * h_c, axis=1), mask=cmask)
+        tl.store(RT + bh64 * T + cols, tl.sum(gb_c * h_c, axis=1), mask=cmask)
 
     @triton.jit
-    def _dw_kernel(
-        W, K, U32, G, Beta, Hs, LSE, DW, scale, T,
+    def _dk_kernel(
+        W, K, Uop, GB, LSE, RT, DK, scale, T, NC,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
     ):  # fmt: skip
         c = tl.program_id(0)
-        bh = tl.program_id(1)
+        bh = tl.program_id(1).to(tl.int64)
+        offs_c = tl.arange(0, C)
+        offs_d = tl.arange(0, D)
+        cols = c * C + offs_c
+        cmask = cols < T
+        tile = bh * T * D + cols[:, None] * D + offs_d[None, :]
+        k_c = tl.load(K + tile, mask=cmask[:, None], other=0.0)
+        u_c = tl.load(Uop + tile, mask=cmask[:, None], other=0.0)
+        dk = tl.zeros((C, D), dtype=tl.float32)
+        for cp in range(c, NC):
+            rows = cp * C + offs_c
+            rmask = rows < T
+            later = bh * T * D + rows[:, None] * D + offs_d[None, :]
+            w_r = tl.load(W + later, mask=rmask[:, None], other=0.0)
+            gb_r = tl.load(GB + later, mask=rmask[:, None], other=0.0)
+            lse_r = tl.zeros((C,), dtype=tl.float32)
+            rt_r = tl.zeros((C,), dtype=tl.float32)
+            if KERNEL == 0:
+                lse_r = tl.load(LSE + bh * T + rows, mask=rmask, other=0.0)
+                rt_r = tl.load(RT + bh * T + rows, mask=rmask, other=0.0)
+            valid = (rows[:, None] > cols[None, :]) & rmask[:, None]
+            s = tl.dot(w_r, tl.trans(k_c), input_precision=PREC) * scale
+            a = _kappa(s, valid, lse_r, KERNEL)
+            da = -_mm(gb_r, tl.trans(u_c), W, LOWP, PREC)
+            ds = _dscores(a, s, da, rt_r, valid, KERNEL)
+            dk += _mm(tl.trans(ds), w_r, W, LOWP, PREC)
+        tl.store(DK + tile, (dk * scale).to(DK.dtype.element_ty), mask=cmask[:, None])
+
+    @triton.jit
+    def _dw_kernel(
+        W, K, Uop, GB, LSE, RT, DW, scale, T,
+        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+    ):  # fmt: skip
+        c = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
         offs_c = tl.arange(0, C)
         offs_d = tl.arange(0, D)
         rows = c * C + offs_c
         rmask = rows < T
-        base = bh.to(tl.int64) * T * D
-        tile = base + rows[:, None] * D + offs_d[None, :]
+        tile = bh * T * D + rows[:, None] * D + offs_d[None, :]
         w_c = tl.load(W + tile, mask=rmask[:, None], other=0.0)
-        b_c = tl.load(Beta + bh.to(tl.int64) * T + rows, mask=rmask, other=0.0).to(tl.float32)
-        gb = tl.load(G + tile, mask=rmask[:, None], other=0.0) * b_c[:, None]
+        gb_c = tl.load(GB + tile, mask=rmask[:, None], other=0.0)
+        lse_c = tl.zeros((C,), dtype=tl.float32)
+        rt_c = tl.zeros((C,), dtype=tl.float32)
         if KERNEL == 0:
-            lse_c = tl.load(LSE + bh.to(tl.int64) * T + rows, mask=rmask, other=0.0)
-            h_c = tl.load(Hs + tile, mask=rmask[:, None], other=0.0)
-            rowterm = tl.sum(gb * h_c, axis=1)
+            lse_c = tl.load(LSE + bh * T + rows, mask=rmask, other=0.0)
+            rt_c = tl.load(RT + bh * T + rows, mask=rmask, other=0.0)
         dw = tl.zeros((C, D), dtype=tl.float32)
         for cp in range(0, c + 1):
             cols = cp * C + offs_c
             cmask = cols < T
-            prev = base + cols[:, None] * D + offs_d[None, :]
+            prev = bh * T * D + cols[:, None] * D + offs_d[None, :]
             k_p = tl.load(K + prev, mask=cmask[:, None], other=0.0)
-            u_p = tl.load(U32 + prev, mask=cmask[:, None], other=0.0)
-            valid = cols[None, :] < rows[:, None]
+            u_p = tl.load(Uop + prev, mask=cmask[:, None], other=0.0)
+            valid = (cols[None, :] < rows[:, None]) & rmask[:, None]
             s = tl.dot(w_c, tl.trans(k_p), input_precision=PREC) * scale
-            da = -_mm(gb, tl.trans(u_p), W, LOWP, PREC)
-            if KERNEL == 0:
-                a = tl.exp(tl.where(valid, s - lse_c[:, None], float("-inf")))
-                ds = a * (da + rowterm[:, None])
-            elif KERNEL == 1:
-                ds = tl.where(valid & (s > 0), da, 0.0)
-            else:
-                ds = tl.where(valid, da, 0.0)
+            a = _kappa(s, valid, lse_c, KERNEL)
+            da = -_mm(gb_c, tl.trans(u_p), W, LOWP, PREC)
+            ds = _dscores(a, s, da, rt_c, valid, KERNEL)
             dw += _mm(ds, k_p, W, LOWP, PREC)
         tl.store(DW + tile, (dw * scale).to(DW.dtype.element_ty), mask=rmask[:, None])
 
@@ -456,12 +486,14 @@ def _triton_cfg(x, chunk, lowp):
         raise ValueError(f"deltaformer (triton): dtype must be float32, bfloat16 or float16, got {x.dtype}")
     if chunk not in (16, 32, 64, 128):
         raise ValueError(f"deltaformer (triton): chunk must be 16, 32, 64 or 128, got {chunk}")
-    # fp32 inputs get exact fp32 products; half-precision inputs fp32 accumulation with tf32 products in
-    # the in-chunk solve and (by default) half-precision operands in the O(T^2) products.
+    # fp32 inputs get exact fp32 products; half-precision inputs fp32 accumulation, tf32 products in the
+    # in-chunk solve and (by default) half-precision operands in the O(T^2) products, as FlashAttention.
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     lowp = (x.dtype != torch.float32) if lowp is None else (lowp and x.dtype != torch.float32)
-    num_warps = 4 if D <= 64 and chunk <= 64 else 8
-    return prec, lowp, num_warps
+    launch = dict(num_warps=4 if D <= 64 and chunk <= 64 else 8)
+    if D == 128 or not lowp:
+        launch["num_stages"] = 2  # fp32 or D = 128 tiles: three stages overflow shared memory
+    return prec, lowp, launch
 
 
 class _DeltaformerUTriton(torch.autograd.Function):
@@ -469,19 +501,23 @@ class _DeltaformerUTriton(torch.autograd.Function):
     def forward(ctx, k, v, w, beta, kernel, scale, chunk, lowp):
         B, H, T, D = v.shape
         BH, NC, C = B * H, triton.cdiv(T, chunk), chunk
-        prec, lowp, num_warps = _triton_cfg(v, chunk, lowp)
+        prec, lowp, launch = _triton_cfg(v, chunk, lowp)
         k, v, w, beta = (x.contiguous() for x in (k, v, w, beta))
         f32 = dict(device=v.device, dtype=torch.float32)
         u = torch.empty_like(v)
-        u32 = torch.empty(B, H, T, D, **f32)
+        u32 = u if lowp else torch.empty(B, H, T, D, **f32)  # fp32 copy only for fp32 products
         h = torch.empty(B, H, T, D, **f32)
         lse = torch.empty(B, H, T, **f32) if kernel == "softmax" else torch.empty(1, **f32)
         xinv = torch.empty(BH, NC, C, C, **f32)
+        kid = _KERNEL_IDS[kernel]
+        _prep_kernel[(NC, BH)](
+            w, k, beta, lse, xinv, scale, T, NC, KERNEL=kid, D=D, C=C, LOG2C=C.bit_length() - 1, PREC=prec,
+            **launch,
+        )  # fmt: skip
         counters = torch.zeros(BH + 1, device=v.device, dtype=torch.int32)  # progress per (b, h); ticket
         _fwd_kernel[(BH * NC,)](
             w, k, v, beta, u, u32, h, lse, xinv, counters, counters[BH:], scale, T, NC, BH,
-            KERNEL=_KERNEL_IDS[kernel], D=D, C=C, LOG2C=C.bit_length() - 1, LOWP=lowp, PREC=prec,
-            SPIN_LIMIT=_SPIN_LIMIT, num_warps=num_warps,
+            KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, SPIN_LIMIT=_SPIN_LIMIT, **launch,
         )  # fmt: skip
         ctx.save_for_backward(k, w, beta, u32, h, lse, xinv)
         ctx.cfg = (kernel, scale, chunk, lowp, v.dtype)
@@ -489,26 +525,31 @@ class _DeltaformerUTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, du):
-        k, w, beta, u32, h, lse, xinv = ctx.saved_tensors
+        k, w, beta, u_op, h, lse, xinv = ctx.saved_tensors
         kernel, scale, chunk, lowp, v_dtype = ctx.cfg
         B, H, T, D = k.shape
         BH, NC, C = B * H, triton.cdiv(T, chunk), chunk
-        prec, lowp, num_warps = _triton_cfg(k, chunk, lowp)
+        prec, lowp, launch = _triton_cfg(k, chunk, lowp)
+        kid = _KERNEL_IDS[kernel]
         du = du.contiguous()
-        g = torch.empty(B, H, T, D, device=k.device, dtype=torch.float32)
+        gb = torch.empty(B, H, T, D, device=k.device, dtype=k.dtype if lowp else torch.float32)
         dv = torch.empty(B, H, T, D, device=k.device, dtype=v_dtype)
         dk = torch.empty_like(k)
         dw = torch.empty_like(w)
         dbeta = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
+        rowterm = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
         counters = torch.zeros(BH + 1, device=k.device, dtype=torch.int32)
-        _bwd_kernel[(BH * NC,)](
-            w, k, u32, du, beta, h, lse, xinv, g, dv, dk, dbeta, counters, counters[BH:], scale, T, NC, BH,
-            KERNEL=_KERNEL_IDS[kernel], D=D, C=C, LOWP=lowp, PREC=prec, SPIN_LIMIT=_SPIN_LIMIT,
-            num_warps=num_warps,
+        _bwd_g_kernel[(BH * NC,)](
+            w, k, du, beta, h, lse, xinv, gb, dv, dbeta, rowterm, counters, counters[BH:], scale, T, NC, BH,
+            KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, SPIN_LIMIT=_SPIN_LIMIT, **launch,
+        )  # fmt: skip
+        _dk_kernel[(NC, BH)](
+            w, k, u_op, gb, lse, rowterm, dk, scale, T, NC,
+            KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, **launch,
         )  # fmt: skip
         _dw_kernel[(NC, BH)](
-            w, k, u32, g, beta, h, lse, dw, scale, T,
-            KERNEL=_KERNEL_IDS[kernel], D=D, C=C, LOWP=lowp, PREC=prec, num_warps=num_warps,
+            w, k, u_op, gb, lse, rowterm, dw, scale, T,
+            KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, **launch,
         )  # fmt: skip
         return dk, dv, dw, dbeta.to(beta.dtype), None, None, None, None
 
