@@ -294,7 +294,34 @@ def bench_kernels(args):
     for dtype in (torch.float32, torch.bfloat16):
         bench_kernels_dtype(args, dtype, do_bench, report)
         torch.cuda.empty_cache()
+    bench_kernels_dv1(args, do_bench, report)
     return out
+
+
+def bench_kernels_dv1(args, do_bench, report):
+    """Scalar DDL (d_v = 1): the state is one d-vector per token, like the additive stream."""
+    from kernels import ddl
+
+    N, d = args.kernel_tokens, 768
+    x = torch.randn(N // 1024, 1024, d, 1, device="cuda", requires_grad=True)
+    k = torch.randn(N // 1024, 1024, d, device="cuda", requires_grad=True)
+    v = torch.randn(N // 1024, 1024, 1, device="cuda", requires_grad=True)
+    beta = torch.rand(N // 1024, 1024, device="cuda", requires_grad=True)
+    gx = torch.randn_like(x)
+    S = N * d * 4
+    upd_c = torch.compile(ddl.ddl_update_ref)
+    for name, fn in (
+        ("triton", lambda: ddl.ddl_update(x, k, v, beta, backend="triton")),
+        ("torch.compile(ref)", lambda: upd_c(x, k, v, beta)),
+    ):
+        fn()
+        report(f"update fwd  {name} [float32, d_v=1, N={N}]", do_bench(fn, return_mode="median"), 3 * S)
+
+        def fb(fn=fn):
+            torch.autograd.grad(fn(), (x, k, v, beta), gx)
+
+        fb()
+        report(f"update f+b  {name} [float32, d_v=1, N={N}]", do_bench(fb, return_mode="median"), 8 * S)
 
 
 def bench_kernels_dtype(args, dtype, do_bench, report):
@@ -323,10 +350,14 @@ def bench_kernels_dtype(args, dtype, do_bench, report):
     tc_c = torch.compile(ddl.compress_tc_ref)
 
     def fb(fn, grads):
+        """forward + backward; autograd.grad returns fresh gradients (no accumulation into .grad,
+        which would add a read-modify-write of the state to every timing)"""
+
         def run():
             outs = fn()
             outs = outs if isinstance(outs, tuple) else (outs,)
-            torch.autograd.backward(outs, grads[: len(outs)])
+            ins = [t for t in leaves if t.requires_grad]
+            torch.autograd.grad(outs, ins, grads[: len(outs)], allow_unused=True)
 
         return run
 
@@ -348,6 +379,11 @@ def bench_kernels_dtype(args, dtype, do_bench, report):
             fb(lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"), (gx, gh)),
             5 * S + 5 * V,
         ),
+        (
+            "update+cc fwd  fused triton",
+            lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"),
+            2 * S + 2 * V,
+        ),
         ("update+cc f+b  triton, unfused", fb(unfused, (gx, gh)), 5 * S + 5 * V),
         ("update+cc f+b  torch.compile(ref)", fb(lambda: updcc_c(x, k, v, beta, w), (gx, gh)), 5 * S + 5 * V),
         (
@@ -355,6 +391,12 @@ def bench_kernels_dtype(args, dtype, do_bench, report):
             fb(lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton"), (gx, gh)),
             6 * S + 6 * V,
         ),
+        (
+            "update+tc fwd  fused triton",
+            lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton"),
+            2 * S + 2 * V,
+        ),
+        ("cc f+b  triton", fb(lambda: ddl.compress_cc(x, w, backend="triton"), (gh,)), 3 * S + 2 * V),
         ("tc f+b  triton", fb(lambda: ddl.compress_tc(x, cw, read, backend="triton"), (gh,)), 3 * S + 2 * V),
         ("tc f+b  torch.compile(ref)", fb(lambda: tc_c(x, cw, read), (gh,)), 3 * S + 2 * V),
         ("ec f+b  triton", fb(lambda: ddl.expand_ec(emb, cw, backend="triton"), (gx,)), 2 * S + 3 * V),
@@ -374,16 +416,16 @@ def bench_kernels_dtype(args, dtype, do_bench, report):
         return
     # launch shapes of the update kernels
     saved = {key: dict(val) for key, val in ddl._CFG.items()}
-    for tok, nw in ((1, 4), (1, 8), (2, 4), (4, 8)):
-        ddl._CFG["update_fwd"] = dict(TOKENS=tok, num_warps=nw)
+    for tb, nw in ((1, 4), (1, 8), (2, 8), (4, 8)):
+        ddl._CFG["update_fwd"] = dict(TB=tb, ELEMS=4096, num_warps=nw)
         ms = do_bench(lambda: ddl.ddl_update(x, k, v, beta, backend="triton"), return_mode="median")
-        report(f"  cfg update_fwd TOKENS={tok} warps={nw} [{tag}]", ms, 2 * S + V)
+        report(f"  cfg update_fwd TB={tb} warps={nw} [{tag}]", ms, 2 * S + V)
     ddl._CFG.update(saved)
     f = fb(lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"), (gx, gh))
-    for tok, nw in ((16, 4), (32, 4), (64, 4), (32, 8), (8, 4)):
-        ddl._CFG["update_bwd"] = dict(TOKENS=tok, num_warps=nw)
+    for tok, tb, nw in ((4, 1, 4), (8, 1, 4), (32, 1, 4), (8, 2, 8)):
+        ddl._CFG["update_bwd"] = dict(TB=tb, ELEMS=4096, TOKENS=tok, num_warps=nw)
         ms = do_bench(f, return_mode="median")
-        report(f"  cfg update_bwd TOKENS={tok} warps={nw} (fused f+b) [{tag}]", ms, 5 * S + 5 * V)
+        report(f"  cfg update_bwd TOKENS={tok} TB={tb} warps={nw} (fused f+b) [{tag}]", ms, 5 * S + 5 * V)
     ddl._CFG.update(saved)
     f = fb(lambda: ddl.compress_tc(x, cw, read, backend="triton"), (gh,))
     for tok, bd, nw in ((4, 256, 4), (8, 128, 4), (16, 256, 8), (64, 256, 4)):

@@ -172,10 +172,12 @@ except ImportError:  # pragma: no cover - triton is a requirement on Linux
     triton = None
 
 # Launch shapes (tokens per program, warps, channel block for the per-channel kernels); tuned on an H200
-# by `python bench/bench_train.py --kernels`; tests shrink TOKENS to exercise partial sums and tails.
+# by `python bench/bench_train.py --kernels`; tests shrink them to exercise partial sums and tails.
+# The update kernels take TB tokens per tile (0: as many as make ~ELEMS state elements) and, when they
+# reduce a weight gradient, TOKENS tiles per program.
 _CFG = {
-    "update_fwd": dict(TOKENS=1, num_warps=4),
-    "update_bwd": dict(TOKENS=32, num_warps=4),
+    "update_fwd": dict(TB=0, ELEMS=4096, num_warps=4),
+    "update_bwd": dict(TB=0, ELEMS=4096, TOKENS=8, num_warps=4),
     "chan_fwd": dict(TOKENS=4, BLOCK_D=256, num_warps=4),
     "chan_bwd": dict(TOKENS=64, BLOCK_D=256, num_warps=4),
 }
@@ -198,92 +200,96 @@ if triton is not None:
     @triton.jit
     def _update_fwd_kernel(
         X, Kd, V, BETA, W, XOUT, H, N, D, eps,
-        DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TOKENS: tl.constexpr,
+        DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TB: tl.constexpr,
         ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
     ):  # fmt: skip
-        pid = tl.program_id(0).to(tl.int64)
+        # a tile of TB tokens x [d, d_v]: several tokens per program batch the reductions over d, which
+        # keeps small tiles (d_v = 1, bf16) from being latency-bound
+        n = tl.program_id(0).to(tl.int64) * TB + tl.arange(0, TB)
         offs_d = tl.arange(0, BLOCK_D)
         offs_v = tl.arange(0, BLOCK_V)
-        md = offs_d < D
-        mv = offs_v < DV
-        off2 = offs_d[:, None] * DV + offs_v[None, :]
-        if COMPRESS:
-            w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
-        for tt in tl.static_range(TOKENS):
-            n = pid * TOKENS + tt
-            ok = n < N
-            okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
-            m2 = (md & okd)[:, None] & mv[None, :]
-            k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
-            rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
-            kh = k * rs
-            x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-            v = tl.load(V + n * DV + offs_v, mask=mv & (offs_v * 0 + n < N), other=0.0).to(CT)
-            b = tl.load(BETA + n, mask=ok, other=0.0).to(CT)
-            if ERASE:
-                r = v - tl.sum(kh[:, None] * x, axis=0)  # v^T - khat^T x
-            else:
-                r = v
-            xn = (x + b * kh[:, None] * r[None, :]).to(XOUT.dtype.element_ty)
-            tl.store(XOUT + n * D * DV + off2, xn, mask=m2)
-            if COMPRESS:  # the next sublayer's CC read-out of the state just written (as stored)
-                h = tl.sum(xn.to(CT) * w, axis=1)
-                tl.store(H + n * D + offs_d, h.to(H.dtype.element_ty), mask=md & okd)
+        okt = n < N
+        mk = okt[:, None] & (offs_d < D)[None, :]  # [TB, BLOCK_D]
+        mtv = okt[:, None] & (offs_v < DV)[None, :]  # [TB, BLOCK_V]
+        m3 = mk[:, :, None] & (offs_v < DV)[None, None, :]
+        off3 = n[:, None, None] * D * DV + (offs_d[:, None] * DV + offs_v[None, :])[None]
+        k = tl.load(Kd + n[:, None] * D + offs_d[None, :], mask=mk, other=0.0).to(CT)
+        rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + eps * eps)
+        kh = k * rs[:, None]
+        x = tl.load(X + off3, mask=m3, other=0.0).to(CT)
+        v = tl.load(V + n[:, None] * DV + offs_v[None, :], mask=mtv, other=0.0).to(CT)
+        b = tl.load(BETA + n, mask=okt, other=0.0).to(CT)
+        if ERASE:
+            r = v - tl.sum(kh[:, :, None] * x, axis=1)  # v^T - khat^T x  [TB, d_v]
+        else:
+            r = v
+        xn = (x + b[:, None, None] * kh[:, :, None] * r[:, None, :]).to(XOUT.dtype.element_ty)
+        tl.store(XOUT + off3, xn, mask=m3)
+        if COMPRESS:  # the next sublayer's CC read-out of the state just written (as stored)
+            off2 = offs_d[:, None] * DV + offs_v[None, :]
+            w = tl.load(W + off2, mask=(offs_d < D)[:, None] & (offs_v < DV)[None, :], other=0.0).to(CT)
+            h = tl.sum(xn.to(CT) * w[None], axis=2)
+            tl.store(H + n[:, None] * D + offs_d[None, :], h.to(H.dtype.element_ty), mask=mk)
 
     @triton.jit
     def _update_bwd_kernel(
         X, Kd, V, BETA, W, G, DH, DX, DK, DVo, DBETA, DWP, N, D, eps, TOKENS,
-        DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+        DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TB: tl.constexpr,
         ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
     ):  # fmt: skip
         # x' = x + b khat r^T, r = v - x^T khat.  With G = dL/dx' (+ dh w^T from the fused read-out):
         # dx = G - b khat (khat^T G);  dv = b G^T khat;  dbeta = r . (G^T khat);
         # dkhat = b (G r - x G^T khat);  dk = (dkhat - khat (khat . dkhat)) / sqrt(|k|^2 + eps^2).
+        # A program takes TOKENS tiles of TB tokens (the weight gradient of the read-out is summed
+        # over them in registers).
         pid = tl.program_id(0).to(tl.int64)
         offs_d = tl.arange(0, BLOCK_D)
         offs_v = tl.arange(0, BLOCK_V)
-        md = offs_d < D
-        mv = offs_v < DV
         off2 = offs_d[:, None] * DV + offs_v[None, :]
+        m2 = (offs_d < D)[:, None] & (offs_v < DV)[None, :]
         if COMPRESS:
-            w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
+            w = tl.load(W + off2, mask=m2, other=0.0).to(CT)
             dw = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
-        for tt in range(TOKENS):
-            n = pid * TOKENS + tt
-            ok = n < N
-            okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
-            m2 = (md & okd)[:, None] & mv[None, :]
-            k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
-            rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
-            kh = k * rs
-            x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-            v = tl.load(V + n * DV + offs_v, mask=mv & (offs_v * 0 + n < N), other=0.0).to(CT)
-            b = tl.load(BETA + n, mask=ok, other=0.0).to(CT)
-            g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+        for it in range(TOKENS):
+            n = (pid * TOKENS + it) * TB + tl.arange(0, TB)
+            okt = n < N
+            mk = okt[:, None] & (offs_d < D)[None, :]
+            mtv = okt[:, None] & (offs_v < DV)[None, :]
+            m3 = okt[:, None, None] & m2[None]
+            off3 = n[:, None, None] * D * DV + off2[None]
+            k = tl.load(Kd + n[:, None] * D + offs_d[None, :], mask=mk, other=0.0).to(CT)
+            rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + eps * eps)
+            kh = k * rs[:, None]
+            x = tl.load(X + off3, mask=m3, other=0.0).to(CT)
+            v = tl.load(V + n[:, None] * DV + offs_v[None, :], mask=mtv, other=0.0).to(CT)
+            b = tl.load(BETA + n, mask=okt, other=0.0).to(CT)
+            g = tl.load(G + off3, mask=m3, other=0.0).to(CT)
             if ERASE:
-                r = v - tl.sum(kh[:, None] * x, axis=0)
+                r = v - tl.sum(kh[:, :, None] * x, axis=1)
             else:
                 r = v
             if COMPRESS:
-                dh = tl.load(DH + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
-                xn = (x + b * kh[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)
-                dw += dh[:, None] * xn
-                g = g + dh[:, None] * w
-            gk = tl.sum(kh[:, None] * g, axis=0)  # khat^T G  [d_v]
-            gr = tl.sum(g * r[None, :], axis=1)  # G r  [d]
+                dh = tl.load(DH + n[:, None] * D + offs_d[None, :], mask=mk, other=0.0).to(CT)
+                xn = (x + b[:, None, None] * kh[:, :, None] * r[:, None, :]).to(X.dtype.element_ty).to(CT)
+                dw += tl.sum(dh[:, :, None] * xn, axis=0)
+                g = g + dh[:, :, None] * w[None]
+            gk = tl.sum(kh[:, :, None] * g, axis=1)  # khat^T G  [TB, d_v]
+            gr = tl.sum(g * r[:, None, :], axis=2)  # G r  [TB, d]
             if ERASE:
-                dx = g - b * kh[:, None] * gk[None, :]
-                dkh = b * (gr - tl.sum(x * gk[None, :], axis=1))
+                dx = g - b[:, None, None] * kh[:, :, None] * gk[:, None, :]
+                dkh = b[:, None] * (gr - tl.sum(x * gk[:, None, :], axis=2))
             else:
                 dx = g
-                dkh = b * gr
-            dk = rs * (dkh - kh * tl.sum(kh * dkh, axis=0))
-            tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
-            tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md & okd)
-            tl.store(DVo + n * DV + offs_v, (b * gk).to(DVo.dtype.element_ty), mask=mv & (offs_v * 0 + n < N))
-            tl.store(DBETA + n, tl.sum(gk * r, axis=0).to(DBETA.dtype.element_ty), mask=ok)
+                dkh = b[:, None] * gr
+            dk = rs[:, None] * (dkh - kh * tl.sum(kh * dkh, axis=1)[:, None])
+            tl.store(DX + off3, dx.to(DX.dtype.element_ty), mask=m3)
+            tl.store(DK + n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=mk)
+            tl.store(
+                DVo + n[:, None] * DV + offs_v[None, :], (b[:, None] * gk).to(DVo.dtype.element_ty), mask=mtv
+            )
+            tl.store(DBETA + n, tl.sum(gk * r, axis=1).to(DBETA.dtype.element_ty), mask=okt)
         if COMPRESS:
-            tl.store(DWP + pid * D * DV + off2, dw, mask=md[:, None] & mv[None, :])
+            tl.store(DWP + pid * D * DV + off2, dw, mask=m2)
 
     @triton.jit
     def _cc_fwd_kernel(
@@ -598,6 +604,15 @@ def _pow2(n):
     return triton.next_power_of_2(max(int(n), 1))
 
 
+def _update_tile(x, cfg):
+    """(tokens per tile, warps) for the update kernels: TB tokens of [d, d_v] make ~ELEMS fp32 elements
+    (twice as many 2-byte ones)."""
+    tile = _pow2(x.shape[1]) * _pow2(x.shape[2])
+    TB = cfg["TB"] or max(1, min(16, cfg["ELEMS"] * (4 // min(x.element_size(), 4)) // tile))
+    warps = cfg["num_warps"] * max(1, min(4, TB * tile // 8192))
+    return TB, warps
+
+
 def _chan_grid(N, D, cfg):
     return (triton.cdiv(N, cfg["TOKENS"]), triton.cdiv(D, cfg["BLOCK_D"]))
 
@@ -610,12 +625,11 @@ def _update_op(
     N, D, DV = x.shape
     x_new = _new((N, D, DV), x)
     h = _new((N, D) if weight is not None else (0,), x)
-    cfg = _CFG["update_fwd"]
-    grid = (triton.cdiv(N, cfg["TOKENS"]),)
-    _update_fwd_kernel[grid](
+    TB, warps = _update_tile(x, _CFG["update_fwd"])
+    _update_fwd_kernel[(triton.cdiv(N, TB),)](
         x, k, v, beta, weight if weight is not None else x, x_new, h, N, D, eps,
-        DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), TOKENS=cfg["TOKENS"], ERASE=erase,
-        COMPRESS=weight is not None, CT=_ct(x, k, v, beta), num_warps=cfg["num_warps"],
+        DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), TB=TB, ERASE=erase,
+        COMPRESS=weight is not None, CT=_ct(x, k, v, beta), num_warps=warps,
     )  # fmt: skip
     return x_new, h
 
@@ -631,10 +645,11 @@ def _update_bwd_op(
     g: torch.Tensor, dh: torch.Tensor | None, eps: float, erase: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     N, D, DV = x.shape
-    cfg = _CFG["update_bwd"]
-    nprog = triton.cdiv(N, cfg["TOKENS"])
-    dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
     compress = weight is not None
+    TB, warps = _update_tile(x, _CFG["update_bwd"])
+    tiles = _CFG["update_bwd"]["TOKENS"] if compress else 1  # tiles per program: only to sum dw
+    nprog = triton.cdiv(N, TB * tiles)
+    dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
     dwp = _new(
         (nprog, D, DV) if compress else (0,),
         x,
@@ -642,8 +657,8 @@ def _update_bwd_op(
     )
     _update_bwd_kernel[(nprog,)](
         x, k, v, beta, weight if compress else x, g, dh if compress else g, dx, dk, dv, dbeta, dwp,
-        N, D, eps, cfg["TOKENS"], DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), ERASE=erase, COMPRESS=compress,
-        CT=_ct(x, k, v, beta, g), num_warps=cfg["num_warps"],
+        N, D, eps, tiles, DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), TB=TB, ERASE=erase, COMPRESS=compress,
+        CT=_ct(x, k, v, beta, g), num_warps=warps,
     )  # fmt: skip
     dw = dwp.sum(0).to(weight.dtype) if compress else x.new_empty(0)
     return dx, dk, dv, dbeta, dw

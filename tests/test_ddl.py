@@ -230,8 +230,8 @@ def test_bad_inputs_raise_naming_the_argument():
 @pytest.fixture
 def triton_small(monkeypatch):
     monkeypatch.setattr(ddl, "_POISON", True)
-    monkeypatch.setitem(ddl._CFG, "update_fwd", dict(TOKENS=2, num_warps=4))
-    monkeypatch.setitem(ddl._CFG, "update_bwd", dict(TOKENS=3, num_warps=4))
+    monkeypatch.setitem(ddl._CFG, "update_fwd", dict(TB=2, ELEMS=4096, num_warps=4))
+    monkeypatch.setitem(ddl._CFG, "update_bwd", dict(TB=4, ELEMS=4096, TOKENS=2, num_warps=4))
     monkeypatch.setitem(ddl._CFG, "chan_fwd", dict(TOKENS=2, BLOCK_D=8, num_warps=4))
     monkeypatch.setitem(ddl._CFG, "chan_bwd", dict(TOKENS=3, BLOCK_D=8, num_warps=4))
 
@@ -260,6 +260,20 @@ def test_triton_update_matches_reference(triton_small, dv, erase):
         lambda *a: ddl_update_ref(*a, eps=1e-3, erase=erase),
         (x, k, v, beta),
     )
+
+
+@pytest.mark.parametrize("dv", [1, 4])
+def test_triton_update_default_launch_shapes(dv, monkeypatch):
+    # the shipped launch configuration: many tokens per tile for small tiles, ragged last tile
+    monkeypatch.setattr(ddl, "_POISON", True)
+    x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=dv))
+    w = torch.randn(20, dv, dtype=F64, requires_grad=True)
+    compare(
+        lambda *a: ddl.ddl_update_compress_cc(*a, backend="triton"),
+        ddl.ddl_update_compress_cc_ref,
+        (x, k, v, beta, w),
+    )
+    compare(lambda *a: ddl_update(*a, backend="triton"), ddl_update_ref, (x, k, v, beta))
 
 
 @pytest.mark.parametrize("dv", [1, 4])
