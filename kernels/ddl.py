@@ -178,6 +178,7 @@ except ImportError:  # pragma: no cover - triton is a requirement on Linux
 _CFG = {
     "update_fwd": dict(TB=0, ELEMS=4096, num_warps=4),
     "update_bwd": dict(TB=0, ELEMS=4096, TOKENS=8, num_warps=4),
+    "update_tc": dict(TB=0, ELEMS=8192, num_warps=4),  # fused update + TC read-out, fwd and bwd
     "chan_fwd": dict(TOKENS=4, BLOCK_D=256, num_warps=4),
     "chan_bwd": dict(TOKENS=64, BLOCK_D=256, num_warps=4),
 }
@@ -472,14 +473,15 @@ if triton is not None:
     @triton.jit
     def _update_tc_fwd_kernel(
         X, Kd, V, BETA, WT, XOUT, H, RS, R, N, T, D, eps,
-        KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+        KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TB: tl.constexpr,
         ERASE: tl.constexpr, CT: tl.constexpr,
     ):  # fmt: skip
-        # x'[n] = update(x[n]) and the next sublayer's TC read-out h[n] = sum_j WT[j] . x'[n - (KW-1) + j]:
-        # the K-1 earlier states are recomputed from their x, k, v, beta (reads that hit L2), so x' is
-        # written once and never read back. RS = 1/sqrt(|k|^2 + eps^2) and R = v - khat^T x (erase) are
-        # kept for the weight gradient, which needs x' again.
-        n = tl.program_id(0).to(tl.int64)
+        # x'[n] = update(x[n]) and the next sublayer's TC read-out h[n] = sum_j WT[j] . x'[n - (KW-1) + j]
+        # for a tile of TB tokens: the K-1 earlier states are recomputed from their x, k, v, beta (reads
+        # that hit L2), so x' is written once and never read back. RS = 1/sqrt(|k|^2 + eps^2) and
+        # R = v - khat^T x are kept for the weight gradient, which needs x' again.
+        n = tl.program_id(0).to(tl.int64) * TB + tl.arange(0, TB)
+        okt = n < N
         t = n % T
         offs_d = tl.arange(0, BLOCK_D)
         offs_v = tl.arange(0, BLOCK_V)
@@ -487,39 +489,50 @@ if triton is not None:
         mv = offs_v < DV
         m2 = md[:, None] & mv[None, :]
         off2 = offs_d[:, None] * DV + offs_v[None, :]
-        acc = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
+        acc = tl.zeros([TB, BLOCK_D, BLOCK_V], dtype=CT)
         for j in tl.static_range(KW):
             s = n - (KW - 1) + j
-            okd = md & (offs_d * 0 + t - (KW - 1) + j >= 0)  # vector masks (the interpreter needs them)
-            okv = mv & (offs_v * 0 + t - (KW - 1) + j >= 0)
-            k = tl.load(Kd + s * D + offs_d, mask=okd, other=0.0).to(CT)
-            rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
-            kh = k * rs
-            x = tl.load(X + s * D * DV + off2, mask=okd[:, None] & mv[None, :], other=0.0).to(CT)
-            v = tl.load(V + s * DV + offs_v, mask=okv, other=0.0).to(CT)
-            b = tl.sum(tl.load(BETA + s + offs_v * 0, mask=okv & (offs_v == 0), other=0.0).to(CT), axis=0)
+            oks = okt & (t - (KW - 1) + j >= 0)
+            mk = oks[:, None] & md[None, :]
+            k = tl.load(Kd + s[:, None] * D + offs_d[None, :], mask=mk, other=0.0).to(CT)
+            rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + eps * eps)
+            kh = k * rs[:, None]
+            x = tl.load(
+                X + s[:, None, None] * D * DV + off2[None], mask=mk[:, :, None] & mv[None, None, :], other=0.0
+            )
+            x = x.to(CT)
+            v = tl.load(V + s[:, None] * DV + offs_v[None, :], mask=oks[:, None] & mv[None, :], other=0.0).to(
+                CT
+            )
+            b = tl.load(BETA + s, mask=oks, other=0.0).to(CT)
             if ERASE:
-                r = v - tl.sum(kh[:, None] * x, axis=0)
+                r = v - tl.sum(kh[:, :, None] * x, axis=1)
             else:
                 r = v
-            xn = (x + b * kh[:, None] * r[None, :]).to(XOUT.dtype.element_ty)
+            xn = (x + b[:, None, None] * kh[:, :, None] * r[:, None, :]).to(XOUT.dtype.element_ty)
             w = tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT)
-            acc += w * xn.to(CT)
+            acc += w[None] * xn.to(CT)
             if j == KW - 1:
-                tl.store(XOUT + n * D * DV + off2, xn, mask=m2)
-                tl.store(R + n * DV + offs_v, r, mask=mv)
-                tl.store(RS + n + offs_v * 0, rs + tl.zeros([BLOCK_V], dtype=CT), mask=offs_v == 0)
-        tl.store(H + n * D + offs_d, tl.sum(acc, axis=1).to(H.dtype.element_ty), mask=md)
+                tl.store(
+                    XOUT + n[:, None, None] * D * DV + off2[None], xn, mask=okt[:, None, None] & m2[None]
+                )
+                tl.store(R + n[:, None] * DV + offs_v[None, :], r, mask=okt[:, None] & mv[None, :])
+                tl.store(RS + n, rs, mask=okt)
+        h = tl.sum(acc, axis=2)
+        tl.store(
+            H + n[:, None] * D + offs_d[None, :], h.to(H.dtype.element_ty), mask=okt[:, None] & md[None, :]
+        )
 
     @triton.jit
     def _update_tc_bwd_kernel(
         X, Kd, V, BETA, WT, G, DH, DX, DK, DVo, DBETA, N, T, D, eps,
-        KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+        KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TB: tl.constexpr,
         ERASE: tl.constexpr, CT: tl.constexpr,
     ):  # fmt: skip
         # As _update_bwd_kernel, with G += sum_j WT[j] * dh[n + KW-1 - j] (x'[n] feeds the read-outs of
         # tokens n .. n+KW-1 of its sequence).
-        n = tl.program_id(0).to(tl.int64)
+        n = tl.program_id(0).to(tl.int64) * TB + tl.arange(0, TB)
+        okt = n < N
         t = n % T
         offs_d = tl.arange(0, BLOCK_D)
         offs_v = tl.arange(0, BLOCK_V)
@@ -527,35 +540,43 @@ if triton is not None:
         mv = offs_v < DV
         m2 = md[:, None] & mv[None, :]
         off2 = offs_d[:, None] * DV + offs_v[None, :]
-        k = tl.load(Kd + n * D + offs_d, mask=md, other=0.0).to(CT)
-        rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
-        kh = k * rs
-        x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-        v = tl.load(V + n * DV + offs_v, mask=mv, other=0.0).to(CT)
-        b = tl.load(BETA + n).to(CT)
-        g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+        mk = okt[:, None] & md[None, :]
+        mtv = okt[:, None] & mv[None, :]
+        m3 = okt[:, None, None] & m2[None]
+        off3 = n[:, None, None] * D * DV + off2[None]
+        k = tl.load(Kd + n[:, None] * D + offs_d[None, :], mask=mk, other=0.0).to(CT)
+        rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + eps * eps)
+        kh = k * rs[:, None]
+        x = tl.load(X + off3, mask=m3, other=0.0).to(CT)
+        v = tl.load(V + n[:, None] * DV + offs_v[None, :], mask=mtv, other=0.0).to(CT)
+        b = tl.load(BETA + n, mask=okt, other=0.0).to(CT)
+        g = tl.load(G + off3, mask=m3, other=0.0).to(CT)
         for j in tl.static_range(KW):
-            okd = md & (offs_d * 0 + t + (KW - 1) - j < T)
-            dh = tl.load(DH + (n + (KW - 1) - j) * D + offs_d, mask=okd, other=0.0).to(CT)
+            okj = okt & (t + (KW - 1) - j < T)
+            dh = tl.load(
+                DH + (n + (KW - 1) - j)[:, None] * D + offs_d[None, :], mask=okj[:, None] & md[None, :]
+            )
             w = tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT)
-            g += w * dh[:, None]
+            g += w[None] * tl.where(okj[:, None] & md[None, :], dh, 0.0).to(CT)[:, :, None]
         if ERASE:
-            r = v - tl.sum(kh[:, None] * x, axis=0)
+            r = v - tl.sum(kh[:, :, None] * x, axis=1)
         else:
             r = v
-        gk = tl.sum(kh[:, None] * g, axis=0)
-        gr = tl.sum(g * r[None, :], axis=1)
+        gk = tl.sum(kh[:, :, None] * g, axis=1)
+        gr = tl.sum(g * r[:, None, :], axis=2)
         if ERASE:
-            dx = g - b * kh[:, None] * gk[None, :]
-            dkh = b * (gr - tl.sum(x * gk[None, :], axis=1))
+            dx = g - b[:, None, None] * kh[:, :, None] * gk[:, None, :]
+            dkh = b[:, None] * (gr - tl.sum(x * gk[:, None, :], axis=2))
         else:
             dx = g
-            dkh = b * gr
-        dk = rs * (dkh - kh * tl.sum(kh * dkh, axis=0))
-        tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
-        tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md)
-        tl.store(DVo + n * DV + offs_v, (b * gk).to(DVo.dtype.element_ty), mask=mv)
-        tl.store(DBETA + n, tl.sum(gk * r, axis=0).to(DBETA.dtype.element_ty))
+            dkh = b[:, None] * gr
+        dk = rs[:, None] * (dkh - kh * tl.sum(kh * dkh, axis=1)[:, None])
+        tl.store(DX + off3, dx.to(DX.dtype.element_ty), mask=m3)
+        tl.store(DK + n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=mk)
+        tl.store(
+            DVo + n[:, None] * DV + offs_v[None, :], (b[:, None] * gk).to(DVo.dtype.element_ty), mask=mtv
+        )
+        tl.store(DBETA + n, tl.sum(gk * r, axis=1).to(DBETA.dtype.element_ty), mask=okt)
 
     @triton.jit
     def _update_tc_wgrad_kernel(
@@ -609,7 +630,7 @@ def _update_tile(x, cfg):
     (twice as many 2-byte ones)."""
     tile = _pow2(x.shape[1]) * _pow2(x.shape[2])
     TB = cfg["TB"] or max(1, min(16, cfg["ELEMS"] * (4 // min(x.element_size(), 4)) // tile))
-    warps = cfg["num_warps"] * max(1, min(4, TB * tile // 8192))
+    warps = cfg["num_warps"] * max(1, min(4, TB * tile // 4096))
     return TB, warps
 
 
@@ -867,9 +888,10 @@ def _update_tc_op(
         _new((N,), x, dtype=ft),
         _new((N, DV), x, dtype=ft),
     )
-    _update_tc_fwd_kernel[(N,)](
+    TB, warps = _update_tile(x, _CFG["update_tc"])
+    _update_tc_fwd_kernel[(triton.cdiv(N, TB),)](
         x, k, v, beta, wt, x_new, h, rs, r, N, T, D, eps, KW=wt.shape[0], DV=DV, BLOCK_D=_pow2(D),
-        BLOCK_V=_pow2(DV), ERASE=erase, CT=_ct(x, k, v, beta), num_warps=_CFG["update_fwd"]["num_warps"],
+        BLOCK_V=_pow2(DV), TB=TB, ERASE=erase, CT=_ct(x, k, v, beta), num_warps=warps,
     )  # fmt: skip
     return x_new, h, rs, r
 
@@ -895,9 +917,10 @@ def _update_tc_bwd_op(
     KW = wt.shape[0]
     dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
     ct = _ct(x, k, v, beta, g)
-    _update_tc_bwd_kernel[(N,)](
+    TB, warps = _update_tile(x, _CFG["update_tc"])
+    _update_tc_bwd_kernel[(triton.cdiv(N, TB),)](
         x, k, v, beta, wt, g, dh, dx, dk, dv, dbeta, N, T, D, eps, KW=KW, DV=DV, BLOCK_D=_pow2(D),
-        BLOCK_V=_pow2(DV), ERASE=erase, CT=ct, num_warps=_CFG["update_fwd"]["num_warps"],
+        BLOCK_V=_pow2(DV), TB=TB, ERASE=erase, CT=ct, num_warps=warps,
     )  # fmt: skip
     cfg = _CFG["chan_bwd"]
     bd = min(cfg["BLOCK_D"], _pow2(D))
