@@ -419,7 +419,8 @@ def main(argv=None):
     p.add_argument("--input", nargs="+", help="local .parquet/.jsonl files or directories instead of the Hub")
     p.add_argument("--min-int-score", type=int, default=None, help="keep documents with int_score >= this")
     p.add_argument("--shard-tokens", type=int, default=100_000_000)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    p.add_argument("--workers", type=int, default=cores, help="tokenizer processes (default: all cores)")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     try:

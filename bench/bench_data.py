@@ -1,0 +1,110 @@
+"""Tokenization throughput: raw tiktoken vs the FineWeb-Edu shard pipeline on the same number of cores.
+
+    python bench/bench_data.py [--workers N] [--mb 40] [--repeats 3]
+
+Corpus: the 38 Shakespeare plays (data/shakespeare.py's plain text) cut into ~4 KB documents (a typical
+FineWeb-Edu document size) and repeated up to --mb megabytes of UTF-8, written to a temporary parquet
+file in FineWeb-Edu's column layout with 1,000-row row groups.
+
+  raw       enc.encode_ordinary_batch(texts, num_threads=N) on the texts already in memory
+  pipeline  data/fineweb_edu.py's prepare(--input that.parquet, --workers N): read parquet, tokenize in
+            N processes, write shards (2M tokens each) and the state file; end to end, pool start included
+
+Both report MB/s of UTF-8 text and tokens/s (wall clock), and MB per CPU-second (user + system time of
+all threads and processes involved: a measure of efficiency that holds up when other jobs share the
+cores); the best of --repeats interleaved runs is shown.
+"""
+
+import argparse
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from data.fineweb_edu import prepare  # noqa: E402
+from data.shakespeare import load_plays  # noqa: E402
+from data.tokenizer import get_encoding  # noqa: E402
+
+
+def cpu_seconds():
+    """User + system CPU time of this process (all threads) and of its children that have exited."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def make_corpus(megabytes, doc_bytes=4000):
+    docs = []
+    for _, text in load_plays():
+        cut = 0
+        while cut < len(text):  # cut at the first blank line after doc_bytes characters
+            end = text.find("\n\n", cut + doc_bytes)
+            end = len(text) if end < 0 else end + 2
+            docs.append(text[cut:end])
+            cut = end
+    out, size = [], 0
+    while size < megabytes * 1e6:
+        for d in docs:
+            out.append(d)
+            size += len(d.encode("utf-8"))
+            if size >= megabytes * 1e6:
+                break
+    return out, size
+
+
+def main():
+    p = argparse.ArgumentParser(description="tokenization throughput: raw tiktoken vs shard pipeline")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--mb", type=float, default=40.0)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts, nbytes = make_corpus(args.mb)
+    enc = get_encoding()
+    ntokens = sum(len(t) for t in enc.encode_ordinary_batch(texts[:1000], num_threads=args.workers))  # warm
+    tmp = tempfile.mkdtemp(prefix="bench_data_")
+    try:
+        parquet = os.path.join(tmp, "corpus.parquet")
+        n = len(texts)
+        table = pa.table({"text": texts, "id": [f"<urn:uuid:{i}>" for i in range(n)], "int_score": [3] * n})
+        pq.write_table(table, parquet, row_group_size=1000)
+
+        raw, pipe = [], []  # (wall seconds, CPU seconds of this process and its reaped children)
+        for _ in range(args.repeats):
+            t0, c0 = time.perf_counter(), cpu_seconds()
+            ids = enc.encode_ordinary_batch(texts, num_threads=args.workers)
+            raw.append((time.perf_counter() - t0, cpu_seconds() - c0))
+            ntokens = sum(len(i) for i in ids)
+            del ids
+            out = os.path.join(tmp, "out")
+            shutil.rmtree(out, ignore_errors=True)
+            t0, c0 = time.perf_counter(), cpu_seconds()
+            prepare(out, inputs=[parquet], shard_tokens=2_000_000, workers=args.workers, progress=False)
+            pipe.append((time.perf_counter() - t0, cpu_seconds() - c0))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    pipe_tokens = ntokens + len(texts)  # the pipeline also writes one EOT per document
+    print(f"corpus: {len(texts):,} docs, {nbytes / 1e6:.1f} MB, {ntokens:,} tokens; {args.workers} workers")
+    print(f"{'method':<48} {'MB/s':>8} {'Mtokens/s':>10} {'MB/CPU-s':>9}")
+    rows = [
+        (f"raw encode_ordinary_batch(num_threads={args.workers})", raw, ntokens),
+        (f"pipeline fineweb_edu.prepare(workers={args.workers})", pipe, pipe_tokens),
+    ]
+    for name, runs, tokens in rows:
+        wall, cpu = min(r[0] for r in runs), min(r[1] for r in runs)
+        print(f"{name:<48} {nbytes / 1e6 / wall:8.2f} {tokens / 1e6 / wall:10.2f} {nbytes / 1e6 / cpu:9.2f}")
+    wall_ratio = min(r[0] for r in raw) / min(r[0] for r in pipe)
+    cpu_ratio = min(r[1] for r in raw) / min(r[1] for r in pipe)
+    print(f"pipeline / raw: {wall_ratio:.2f}x throughput (wall clock), {cpu_ratio:.2f}x per CPU-second")
+    print(f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+
+
+if __name__ == "__main__":
+    main()
