@@ -177,10 +177,10 @@ except ImportError:  # pragma: no cover - triton is a requirement on Linux
 # reduce a weight gradient, TOKENS tiles per program.
 _CFG = {
     "update_fwd": dict(TB=0, ELEMS=4096, num_warps=4),
-    "update_bwd": dict(TB=0, ELEMS=4096, TOKENS=8, num_warps=4),
+    "update_bwd": dict(TB=0, ELEMS=4096, TOKENS=16, num_warps=4),
     "update_tc": dict(TB=0, ELEMS=8192, num_warps=4),  # fused update + TC read-out, fwd and bwd
-    "chan_fwd": dict(TOKENS=4, BLOCK_D=256, num_warps=4),
-    "chan_bwd": dict(TOKENS=64, BLOCK_D=256, num_warps=4),
+    "chan_fwd": dict(TOKENS=8, BLOCK_D=128, num_warps=4),
+    "chan_bwd": dict(TOKENS=16, BLOCK_D=128, num_warps=4),
 }
 _POISON = False  # tests set True: outputs start as NaN so an unwritten element cannot pass
 

@@ -399,9 +399,10 @@ def test_gpu_update_compress_tc_realistic(dtype):
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fused", [False, True])
-def test_gpu_update_realistic(dtype, fused):
+@pytest.mark.parametrize("dv", [1, 4])
+def test_gpu_update_realistic(dtype, fused, dv):
     dev = "cuda"
-    B, T, d, dv = 8, 1024, 768, 4
+    B, T, d = 8, 1024, 768
     x = torch.randn(B, T, d, dv, device=dev, dtype=dtype, requires_grad=True)
     k = torch.randn(B, T, d, device=dev, dtype=dtype, requires_grad=True)
     v = torch.randn(B, T, dv, device=dev, dtype=dtype, requires_grad=True)
