@@ -214,6 +214,16 @@ if init_from == "resume":
         log(f"resume: the model comes from the checkpoint; ignoring config values {changed}")
     model_args = resumed_args
 
+if dry_run:
+    with torch.device("meta"):  # shapes only: instant, even for the large presets
+        meta_model = GPT(GPTConfig(**model_args))
+    log("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in config.items()))
+    log(f"parameters: {meta_model.num_params():,}")
+    log(f"forward+backward FLOPs per token at T={block_size}: {meta_model.flops_per_token(block_size):,}")
+    if ddp:
+        dist.destroy_process_group()
+    sys.exit(0)
+
 random.seed(seed)
 np.random.seed(seed)
 torch.manual_seed(seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
@@ -221,13 +231,6 @@ raw_model = GPT(GPTConfig(**model_args))
 if checkpoint is not None:
     raw_model.load_state_dict(checkpoint["model"])
 raw_model.to(device)
-if dry_run:
-    log("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in config.items()))
-    log(f"parameters: {raw_model.num_params():,}")
-    log(f"forward+backward FLOPs per token at T={block_size}: {raw_model.flops_per_token(block_size):,}")
-    if ddp:
-        dist.destroy_process_group()
-    sys.exit(0)
 train_loader, val_loader = make_loaders()
 
 params = [p for p in raw_model.parameters() if p.requires_grad]

@@ -4,6 +4,7 @@ Tiny models (2 layers, d 32) on tiny shards written here: a token stream that mo
 with random restarts, so a model can learn it within a few dozen iterations.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -233,3 +234,77 @@ def test_plot_logs(tmp_path):
     bad.write_text('{"iter": 1, "train_loss": 2.0}\nnot json\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         plot_logs.read_log(str(bad))
+
+
+def read_config(name):
+    namespace = {}
+    with open(os.path.join(REPO, "configs", name)) as f:
+        exec(f.read(), namespace)
+    return namespace
+
+
+@pytest.mark.parametrize("name, preset", [("gpt2_small.py", "gpt2-small"), ("gpt2_medium.py", "gpt2-medium")])
+def test_gpt2_configs_follow_the_paper_recipe(name, preset):
+    c = read_config(name)
+    shape = GPTConfig.preset(preset)
+    assert all(c[k] == getattr(shape, k) for k in ("n_layer", "n_embd", "n_head", "head_dim"))
+    assert c["block_size"] == 1024 and c["batch_size"] * c["gradient_accumulation_steps"] == 480
+    assert c["gradient_accumulation_steps"] % 8 == 0  # runs unchanged on 1, 2, 4 or 8 GPUs
+    assert (c["learning_rate"], c["betas"], c["weight_decay"], c["grad_clip"]) == (
+        1e-3,
+        (0.9, 0.95),
+        0.1,
+        1.0,
+    )
+    assert (c["warmup_iters"], c["lr_decay_iters"], c["max_iters"]) == (2000, 100_000, 100_000)
+    assert c["dataset"] == "fineweb_edu"
+
+
+@pytest.mark.parametrize(
+    "config, millions",
+    [("shakespeare.py", (17, 18)), ("gpt2_small.py", (123, 125)), ("gpt2_medium.py", (353, 355))],
+)
+def test_config_files_are_valid_for_train_py(config, millions):
+    # every key the file sets is a train.py key of the right type and the model config is accepted;
+    # the dry run builds the model on the meta device and prints its size (papers: 124M and 354M)
+    cmd = [sys.executable, "train.py", f"configs/{config}", "--device=cpu", "--dry_run=True"]
+    result = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"dataset = {read_config(config)['dataset']!r}" in result.stdout
+    params = int(result.stdout.split("parameters: ")[1].split()[0].replace(",", ""))
+    assert millions[0] * 1e6 <= params <= millions[1] * 1e6
+
+
+def readme_variant_overrides():
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    table = text.split("## Variants", 1)[1].split("\n\n")[2]  # the table after the intro paragraph
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    overrides = [row.split("|")[4].strip() for row in rows]
+    return [o.replace("`", "").split() if o != "(none)" else [] for o in overrides]
+
+
+def test_readme_variant_table_overrides_are_valid():
+    from configurator import load_config
+
+    overrides = readme_variant_overrides()
+    assert len(overrides) >= 12
+    model_defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    tiny = dict(n_layer=1, n_embd=32, n_head=2, head_dim=16, block_size=8, vocab_size=64)
+    seen = set()
+    for args in overrides:
+        model_args = {**load_config(model_defaults, args), **tiny}
+        cfg = GPTConfig(**model_args)
+        seen.add(
+            (
+                cfg.residual,
+                cfg.attention,
+                cfg.ddl_ec,
+                cfg.ddl_erase,
+                cfg.deltaformer_w,
+                cfg.deltaformer_kernel,
+            )
+        )
+        _, loss = GPT(cfg)(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
+        assert torch.isfinite(loss)
+    assert len(seen) == len(overrides)  # every row is a different model
