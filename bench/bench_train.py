@@ -305,7 +305,7 @@ def bench_kernels(args):
     ms = do_bench(lambda: bufs[1].copy_(bufs[0]), return_mode="median")
     report("copy 1 GiB (read + write)", ms, 2 * 2**30)
     bufs.clear()
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32,) if args.kernels_quick else (torch.float32, torch.bfloat16):
         bench_kernels_dtype(args, dtype, do_bench, report)
         torch.cuda.empty_cache()
     bench_kernels_dv1(args, do_bench, report)
@@ -324,10 +324,10 @@ def bench_kernels_dv1(args, do_bench, report):
     gx = torch.randn_like(x)
     S = N * d * 4
     upd_c = torch.compile(ddl.ddl_update_ref)
-    for name, fn in (
-        ("triton", lambda: ddl.ddl_update(x, k, v, beta, backend="triton")),
-        ("torch.compile(ref)", lambda: upd_c(x, k, v, beta)),
-    ):
+    cases = [("triton", lambda: ddl.ddl_update(x, k, v, beta, backend="triton"))]
+    if not args.kernels_quick:
+        cases.append(("torch.compile(ref)", lambda: upd_c(x, k, v, beta)))
+    for name, fn in cases:
         fn()
         report(f"update fwd  {name} [float32, d_v=1, N={N}]", do_bench(fn, return_mode="median"), 3 * S)
 
@@ -415,7 +415,9 @@ def bench_kernels_dtype(args, dtype, do_bench, report):
         ("tc f+b  torch.compile(ref)", fb(lambda: tc_c(x, cw, read), (gh,)), 3 * S + 2 * V),
         ("ec f+b  triton", fb(lambda: ddl.expand_ec(emb, cw, backend="triton"), (gx,)), 2 * S + 3 * V),
     ]
-    if dtype != torch.float32:  # the torch.compile comparisons once (fp32: the model's state dtype)
+    if (
+        dtype != torch.float32 or args.kernels_quick
+    ):  # torch.compile comparisons once, in fp32 (model's dtype)
         cases = [c for c in cases if "torch.compile" not in c[0]]
     for name, fn, nbytes in cases:
         try:
@@ -426,7 +428,7 @@ def bench_kernels_dtype(args, dtype, do_bench, report):
             print(f"{name} [{tag}] FAILED: {type(e).__name__}: {e}"[:300], flush=True)
         for t in leaves:
             t.grad = None
-    if dtype != torch.float32:
+    if dtype != torch.float32 or args.kernels_quick:
         return
     # launch shapes of the update kernels
     saved = {key: dict(val) for key, val in ddl._CFG.items()}
@@ -467,6 +469,9 @@ def main():
     )
     p.add_argument("--kernels", action="store_true", help="also run the DDL kernel micro-benchmarks first")
     p.add_argument("--kernels-only", action="store_true")
+    p.add_argument(
+        "--kernels-quick", action="store_true", help="kernel timings: Triton, fp32 only, no sweeps"
+    )
     p.add_argument("--kernel-tokens", type=int, default=32768)
     p.add_argument(
         "--device", default="cuda", help="cpu: a smoke test of this script (tiny --model-overrides)"
@@ -489,7 +494,7 @@ def main():
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_train.py needs a CUDA GPU (or --device cpu for a smoke test)")
     print(versions(), flush=True)
-    if args.kernels or args.kernels_only:
+    if args.kernels or args.kernels_only or args.kernels_quick:
         krows = bench_kernels(args)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
