@@ -54,12 +54,22 @@ data_dir = ""  # "" = data/<dataset> in the repo
 batch_size = 8  # rows per micro-step per rank
 block_size = 1024
 gradient_accumulation_steps = 1  # GLOBAL micro-steps per iteration; divided among the ranks
+# state tracking (dataset="state_tracking", data/state_tracking.py): per-position targets, accuracy
+st_task = "swap"  # "swap" (track n elements under swaps) | "dag" (reachability from node 0)
+st_n = 5  # swap: number of elements
+st_n_nodes = 32  # dag: number of nodes
+st_length = 32  # training sequence length (the curriculum's start)
+st_curriculum = False  # double st_length when val_acc >= st_curriculum_acc, up to st_max_length
+st_curriculum_acc = 0.99
+st_max_length = 256
+st_eval_lengths = (256, 512)  # accuracy at these lengths at the end (512: extrapolation)
 # AdamW, warmup + cosine schedule
 learning_rate = 1e-3
 min_lr = 1e-4
 warmup_iters = 100
 lr_decay_iters = 5000  # cosine from learning_rate (after warmup) to min_lr at lr_decay_iters, then flat
 max_iters = 5000
+max_seconds = 0.0  # also stop (evaluate, checkpoint) after this much training wall time; 0 = off
 weight_decay = 0.1  # only on >= 2-D parameters (matrices, embeddings, convolutions)
 betas = (0.9, 0.95)
 grad_clip = 1.0  # 0 = off
@@ -74,7 +84,7 @@ _train_keys = [k for k in globals() if k not in _names_before_config and not k.s
 _model_fields = [f for f in dataclasses.fields(GPTConfig) if f.name not in _train_keys]
 _defaults = {k: globals()[k] for k in _train_keys}
 _defaults.update({f.name: f.default for f in _model_fields})
-DATASETS = ("shakespeare", "fineweb_edu")
+DATASETS = ("shakespeare", "fineweb_edu", "state_tracking")
 RUN_FIELDS = ("dropout", "backend")  # GPTConfig fields that a resumed run may change
 
 
@@ -168,6 +178,21 @@ def make_loaders():
     """(train_loader, val_loader) for `dataset`, each with get_batch(step, row_start, row_count, global_rows).
 
     A new data source is one more branch here returning two objects with that method."""
+    if dataset == "state_tracking":  # generated on the fly; train and val use disjoint seed streams
+        from data.state_tracking import StateTrackingLoader
+
+        args = dict(task=st_task, length=st_length, seed=seed, n=st_n, n_nodes=st_n_nodes)
+        try:
+            train, val = StateTrackingLoader(split="train", **args), StateTrackingLoader(split="val", **args)
+        except ValueError as e:
+            fail(f"dataset='state_tracking': {e}")
+        need = max(st_length, st_max_length, *st_eval_lengths)  # set vocab_size small in the config
+        if model_args["vocab_size"] < train.vocab_size or model_args["block_size"] < need:
+            fail(
+                f"st_task={st_task!r} needs vocab_size >= {train.vocab_size} and block_size >= {need} "
+                f"for its lengths; got vocab_size {model_args['vocab_size']}, block_size {block_size}"
+            )
+        return train, val
     from data.loader import ShardLoader
     from data.shards import find_shards
 
@@ -247,6 +272,8 @@ iter_num, best_val_loss = 0, float("inf")
 if checkpoint is not None:
     optimizer.load_state_dict(checkpoint["optimizer"])
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
+    if checkpoint.get("st_length"):  # the curriculum's current training length
+        train_loader.length = val_loader.length = checkpoint["st_length"]
 
 model = torch.compile(raw_model) if compile else raw_model
 eval_model = model  # evaluation skips DDP: no gradients to sync
@@ -304,6 +331,7 @@ def save_checkpoint():
         "config": config,
         "iter_num": iter_num,  # also the data position: global batch iter_num comes next
         "best_val_loss": best_val_loss,
+        "st_length": getattr(train_loader, "length", None),  # state-tracking curriculum position
         "rng": states,
     }
     tmp = ckpt_path + ".tmp"
@@ -331,6 +359,7 @@ def evaluate():
     eval_model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
+    hits = torch.zeros(3, dtype=torch.float64, device=device)  # state tracking: correct, correct last, n last
     for step in range(eval_iters):
         for m in range(micro_steps):
             x, y = micro_batch(val_loader, step, m)
@@ -338,13 +367,42 @@ def evaluate():
             if n == 0:
                 continue
             with autocast:
-                _, loss = eval_model(to_device(x), to_device(y))
+                logits, loss = eval_model(to_device(x), to_device(y))
             loss_sum += loss.double() * n
             count += n
+            if dataset == "state_tracking":  # per-position accuracy; a target of -1 never equals an argmax
+                hit = logits.argmax(-1) == to_device(y)
+                hits += torch.stack([hit.sum(), hit[:, -1].sum(), (y[:, -1] != -1).sum().to(device)])
     eval_model.train()
     all_reduce_sum(loss_sum)
     all_reduce_sum(count)
-    return {"val_loss": (loss_sum / count).item()}
+    all_reduce_sum(hits)
+    metrics = {"val_loss": (loss_sum / count).item()}
+    if dataset == "state_tracking":
+        metrics["val_acc"] = (hits[0] / count).item()  # over all labelled positions
+        metrics["val_acc_last"] = (hits[1] / hits[2].clamp(min=1)).item()  # the last position only
+    return metrics
+
+
+def evaluate_lengths(lengths):
+    """State tracking: evaluate() at each length (the same fixed val batches, drawn at that length)."""
+    metrics = {}
+    for length in lengths:
+        val_loader.length = length
+        metrics.update({f"{k}@{length}": v for k, v in evaluate().items()})
+    val_loader.length = train_loader.length
+    return metrics
+
+
+def grow_curriculum(val_acc, it):
+    """Double the training length once val_acc >= st_curriculum_acc, up to st_max_length; return it.
+    Only at iterations on the eval_interval grid: a run stopped and resumed elsewhere, or stopped by
+    max_seconds, follows the same curriculum."""
+    if st_curriculum and it % eval_interval == 0 and val_acc >= st_curriculum_acc:
+        if train_loader.length < st_max_length:
+            train_loader.length = val_loader.length = min(2 * train_loader.length, st_max_length)
+            log(f"curriculum: training length now {train_loader.length}")
+    return train_loader.length
 
 
 def train_iteration(step):
@@ -429,12 +487,15 @@ log(
 # ---- training loop ----
 resumed_at = iter_num if init_from == "resume" else None
 dt_avg = None
+train_start = time.time()  # for max_seconds (counts this process only, not earlier resumed runs)
 while True:
     if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != resumed_at:
         metrics = evaluate()
         if not all(math.isfinite(v) for v in metrics.values()):
             fail(f"iteration {iter_num}: non-finite evaluation {metrics}; last good checkpoint left as is")
         best_val_loss = min(best_val_loss, metrics["val_loss"])
+        if dataset == "state_tracking":  # st_length: the training length from this iteration on
+            metrics["st_length"] = grow_curriculum(metrics["val_acc"], iter_num)
         log(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         write_log({"iter": iter_num, **metrics})
         if iter_num > 0:
@@ -482,7 +543,13 @@ while True:
             f"eta {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}"
         )
     iter_num += 1
+    if max_seconds and time.time() - train_start >= max_seconds:
+        max_iters = min(max_iters, iter_num)  # time is up: the loop evaluates, checkpoints and stops
 
+if dataset == "state_tracking":
+    metrics = evaluate_lengths(st_eval_lengths)
+    log("final: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    write_log({"iter": iter_num, "final": True, **metrics})
 if device_type == "cuda":
     log(f"peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
 log(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f}, checkpoint {ckpt_path}")
