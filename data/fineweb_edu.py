@@ -147,17 +147,17 @@ def read_files(files, start_doc, need_int_score, batch_docs=BATCH_DOCS):
                 while first_rg < len(rg_rows) and doc + rg_rows[first_rg] <= start_doc:
                     doc += rg_rows[first_rg]
                     first_rg += 1
-                if first_rg == len(rg_rows):
-                    continue
                 file_row = sum(rg_rows[:first_rg])
-                row_groups = list(range(first_rg, len(rg_rows)))
-                for batch in pf.iter_batches(batch_size=batch_docs, row_groups=row_groups, columns=columns):
-                    texts = batch.column("text").to_pylist()
-                    scores = batch.column("int_score").to_pylist() if need_int_score else None
+                for rg in range(first_rg, len(rg_rows)):
+                    # a whole row group at a time: far cheaper than small iter_batches
+                    table = pf.read_row_group(rg, columns=columns)
+                    texts = table.column("text").to_pylist()
+                    scores = table.column("int_score").to_pylist() if need_int_score else None
+                    del table
                     _check_batch(path, file_row, texts, scores)
-                    skip = max(0, start_doc - doc)
-                    if skip < len(texts):
-                        yield doc + skip, texts[skip:], scores[skip:] if scores is not None else None
+                    for i in range(max(0, start_doc - doc), len(texts), batch_docs):
+                        j = i + batch_docs
+                        yield doc + i, texts[i:j], scores[i:j] if scores is not None else None
                     doc += len(texts)
                     file_row += len(texts)
             except InputError:
