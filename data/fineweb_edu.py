@@ -237,9 +237,9 @@ def _init_worker():
 def make_pool(workers):
     """A process pool for tokenize_docs, or None for workers <= 1 (tokenize in this process).
 
-    Linux forks (instant start; no re-import of __main__, so it also works from a notebook or stdin);
-    prepare() makes the pool before it reads any input or starts tqdm, i.e. while this process has no
-    other threads, which is what makes forking safe. Elsewhere: spawn."""
+    Linux forks (instant start; no re-import of __main__, so it also works from a notebook or stdin).
+    prepare() makes the pool before it reads any input or starts tqdm, so that no thread of ours (pyarrow's,
+    tqdm's, the Hub client's) is running when it forks. Elsewhere: spawn."""
     if workers <= 1:
         return None
     method = "fork" if sys.platform.startswith("linux") else "spawn"
@@ -310,6 +310,8 @@ def prepare(
     need_int_score = min_int_score is not None
     if inputs is not None:
         files = list_inputs(inputs)
+        if not files:
+            raise InputError("--input: no input files given")
         for f in files:
             check_input(f, need_int_score)
         source = {"inputs": files}
@@ -401,6 +403,7 @@ def prepare(
             pool.join()
     if fill or state["shards_done"] == 0:
         if fill == 0:
+            os.remove(state_path)
             raise InputError("no documents in the input (after the --min-int-score filter)")
         finish_shard(buf[:fill], state["next_doc"], 0)  # the position no longer matters: complete below
     state["complete"] = True

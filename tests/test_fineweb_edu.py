@@ -212,6 +212,8 @@ def test_malformed_files_named_and_no_output(corpus, tmp_path):
         ([str(no_score)], 3, "no_score.parquet: no 'int_score' column"),
         ([str(tmp_path / "missing.parquet")], None, "missing.parquet: no such file"),
         ([str(tmp_path / "notes.txt")], None, "notes.txt"),
+        ([], None, "no input files"),
+        (files, 99, "no documents in the input"),  # every document filtered out
     ]
     (tmp_path / "notes.txt").write_text("x")
     for i, (inputs, min_score, message) in enumerate(cases):
