@@ -167,6 +167,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT") or "out-state-tracking-bench")
     p.add_argument("--work", default="out-state-tracking-runs", help="out_dir parent of the runs")
     p.add_argument("--no-triton-check", action="store_true", help="use backend=torch without checking")
+    p.add_argument("--check-timeout", type=float, default=60.0, help="seconds for the Triton check")
     args = p.parse_args()
 
     known = dict(CONFIGS)
@@ -184,7 +185,7 @@ def main():
     if not torch.cuda.is_available() or args.no_triton_check:
         header.append("Deltaformer stage 1: PyTorch path (no CUDA or check skipped)")
     elif any(known[n][0] == "--attention=deltaformer" for n in names):
-        use_triton, note = check_triton(timeout=240)
+        use_triton, note = check_triton(timeout=args.check_timeout)
         backend = ["--backend=triton"] if use_triton else backend
         header.append(f"Deltaformer stage 1: {note}")
     parallel = args.parallel or len(names)
