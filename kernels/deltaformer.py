@@ -554,6 +554,7 @@ class _DeltaformerUTriton(torch.autograd.Function):
         return dk, dv, dw, dbeta.to(beta.dtype), None, None, None, None
 
 
+@torch.compiler.disable  # torch.compile runs around it (a graph break): the kernels synchronise themselves
 def deltaformer_u_triton(k, v, w, beta, kernel="softmax", scale=None, chunk=64, lowp=None):
     """Stage 1 by the Triton kernels: u [B, H, T, D] in v's dtype, differentiable in k, v, w, beta.
 
