@@ -570,4 +570,7 @@ def deltaformer_u_triton(k, v, w, beta, kernel="softmax", scale=None, chunk=64, 
             f"deltaformer (triton): k, v, w must share a dtype, got {k.dtype}, {v.dtype}, {w.dtype}"
         )
     s = 1.0 / math.sqrt(k.shape[-1]) if scale is None else float(scale)
+    if k.is_cuda:  # launch on the inputs' device, whatever the current one is
+        with torch.cuda.device(k.device):
+            return _DeltaformerUTriton.apply(k, v, w, beta, kernel, s, chunk, lowp)
     return _DeltaformerUTriton.apply(k, v, w, beta, kernel, s, chunk, lowp)

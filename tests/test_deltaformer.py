@@ -196,9 +196,13 @@ def test_triton_fp16(lowp):
 
 
 def test_triton_dispatch_and_errors():
-    inputs = make_inputs(1, 1, 9, 16, dtype=torch.float32)
+    inputs = make_inputs(1, 2, 9, 16, dtype=torch.float32)
     ref = deltaformer_reference(*[x.double() for x in inputs])
     assert rel_err(deltaformer_attention(*inputs, backend="triton"), ref) < 1e-5
+    # non-contiguous views ([B, T, H, D] transposed, as a model produces them) give the same result
+    views = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in inputs[:4]] + [inputs[4]]
+    assert not views[0].is_contiguous()
+    assert rel_err(deltaformer_attention(*views, backend="triton"), ref) < 1e-5
     q, k, v, w, beta = make_inputs(1, 1, 9, 24, dtype=torch.float32)
     with pytest.raises(ValueError, match="head dim"):
         deltaformer_attention(q, k, v, w, beta, backend="triton")
