@@ -111,23 +111,19 @@ def summarise(name, command, records, wall):
     evals = [r for r in records if "val_acc" in r]
     final = next((r for r in reversed(records) if r.get("final")), {})
     reached = [r["iter"] for r in evals if r.get("st_length", 0) >= 256]
-
-    def pct(key):
-        return f"{100 * final[key]:.1f}" if key in final else "-"
-
-    return {
+    row = {
         "config": name,
         "iters": final.get("iter", len(train)),
         "train_s": f"{sum(r['dt_ms'] for r in train) / 1000:.0f}",
         "wall_s": f"{wall:.0f}",
         "len": str(max((r["st_length"] for r in evals), default="-")),
         "256_at": str(reached[0]) if reached else "-",
-        "acc@256": pct("val_acc@256"),
-        "last@256": pct("val_acc_last@256"),
-        "acc@512": pct("val_acc@512"),
-        "last@512": pct("val_acc_last@512"),
         "command": command,
     }
+    for key, value in final.items():  # val_acc@256, val_acc_last@512, ...: accuracies in %
+        if key.startswith("val_acc"):
+            row[key[len("val_") :]] = f"{100 * value:.1f}"
+    return row
 
 
 COLUMNS = [
@@ -137,16 +133,16 @@ COLUMNS = [
     ("wall_s", "wall s"),
     ("len", "final train len"),
     ("256_at", "iter len 256 reached"),
-    ("acc@256", "acc@256 %"),
-    ("last@256", "last-pos acc@256 %"),
-    ("acc@512", "acc@512 %"),
-    ("last@512", "last-pos acc@512 %"),
 ]
 
 
 def table(rows):
-    lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(str(r[k]) for k, _ in COLUMNS) + " |" for r in rows]
+    lengths = sorted({int(k.split("@")[1]) for r in rows for k in r if k.startswith("acc@")})
+    columns = COLUMNS + [
+        c for L in lengths for c in ((f"acc@{L}", f"acc@{L} %"), (f"acc_last@{L}", f"last-pos acc@{L} %"))
+    ]
+    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(r.get(k, "-")) for k, _ in columns) + " |" for r in rows]
     lines += ["", "Commands (from the repository root):", ""]
     lines += [f"- {r['config']}: `{r['command']}`" for r in rows]
     return "\n".join(lines)
