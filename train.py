@@ -289,7 +289,7 @@ def rng_state():
         # numpy's key array as a tensor, so torch.load(weights_only=True) can read the checkpoint
         "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if device_type == "cuda" else [],
+        "cuda": torch.cuda.get_rng_state(device) if device_type == "cuda" else None,  # this rank's GPU only
     }
 
 
@@ -298,8 +298,8 @@ def set_rng_state(state):
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
-    if device_type == "cuda" and state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if device_type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 random.seed(seed + rank)
@@ -543,8 +543,13 @@ while True:
             f"eta {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}"
         )
     iter_num += 1
-    if max_seconds and time.time() - train_start >= max_seconds:
-        max_iters = min(max_iters, iter_num)  # time is up: the loop evaluates, checkpoints and stops
+    if max_seconds:
+        # rank 0's clock decides, so that every rank stops at the same iteration
+        time_up = torch.tensor(float(time.time() - train_start >= max_seconds), device=device)
+        if ddp:
+            dist.broadcast(time_up, 0)
+        if time_up.item():
+            max_iters = min(max_iters, iter_num)  # time is up: the loop evaluates, checkpoints and stops
 
 if dataset == "state_tracking":
     metrics = evaluate_lengths(st_eval_lengths)

@@ -67,12 +67,14 @@ def env():
     return e
 
 
-def train(out_dir, data_dir, *args, nproc=1, check=True):
+def train(out_dir, data_dir, *args, nproc=1, check=True, extra_env=None):
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd = launcher + ["train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out_dir}", *args]
-    result = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        cmd, cwd=REPO, env={**env(), **(extra_env or {})}, capture_output=True, text=True, timeout=240
+    )
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{result.stdout}\n{result.stderr}")
     return result
@@ -206,6 +208,17 @@ def test_gradient_accumulation_must_divide_among_ranks(tmp_path, data_dir):
     assert (
         "gradient_accumulation_steps=3 (global) must be divisible by the number of ranks (2)" in result.stderr
     )
+
+
+def test_wandb_offline(tmp_path, data_dir):
+    pytest.importorskip("wandb")
+    wandb_dir = tmp_path / "wandb_dir"
+    wandb_dir.mkdir()
+    extra = {"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true"}
+    args = ["--max_iters=3", "--eval_interval=3", "--wandb_log=True", "--wandb_run_name=t"]
+    train(str(tmp_path / "out"), data_dir, *args, extra_env=extra)
+    runs = [p for p in (wandb_dir / "wandb").iterdir() if p.name.startswith("offline-run-")]
+    assert len(runs) == 1 and any(f.suffix == ".wandb" for f in runs[0].iterdir())
 
 
 def test_plot_logs(tmp_path):
