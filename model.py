@@ -62,7 +62,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.ddl import compress_cc, compress_tc, ddl_update, ddl_update_compress_cc, expand_ec
-from kernels.deltaformer import deltaformer_attention, deltaformer_step
+from kernels.deltaformer import deltaformer_attention, deltaformer_step, deltaformer_u_torch
 
 RESIDUALS = ("additive", "ddl", "ddl-tc", "ddl-cc")
 ATTENTIONS = ("softmax", "deltaformer")
@@ -308,8 +308,12 @@ class Attention(nn.Module):
         beta = beta.transpose(1, 2)  # [B, H, T], fp32
         if cache is None:
             return deltaformer_attention(q, k, v, w, beta, kernel=cfg.deltaformer_kernel, backend=cfg.backend)
-        # Decoding: token by token with the cached keys and u's (a prefill of T tokens loops T times).
-        k_cache, u_cache = cache.store.get(self, (k[:, :, :0], v[:, :, :0]))
+        if self not in cache.store:  # prefill: stage 1 for the whole prompt at once, then plain attention
+            u = deltaformer_u_torch(k, v, w, beta, kernel=cfg.deltaformer_kernel)
+            cache.store[self] = (k, u)
+            return F.scaled_dot_product_attention(q, k, u, is_causal=True)
+        # Decoding: token by token with the cached keys and u's (a chunk of T tokens loops T times).
+        k_cache, u_cache = cache.store[self]
         outs = []
         for t in range(q.shape[2]):
             s = slice(t, t + 1)

@@ -2,8 +2,8 @@
 
 Two checks per variant, float64, every parameter strongly perturbed off its init (so the TC/EC convolutions
 really mix in earlier tokens and the gates differ per token):
-- the logits from the cache (prefill, then one token at a time) equal the full forward's logits at every
-  position;
+- the logits from the cache (prefill, a chunk of 3, then one token at a time) equal the full forward's
+  logits at every position;
 - generate(top_k=1) emits exactly the tokens of greedy decoding by full forward passes, including past
   block_size, where both crop to the last block_size tokens (nanoGPT).
 """
@@ -51,7 +51,9 @@ def test_cached_logits_equal_full_forward(case):
         cache = Cache()
         prefill = model.lm_head(model.hidden_states(idx[:, :5], cache))
         torch.testing.assert_close(prefill, full[:, :5], rtol=1e-10, atol=1e-10)
-        for t in range(5, 16):
+        chunk = model.lm_head(model.hidden_states(idx[:, 5:8], cache))  # a chunk continuing the cache
+        torch.testing.assert_close(chunk, full[:, 5:8], rtol=1e-10, atol=1e-10)
+        for t in range(8, 16):
             step = model.lm_head(model.hidden_states(idx[:, t : t + 1], cache))
             torch.testing.assert_close(step[:, 0], full[:, t], rtol=1e-10, atol=1e-10, msg=f"position {t}")
         assert cache.pos == 16
