@@ -129,16 +129,16 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
         if self.mlp_hidden is not None:
             positive_int("mlp_hidden")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if not self.rope_base > 0:
-            raise ValueError(f"GPTConfig.rope_base must be > 0, got {self.rope_base!r}")
-        if not 0.0 < self.ddl_beta_init < 2.0:
-            raise ValueError(
-                f"GPTConfig.ddl_beta_init must be in (0, 2) (beta = 2 sigmoid), got {self.ddl_beta_init!r}"
-            )
-        if not self.deltaformer_beta_max > 0:
-            raise ValueError(f"GPTConfig.deltaformer_beta_max must be > 0, got {self.deltaformer_beta_max!r}")
+
+        def number(name, ok, allowed):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+                raise ValueError(f"GPTConfig.{name} must be a number {allowed}, got {value!r}")
+
+        number("dropout", lambda x: 0 <= x < 1, "in [0, 1)")
+        number("rope_base", lambda x: x > 0, "> 0")
+        number("ddl_beta_init", lambda x: 0 < x < 2, "in (0, 2) (beta = 2 sigmoid(.))")
+        number("deltaformer_beta_max", lambda x: x > 0, "> 0")
         # d_v: resolved here so that asdict() -> GPTConfig(**) round-trips to the same model.
         if self.residual == "additive":
             if self.ddl_dv is not None:
@@ -504,6 +504,10 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None):
         if idx.dim() != 2 or idx.dtype != torch.long:
             raise ValueError(f"idx must be int64 [B, T], got {idx.dtype} {tuple(idx.shape)}")
+        if targets is not None and (targets.shape != idx.shape or targets.dtype != torch.long):
+            raise ValueError(
+                f"targets must be int64 {tuple(idx.shape)}, got {targets.dtype} {tuple(targets.shape)}"
+            )
         x = self.hidden_states(idx)
         if targets is None:  # inference: only the last position (nanoGPT convention)
             return self.lm_head(x[:, -1:]), None

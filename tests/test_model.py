@@ -83,10 +83,23 @@ def test_causal():
         assert (a[:, 6] - b[:, 6]).abs().max() > 1e-6
 
 
-def test_too_long_raises():
+def test_bad_inputs_raise():
     model = make(tiny(block_size=8))
     with pytest.raises(ValueError, match="block_size"):
         model(tokens(T=9))
+    with pytest.raises(ValueError, match="idx"):
+        model(tokens(T=4).int())
+    with pytest.raises(ValueError, match="targets"):
+        model(tokens(T=4), tokens(T=3))
+
+
+def test_dropout_only_in_training():
+    model = make(tiny(residual="ddl-tc", dropout=0.2))
+    idx = tokens()
+    model.train()
+    assert not torch.equal(model(idx, idx)[0], model(idx, idx)[0])
+    model.eval()
+    assert torch.equal(model(idx, idx)[0], model(idx, idx)[0])
 
 
 def test_bf16_autocast_close_to_fp32():
@@ -326,6 +339,9 @@ def test_ddl_dv1_has_no_ec_and_vector_state():
         (dict(block_size=0), "block_size"),
         (dict(mlp_hidden=0), "mlp_hidden"),
         (dict(dropout=1.0), "dropout"),
+        (dict(dropout="0.1"), "dropout"),
+        (dict(ddl_beta_init=float("nan")), "ddl_beta_init"),
+        (dict(rope_base=0), "rope_base"),
     ],
 )
 def test_invalid_config_raises_naming_field(overrides, field):
