@@ -4,17 +4,19 @@ of the DDL kernels.
     python bench/bench_train.py                       # the table: gpt2-small and gpt2-medium, 6 variants
     python bench/bench_train.py --kernels-only        # DDL kernel timings and bytes moved
     python bench/bench_train.py --models gpt2-small --variants additive,ddl-cc --out /tmp/b
+    python bench/bench_train.py --merge /tmp/b/bench_train.json   # into bench/RESULTS.md (no GPU)
 
 For each (model, variant): bf16 autocast, torch.compile, fused AdamW, seq 1024, the largest micro-batch of
 --batches that fits (OOM is caught and the next smaller one tried); tokens/s, step time (median of the
 timed steps), peak memory, MFU = tokens/s * (6 N + 12 L H Q T) / 989e12 (N: the variant's parameters,
-H heads of width Q), and ratios to additive + softmax of the same size. Peak memory is also measured at
-one common micro-batch (--mem-batch) so that its ratio compares like with like.
+H heads of width Q), and ratios to additive + softmax of the same size (peak memory only where both ran
+at the same micro-batch; pass --batches 32 to force one).
 
-Compiling a dozen models one after another would take longer than the measurements, so every
-(model, variant) gets its own process: all compile at once (batch dimension marked dynamic, a tiny
-batch, so compiled code serves every batch size), move their weights off the GPU, then take turns on
-the GPU one at a time for the timed part, alone on it and with the CPU quiet.
+Each (model, variant) runs in its own fresh process, one after another, compiled with static shapes at
+the batch it is timed at (a smaller batch after an OOM compiles again). Compiling dominates the run time
+(~1-2 min per row on the H200 machine's 16 cores), so the whole table takes longer than one 10-minute
+device call: run it in parts (--models / --variants) and merge the parts' JSON into bench/RESULTS.md on
+this machine with --merge (rows are keyed by model and variant; a later run replaces a row).
 """
 
 import argparse
@@ -95,14 +97,34 @@ def peak_gb():
     return torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan")
 
 
-def worker(job, ready, gpu_lock, results):
+def measure(model, compiled, cfg, B, args, row):
+    """Warm up (compiles at this batch) and time; fills row. Raises torch.OutOfMemoryError."""
+    device = args.device
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device == "cuda")
+    reset_peak()
+    t0 = time.time()
+    train_steps(compiled, opt, B, args.seq, args.warmup, cfg.vocab_size, device)
+    row["compile_s"] = round(time.time() - t0, 1)  # compile + warm-up steps
+    times = train_steps(compiled, opt, B, args.seq, args.steps, cfg.vocab_size, device)
+    step = statistics.median(times)
+    tok_s = B * args.seq / step
+    row.update(
+        batch=B,
+        step_ms=step * 1e3,
+        tok_s=tok_s,
+        peak_GB=peak_gb(),
+        mfu=tok_s * issue_flops_per_token(model, args.seq) / PEAK_FLOPS,
+        mfu_model_flops=tok_s * model.flops_per_token(args.seq) / PEAK_FLOPS,
+    )
+
+
+def worker(job, results):
+    """One (model, variant) in a fresh process: static shapes, compiled at the batch it is timed at."""
     name, size, overrides, args = job["name"], job["size"], job["overrides"], job["args"]
     row = dict(model=size, variant=name)
-    device = args.device
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    model = compiled = None
-    t_start = time.time()
+    torch._dynamo.config.automatic_dynamic_shapes = False  # a smaller batch after an OOM: static again
     try:
         from kernels import ddl
         from model import GPT, GPTConfig
@@ -111,116 +133,69 @@ def worker(job, ready, gpu_lock, results):
             ddl.set_auto_backend(args.ddl_backend)
         cfg = GPTConfig.preset(size, block_size=args.seq, **overrides, **args.model_overrides)
         torch.manual_seed(0)
-        model = GPT(cfg).to(device)
+        model = GPT(cfg).to(args.device)
         row["params_M"] = model.num_params() / 1e6
-        sgd = torch.optim.SGD(model.parameters(), lr=0.0)
-        compiled = model
-        if args.compile:
+        for B in args.batches:
+            compiled = torch.compile(model, dynamic=False) if args.compile else model
             try:
-                compiled = torch.compile(model)
-                train_steps(compiled, sgd, 2, args.seq, 1, cfg.vocab_size, device)
-            except Exception as e:  # measure it eagerly rather than not at all, and say so
+                measure(model, compiled, cfg, B, args, row)
+                break
+            except torch.OutOfMemoryError:
+                row.setdefault("oom_batches", []).append(B)
+            except Exception as e:
+                if not args.compile or "compile_error" in row:
+                    raise
+                # a variant torch.compile cannot handle is measured eagerly rather than not at all
                 row["compile_error"] = f"{type(e).__name__}: {e}"[:300]
                 traceback.print_exc()
-                torch._dynamo.reset()
-                compiled = model
-        train_steps(compiled, sgd, 2, args.seq, 1, cfg.vocab_size, device)
-        row["compiled"] = compiled is not model
-        row["compile_s"] = round(time.time() - t_start, 1)
-        model.zero_grad(set_to_none=True)
-        model.cpu()
-        empty_cache()
-    except Exception as e:
-        row["error"] = f"build/compile: {type(e).__name__}: {e}"[:400]
-        traceback.print_exc()
-    # wait until every job has compiled (or the compile phase is over), so the timed runs have the CPU
-    with ready.get_lock():
-        ready.value += 1
-    while ready.value < job["n_jobs"] and time.time() - t_start < args.compile_timeout:
-        time.sleep(0.2)
-    if "error" in row:
-        results.put(row)
-        return
-    with gpu_lock:
-        try:
-            model.to(device)
-            for B in args.batches:
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device == "cuda")
+                args.compile = 0
                 try:
-                    reset_peak()
-                    train_steps(compiled, opt, B, args.seq, args.warmup, cfg.vocab_size, device)
-                    times = train_steps(compiled, opt, B, args.seq, args.steps, cfg.vocab_size, device)
+                    measure(model, model, cfg, B, args, row)
+                    break
                 except torch.OutOfMemoryError:
                     row.setdefault("oom_batches", []).append(B)
-                    del opt
-                    model.zero_grad(set_to_none=True)
-                    empty_cache()
-                    continue
-                step = statistics.median(times)
-                tok_s = B * args.seq / step
-                row.update(
-                    batch=B,
-                    step_ms=step * 1e3,
-                    tok_s=tok_s,
-                    peak_GB=peak_gb(),
-                    mfu=tok_s * issue_flops_per_token(model, args.seq) / PEAK_FLOPS,
-                    mfu_model_flops=tok_s * model.flops_per_token(args.seq) / PEAK_FLOPS,
-                )
-                break
-            else:
-                raise RuntimeError(f"no batch of {args.batches} fits")
-            if args.mem_batch and args.mem_batch <= row["batch"]:
-                model.zero_grad(set_to_none=True)
-                empty_cache()
-                reset_peak()
-                train_steps(compiled, opt, args.mem_batch, args.seq, 2, cfg.vocab_size, device)
-                row["peak_GB_at_mem_batch"] = peak_gb()
-        except Exception as e:
-            row["error"] = f"run: {type(e).__name__}: {e}"[:400]
-            traceback.print_exc()
-        finally:
-            results.put(row)
-            opt = None
             model.zero_grad(set_to_none=True)
-            model.cpu()
+            torch._dynamo.reset()
             empty_cache()
+        else:
+            raise RuntimeError(f"no micro-batch of {args.batches} fits")
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"[:400]
+        traceback.print_exc()
+    results.put(row)
 
 
 def run_table(args):
+    """Each (model, variant) in its own process, one after another (the GPU and the CPU to itself)."""
     import multiprocessing as mp
+    import queue
 
     ctx = mp.get_context("spawn")
-    pairs = [(m, v) for m in args.models for v in args.variants]
-    jobs = [dict(name=v, size=m, overrides=VARIANTS[v], args=args, n_jobs=len(pairs)) for m, v in pairs]
-    ready, gpu_lock, results = ctx.Value("i", 0), ctx.Lock(), ctx.Queue()
-    # each process compiles with a share of the cores
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 2) // len(jobs))))
-    procs = [ctx.Process(target=worker, args=(j, ready, gpu_lock, results)) for j in jobs]
-    t0 = time.time()
-    for p in procs:
-        p.start()
     rows = []
-    while len(rows) < len(jobs) and time.time() - t0 < args.time_limit:
-        try:
-            row = results.get(timeout=5)
-        except Exception:
-            if not any(p.is_alive() for p in procs):
-                break
-            continue
-        row["t_done_s"] = round(time.time() - t0, 1)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        save(args, rows)
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.terminate()
-    done = {(r["model"], r["variant"]) for r in rows}
-    for j in jobs:
-        if (j["size"], j["name"]) not in done:
-            rows.append(dict(model=j["size"], variant=j["name"], error="did not finish within --time-limit"))
-    order = [(j["size"], j["name"]) for j in jobs]
-    return sorted(rows, key=lambda r: order.index((r["model"], r["variant"])))
+    t0 = time.time()
+    for m in args.models:
+        for v in args.variants:
+            left = args.time_limit - (time.time() - t0)
+            if left < 30:
+                rows.append(dict(model=m, variant=v, error="not run: --time-limit reached"))
+                continue
+            results = ctx.Queue()
+            p = ctx.Process(
+                target=worker, args=(dict(name=v, size=m, overrides=VARIANTS[v], args=args), results)
+            )
+            p.start()
+            try:
+                row = results.get(timeout=min(left, args.job_timeout))
+            except queue.Empty:
+                row = dict(model=m, variant=v, error=f"no result within {min(left, args.job_timeout):.0f} s")
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+            row["t_done_s"] = round(time.time() - t0, 1)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            save(args, rows)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -235,29 +210,73 @@ def versions():
     return f"GPU {gpu}; torch {torch.__version__}; triton {triton.__version__}; Python {py}"
 
 
-def table(args, rows):
+def table(rows):
+    """Markdown table; ratios against additive + softmax of the same model size (peak memory only
+    where both ran at the same micro-batch)."""
     base = {r["model"]: r for r in rows if r["variant"] == "additive" and "tok_s" in r}
     lines = [
-        "| model | variant | batch | tokens/s | ×additive | step ms | peak GB | peak GB @B="
-        f"{args.mem_batch} | ×additive | MFU | compile s |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| model | variant | micro-batch | tokens/s | ×additive | step ms | peak GB | ×additive | MFU |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         if "tok_s" not in r:
-            lines.append(f"| {r['model']} | {r['variant']} | error: {r.get('error', '?')} |||||||||")
+            lines.append(f"| {r['model']} | {r['variant']} | not measured: {r.get('error', '?')} ||||||")
             continue
         b = base.get(r["model"])
         ratio = f"{r['tok_s'] / b['tok_s']:.3f}" if b else "-"
-        pm = r.get("peak_GB_at_mem_batch")
-        pm_ratio = (
-            f"{pm / b['peak_GB_at_mem_batch']:.3f}" if b and pm and b.get("peak_GB_at_mem_batch") else "-"
-        )
-        pm = "-" if pm is None else f"{pm:.1f}"
+        mem_ratio = f"{r['peak_GB'] / b['peak_GB']:.3f}" if b and b["batch"] == r["batch"] else "-"
         variant = r["variant"] + (" (eager: compile failed)" if "compile_error" in r else "")
         cells = [r["model"], variant, r["batch"], f"{r['tok_s']:,.0f}", ratio, f"{r['step_ms']:.1f}"]
-        cells += [f"{r['peak_GB']:.1f}", pm, pm_ratio, f"{100 * r['mfu']:.1f}%", r.get("compile_s", "-")]
+        cells += [f"{r['peak_GB']:.1f}", mem_ratio, f"{100 * r['mfu']:.1f}%"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def section(runs):
+    """The '## Training throughput' section from runs = [{command, versions, rows}], later runs' rows
+    replacing earlier ones of the same (model, variant); the rows are kept in a comment for --merge."""
+    merged = {}
+    for run in runs:
+        for r in run["rows"]:
+            if "tok_s" in r or (r["model"], r["variant"]) not in merged:
+                merged[(r["model"], r["variant"])] = r
+    for m in ("gpt2-small", "gpt2-medium"):
+        for v in VARIANTS:
+            merged.setdefault((m, v), dict(model=m, variant=v, error="no run yet"))
+    order = {v: i for i, v in enumerate(VARIANTS)}
+    sizes = {"gpt2-small": 0, "gpt2-medium": 1}
+    rows = sorted(
+        merged.values(), key=lambda r: (sizes.get(r["model"], 9), r["model"], order.get(r["variant"], 99))
+    )
+    cmds = [
+        f"- `{run['command']}` — {run['versions']}" + (f" ({run['note']})" if run.get("note") else "")
+        for run in runs
+    ]
+    return "\n".join(
+        [
+            "## Training throughput",
+            "",
+            "Seq 1024, bf16 autocast, torch.compile (static shapes), fused AdamW, random tokens; step time "
+            "is the median of the timed steps; MFU = tokens/s × (6N + 12·L·H·Q·T) / 989 TF (N: the variant's "
+            "parameters). Made by:",
+            "",
+            *cmds,
+            "",
+            table(rows),
+            "",
+            "<!-- bench_train runs: " + json.dumps(runs) + " -->",
+        ]
+    )
+
+
+def runs_in_results(path):
+    if not os.path.exists(path):
+        return []
+    text = open(path).read()
+    tag = "<!-- bench_train runs: "
+    if tag not in text:
+        return []
+    return json.loads(text.split(tag, 1)[1].split(" -->", 1)[0])
 
 
 def save(args, rows):
@@ -432,16 +451,16 @@ def bench_kernels_dtype(args, dtype, do_bench, report):
         return
     # launch shapes of the update kernels
     saved = {key: dict(val) for key, val in ddl._CFG.items()}
-    for tb, nw in ((1, 4), (1, 8), (2, 8), (4, 8)):
-        ddl._CFG["update_fwd"] = dict(TB=tb, ELEMS=4096, num_warps=nw)
+    for tok, nw in ((1, 4), (1, 8), (2, 4), (4, 8)):
+        ddl._CFG["update_fwd"] = dict(TOKENS=tok, num_warps=nw)
         ms = do_bench(lambda: ddl.ddl_update(x, k, v, beta, backend="triton"), return_mode="median")
-        report(f"  cfg update_fwd TB={tb} warps={nw} [{tag}]", ms, 2 * S + V)
+        report(f"  cfg update_fwd TOKENS={tok} warps={nw} [{tag}]", ms, 2 * S + V)
     ddl._CFG.update(saved)
     f = fb(lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"), (gx, gh))
-    for tok, tb, nw in ((4, 1, 4), (8, 1, 4), (32, 1, 4), (8, 2, 8)):
-        ddl._CFG["update_bwd"] = dict(TB=tb, ELEMS=4096, TOKENS=tok, num_warps=nw)
+    for tok, nw in ((8, 4), (32, 4), (64, 4), (32, 8)):
+        ddl._CFG["update_bwd"] = dict(TOKENS=tok, num_warps=nw)
         ms = do_bench(f, return_mode="median")
-        report(f"  cfg update_bwd TOKENS={tok} TB={tb} warps={nw} (fused f+b) [{tag}]", ms, 5 * S + 5 * V)
+        report(f"  cfg update_bwd TOKENS={tok} warps={nw} (fused f+b) [{tag}]", ms, 5 * S + 5 * V)
     ddl._CFG.update(saved)
     f = fb(lambda: ddl.compress_tc(x, cw, read, backend="triton"), (gh,))
     for tok, bd, nw in ((4, 256, 4), (8, 128, 4), (16, 256, 8), (64, 256, 4)):
@@ -457,16 +476,14 @@ def main():
     p.add_argument("--models", default="gpt2-small,gpt2-medium")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--batches", default="64,32,16,8", help="micro-batch sizes to try, largest first")
-    p.add_argument("--mem-batch", type=int, default=16, help="common micro-batch for the peak-memory ratio")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--compile", type=int, default=1)
     p.add_argument("--ddl-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--time-limit", type=float, default=540, help="seconds for the whole table")
-    p.add_argument(
-        "--compile-timeout", type=float, default=240, help="timed runs start after this at the latest"
-    )
+    p.add_argument("--job-timeout", type=float, default=420, help="seconds for one (model, variant)")
+    p.add_argument("--merge", nargs="+", default=None, help="bench_train.json files to merge into --results")
     p.add_argument("--kernels", action="store_true", help="also run the DDL kernel micro-benchmarks first")
     p.add_argument("--kernels-only", action="store_true")
     p.add_argument(
@@ -478,7 +495,7 @@ def main():
     )
     p.add_argument("--model-overrides", default="", help="GPTConfig overrides, e.g. n_layer=2,n_embd=64")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_train.json / .md")
-    p.add_argument("--results", default=os.path.join(ROOT, "bench", "RESULTS.md"), help="'' to skip")
+    p.add_argument("--results", default=os.path.join(ROOT, "bench", "RESULTS.md"), help="for --merge")
     args = p.parse_args()
     args.command = "python bench/bench_train.py " + " ".join(sys.argv[1:])
     args.models = [m for m in args.models.split(",") if m]
@@ -491,6 +508,16 @@ def main():
         key: (int(val) if val.isdigit() else val)
         for key, val in (kv.split("=", 1) for kv in args.model_overrides.split(",") if kv)
     }
+    if args.merge is not None:  # on this machine: fold device runs' JSON into bench/RESULTS.md
+        runs = runs_in_results(args.results)
+        for path in args.merge:
+            with open(path) as f:
+                run = json.load(f)
+            if run not in runs:  # merging the same file twice changes nothing
+                runs.append(run)
+        write_results_section(args.results, section(runs))
+        print(section(runs).split("<!--")[0])
+        return
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_train.py needs a CUDA GPU (or --device cpu for a smoke test)")
     print(versions(), flush=True)
@@ -500,28 +527,15 @@ def main():
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
                 json.dump(krows, f, indent=1)
-        if args.kernels_only:
+        if args.kernels_only or args.kernels_quick:
             return
     rows = run_table(args)
     save(args, rows)
-    text = "\n".join(
-        [
-            "## Training throughput",
-            "",
-            f"`{args.command}` — {versions()}; seq {args.seq}, bf16 autocast, "
-            f"{'torch.compile (batch dim dynamic)' if args.compile else 'eager'}, fused AdamW, "
-            f"median of {args.steps} steps after {args.warmup} warm-up; "
-            f"MFU = tokens/s × (6N + 12·L·H·Q·T) / 989 TF.",
-            "",
-            table(args, rows),
-        ]
-    )
-    print("\n" + text, flush=True)
+    text = section([dict(command=args.command, versions=versions(), rows=rows)])
+    print("\n" + text.split("<!--")[0], flush=True)
     if args.out:
         with open(os.path.join(args.out, "bench_train.md"), "w") as f:
             f.write(text + "\n")
-    if args.results:
-        write_results_section(args.results, text)
 
 
 if __name__ == "__main__":

@@ -172,15 +172,12 @@ except ImportError:  # pragma: no cover - triton is a requirement on Linux
     triton = None
 
 # Launch shapes (tokens per program, warps, channel block for the per-channel kernels); tuned on an H200
-# by `python bench/bench_train.py --kernels`; tests shrink them to exercise partial sums and tails.
-# The update kernels take TB tokens per tile (0: as many as make ~ELEMS state elements) and, when they
-# reduce a weight gradient, TOKENS tiles per program.
+# by `python bench/bench_train.py --kernels`; tests shrink TOKENS to exercise partial sums and tails.
 _CFG = {
-    "update_fwd": dict(TB=0, ELEMS=4096, num_warps=4),
-    "update_bwd": dict(TB=0, ELEMS=4096, TOKENS=16, num_warps=4),
-    "update_tc": dict(TB=0, ELEMS=8192, num_warps=4),  # fused update + TC read-out, fwd and bwd
-    "chan_fwd": dict(TOKENS=8, BLOCK_D=128, num_warps=4),
-    "chan_bwd": dict(TOKENS=16, BLOCK_D=128, num_warps=4),
+    "update_fwd": dict(TOKENS=1, num_warps=4),
+    "update_bwd": dict(TOKENS=32, num_warps=4),
+    "chan_fwd": dict(TOKENS=4, BLOCK_D=256, num_warps=4),
+    "chan_bwd": dict(TOKENS=64, BLOCK_D=256, num_warps=4),
 }
 _POISON = False  # tests set True: outputs start as NaN so an unwritten element cannot pass
 
@@ -201,96 +198,92 @@ if triton is not None:
     @triton.jit
     def _update_fwd_kernel(
         X, Kd, V, BETA, W, XOUT, H, N, D, eps,
-        DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TB: tl.constexpr,
+        DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TOKENS: tl.constexpr,
         ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
     ):  # fmt: skip
-        # a tile of TB tokens x [d, d_v]: several tokens per program batch the reductions over d, which
-        # keeps small tiles (d_v = 1, bf16) from being latency-bound
-        n = tl.program_id(0).to(tl.int64) * TB + tl.arange(0, TB)
+        pid = tl.program_id(0).to(tl.int64)
         offs_d = tl.arange(0, BLOCK_D)
         offs_v = tl.arange(0, BLOCK_V)
-        okt = n < N
-        mk = okt[:, None] & (offs_d < D)[None, :]  # [TB, BLOCK_D]
-        mtv = okt[:, None] & (offs_v < DV)[None, :]  # [TB, BLOCK_V]
-        m3 = mk[:, :, None] & (offs_v < DV)[None, None, :]
-        off3 = n[:, None, None] * D * DV + (offs_d[:, None] * DV + offs_v[None, :])[None]
-        k = tl.load(Kd + n[:, None] * D + offs_d[None, :], mask=mk, other=0.0).to(CT)
-        rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + eps * eps)
-        kh = k * rs[:, None]
-        x = tl.load(X + off3, mask=m3, other=0.0).to(CT)
-        v = tl.load(V + n[:, None] * DV + offs_v[None, :], mask=mtv, other=0.0).to(CT)
-        b = tl.load(BETA + n, mask=okt, other=0.0).to(CT)
-        if ERASE:
-            r = v - tl.sum(kh[:, :, None] * x, axis=1)  # v^T - khat^T x  [TB, d_v]
-        else:
-            r = v
-        xn = (x + b[:, None, None] * kh[:, :, None] * r[:, None, :]).to(XOUT.dtype.element_ty)
-        tl.store(XOUT + off3, xn, mask=m3)
-        if COMPRESS:  # the next sublayer's CC read-out of the state just written (as stored)
-            off2 = offs_d[:, None] * DV + offs_v[None, :]
-            w = tl.load(W + off2, mask=(offs_d < D)[:, None] & (offs_v < DV)[None, :], other=0.0).to(CT)
-            h = tl.sum(xn.to(CT) * w[None], axis=2)
-            tl.store(H + n[:, None] * D + offs_d[None, :], h.to(H.dtype.element_ty), mask=mk)
+        md = offs_d < D
+        mv = offs_v < DV
+        off2 = offs_d[:, None] * DV + offs_v[None, :]
+        if COMPRESS:
+            w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
+        for tt in tl.static_range(TOKENS):
+            n = pid * TOKENS + tt
+            ok = n < N
+            okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+            m2 = (md & okd)[:, None] & mv[None, :]
+            k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
+            rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
+            kh = k * rs
+            x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+            v = tl.load(V + n * DV + offs_v, mask=mv & (offs_v * 0 + n < N), other=0.0).to(CT)
+            b = tl.load(BETA + n, mask=ok, other=0.0).to(CT)
+            if ERASE:
+                r = v - tl.sum(kh[:, None] * x, axis=0)  # v^T - khat^T x
+            else:
+                r = v
+            xn = (x + b * kh[:, None] * r[None, :]).to(XOUT.dtype.element_ty)
+            tl.store(XOUT + n * D * DV + off2, xn, mask=m2)
+            if COMPRESS:  # the next sublayer's CC read-out of the state just written (as stored)
+                h = tl.sum(xn.to(CT) * w, axis=1)
+                tl.store(H + n * D + offs_d, h.to(H.dtype.element_ty), mask=md & okd)
 
     @triton.jit
     def _update_bwd_kernel(
         X, Kd, V, BETA, W, G, DH, DX, DK, DVo, DBETA, DWP, N, D, eps, TOKENS,
-        DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TB: tl.constexpr,
+        DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
         ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
     ):  # fmt: skip
         # x' = x + b khat r^T, r = v - x^T khat.  With G = dL/dx' (+ dh w^T from the fused read-out):
         # dx = G - b khat (khat^T G);  dv = b G^T khat;  dbeta = r . (G^T khat);
         # dkhat = b (G r - x G^T khat);  dk = (dkhat - khat (khat . dkhat)) / sqrt(|k|^2 + eps^2).
-        # A program takes TOKENS tiles of TB tokens (the weight gradient of the read-out is summed
-        # over them in registers).
         pid = tl.program_id(0).to(tl.int64)
         offs_d = tl.arange(0, BLOCK_D)
         offs_v = tl.arange(0, BLOCK_V)
+        md = offs_d < D
+        mv = offs_v < DV
         off2 = offs_d[:, None] * DV + offs_v[None, :]
-        m2 = (offs_d < D)[:, None] & (offs_v < DV)[None, :]
         if COMPRESS:
-            w = tl.load(W + off2, mask=m2, other=0.0).to(CT)
+            w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
             dw = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
-        for it in range(TOKENS):
-            n = (pid * TOKENS + it) * TB + tl.arange(0, TB)
-            okt = n < N
-            mk = okt[:, None] & (offs_d < D)[None, :]
-            mtv = okt[:, None] & (offs_v < DV)[None, :]
-            m3 = okt[:, None, None] & m2[None]
-            off3 = n[:, None, None] * D * DV + off2[None]
-            k = tl.load(Kd + n[:, None] * D + offs_d[None, :], mask=mk, other=0.0).to(CT)
-            rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + eps * eps)
-            kh = k * rs[:, None]
-            x = tl.load(X + off3, mask=m3, other=0.0).to(CT)
-            v = tl.load(V + n[:, None] * DV + offs_v[None, :], mask=mtv, other=0.0).to(CT)
-            b = tl.load(BETA + n, mask=okt, other=0.0).to(CT)
-            g = tl.load(G + off3, mask=m3, other=0.0).to(CT)
+        for tt in range(TOKENS):
+            n = pid * TOKENS + tt
+            ok = n < N
+            okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+            m2 = (md & okd)[:, None] & mv[None, :]
+            k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
+            rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
+            kh = k * rs
+            x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+            v = tl.load(V + n * DV + offs_v, mask=mv & (offs_v * 0 + n < N), other=0.0).to(CT)
+            b = tl.load(BETA + n, mask=ok, other=0.0).to(CT)
+            g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
             if ERASE:
-                r = v - tl.sum(kh[:, :, None] * x, axis=1)
+                r = v - tl.sum(kh[:, None] * x, axis=0)
             else:
                 r = v
             if COMPRESS:
-                dh = tl.load(DH + n[:, None] * D + offs_d[None, :], mask=mk, other=0.0).to(CT)
-                xn = (x + b[:, None, None] * kh[:, :, None] * r[:, None, :]).to(X.dtype.element_ty).to(CT)
-                dw += tl.sum(dh[:, :, None] * xn, axis=0)
-                g = g + dh[:, :, None] * w[None]
-            gk = tl.sum(kh[:, :, None] * g, axis=1)  # khat^T G  [TB, d_v]
-            gr = tl.sum(g * r[:, None, :], axis=2)  # G r  [TB, d]
+                dh = tl.load(DH + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
+                xn = (x + b * kh[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)
+                dw += dh[:, None] * xn
+                g = g + dh[:, None] * w
+            gk = tl.sum(kh[:, None] * g, axis=0)  # khat^T G  [d_v]
+            gr = tl.sum(g * r[None, :], axis=1)  # G r  [d]
             if ERASE:
-                dx = g - b[:, None, None] * kh[:, :, None] * gk[:, None, :]
-                dkh = b[:, None] * (gr - tl.sum(x * gk[:, None, :], axis=2))
+                dx = g - b * kh[:, None] * gk[None, :]
+                dkh = b * (gr - tl.sum(x * gk[None, :], axis=1))
             else:
                 dx = g
-                dkh = b[:, None] * gr
-            dk = rs[:, None] * (dkh - kh * tl.sum(kh * dkh, axis=1)[:, None])
-            tl.store(DX + off3, dx.to(DX.dtype.element_ty), mask=m3)
-            tl.store(DK + n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=mk)
-            tl.store(
-                DVo + n[:, None] * DV + offs_v[None, :], (b[:, None] * gk).to(DVo.dtype.element_ty), mask=mtv
-            )
-            tl.store(DBETA + n, tl.sum(gk * r, axis=1).to(DBETA.dtype.element_ty), mask=okt)
+                dkh = b * gr
+            dk = rs * (dkh - kh * tl.sum(kh * dkh, axis=0))
+            tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
+            tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md & okd)
+            tl.store(DVo + n * DV + offs_v, (b * gk).to(DVo.dtype.element_ty), mask=mv & (offs_v * 0 + n < N))
+            tl.store(DBETA + n, tl.sum(gk * r, axis=0).to(DBETA.dtype.element_ty), mask=ok)
         if COMPRESS:
-            tl.store(DWP + pid * D * DV + off2, dw, mask=m2)
+            tl.store(DWP + pid * D * DV + off2, dw, mask=md[:, None] & mv[None, :])
 
     @triton.jit
     def _cc_fwd_kernel(
@@ -473,15 +466,14 @@ if triton is not None:
     @triton.jit
     def _update_tc_fwd_kernel(
         X, Kd, V, BETA, WT, XOUT, H, RS, R, N, T, D, eps,
-        KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TB: tl.constexpr,
+        KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
         ERASE: tl.constexpr, CT: tl.constexpr,
     ):  # fmt: skip
-        # x'[n] = update(x[n]) and the next sublayer's TC read-out h[n] = sum_j WT[j] . x'[n - (KW-1) + j]
-        # for a tile of TB tokens: the K-1 earlier states are recomputed from their x, k, v, beta (reads
-        # that hit L2), so x' is written once and never read back. RS = 1/sqrt(|k|^2 + eps^2) and
-        # R = v - khat^T x are kept for the weight gradient, which needs x' again.
-        n = tl.program_id(0).to(tl.int64) * TB + tl.arange(0, TB)
-        okt = n < N
+        # x'[n] = update(x[n]) and the next sublayer's TC read-out h[n] = sum_j WT[j] . x'[n - (KW-1) + j]:
+        # the K-1 earlier states are recomputed from their x, k, v, beta (reads that hit L2), so x' is
+        # written once and never read back. RS = 1/sqrt(|k|^2 + eps^2) and R = v - khat^T x (erase) are
+        # kept for the weight gradient, which needs x' again.
+        n = tl.program_id(0).to(tl.int64)
         t = n % T
         offs_d = tl.arange(0, BLOCK_D)
         offs_v = tl.arange(0, BLOCK_V)
@@ -489,50 +481,39 @@ if triton is not None:
         mv = offs_v < DV
         m2 = md[:, None] & mv[None, :]
         off2 = offs_d[:, None] * DV + offs_v[None, :]
-        acc = tl.zeros([TB, BLOCK_D, BLOCK_V], dtype=CT)
+        acc = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
         for j in tl.static_range(KW):
             s = n - (KW - 1) + j
-            oks = okt & (t - (KW - 1) + j >= 0)
-            mk = oks[:, None] & md[None, :]
-            k = tl.load(Kd + s[:, None] * D + offs_d[None, :], mask=mk, other=0.0).to(CT)
-            rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + eps * eps)
-            kh = k * rs[:, None]
-            x = tl.load(
-                X + s[:, None, None] * D * DV + off2[None], mask=mk[:, :, None] & mv[None, None, :], other=0.0
-            )
-            x = x.to(CT)
-            v = tl.load(V + s[:, None] * DV + offs_v[None, :], mask=oks[:, None] & mv[None, :], other=0.0).to(
-                CT
-            )
-            b = tl.load(BETA + s, mask=oks, other=0.0).to(CT)
+            okd = md & (offs_d * 0 + t - (KW - 1) + j >= 0)  # vector masks (the interpreter needs them)
+            okv = mv & (offs_v * 0 + t - (KW - 1) + j >= 0)
+            k = tl.load(Kd + s * D + offs_d, mask=okd, other=0.0).to(CT)
+            rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
+            kh = k * rs
+            x = tl.load(X + s * D * DV + off2, mask=okd[:, None] & mv[None, :], other=0.0).to(CT)
+            v = tl.load(V + s * DV + offs_v, mask=okv, other=0.0).to(CT)
+            b = tl.sum(tl.load(BETA + s + offs_v * 0, mask=okv & (offs_v == 0), other=0.0).to(CT), axis=0)
             if ERASE:
-                r = v - tl.sum(kh[:, :, None] * x, axis=1)
+                r = v - tl.sum(kh[:, None] * x, axis=0)
             else:
                 r = v
-            xn = (x + b[:, None, None] * kh[:, :, None] * r[:, None, :]).to(XOUT.dtype.element_ty)
+            xn = (x + b * kh[:, None] * r[None, :]).to(XOUT.dtype.element_ty)
             w = tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT)
-            acc += w[None] * xn.to(CT)
+            acc += w * xn.to(CT)
             if j == KW - 1:
-                tl.store(
-                    XOUT + n[:, None, None] * D * DV + off2[None], xn, mask=okt[:, None, None] & m2[None]
-                )
-                tl.store(R + n[:, None] * DV + offs_v[None, :], r, mask=okt[:, None] & mv[None, :])
-                tl.store(RS + n, rs, mask=okt)
-        h = tl.sum(acc, axis=2)
-        tl.store(
-            H + n[:, None] * D + offs_d[None, :], h.to(H.dtype.element_ty), mask=okt[:, None] & md[None, :]
-        )
+                tl.store(XOUT + n * D * DV + off2, xn, mask=m2)
+                tl.store(R + n * DV + offs_v, r, mask=mv)
+                tl.store(RS + n + offs_v * 0, rs + tl.zeros([BLOCK_V], dtype=CT), mask=offs_v == 0)
+        tl.store(H + n * D + offs_d, tl.sum(acc, axis=1).to(H.dtype.element_ty), mask=md)
 
     @triton.jit
     def _update_tc_bwd_kernel(
         X, Kd, V, BETA, WT, G, DH, DX, DK, DVo, DBETA, N, T, D, eps,
-        KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TB: tl.constexpr,
+        KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
         ERASE: tl.constexpr, CT: tl.constexpr,
     ):  # fmt: skip
         # As _update_bwd_kernel, with G += sum_j WT[j] * dh[n + KW-1 - j] (x'[n] feeds the read-outs of
         # tokens n .. n+KW-1 of its sequence).
-        n = tl.program_id(0).to(tl.int64) * TB + tl.arange(0, TB)
-        okt = n < N
+        n = tl.program_id(0).to(tl.int64)
         t = n % T
         offs_d = tl.arange(0, BLOCK_D)
         offs_v = tl.arange(0, BLOCK_V)
@@ -540,43 +521,35 @@ if triton is not None:
         mv = offs_v < DV
         m2 = md[:, None] & mv[None, :]
         off2 = offs_d[:, None] * DV + offs_v[None, :]
-        mk = okt[:, None] & md[None, :]
-        mtv = okt[:, None] & mv[None, :]
-        m3 = okt[:, None, None] & m2[None]
-        off3 = n[:, None, None] * D * DV + off2[None]
-        k = tl.load(Kd + n[:, None] * D + offs_d[None, :], mask=mk, other=0.0).to(CT)
-        rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + eps * eps)
-        kh = k * rs[:, None]
-        x = tl.load(X + off3, mask=m3, other=0.0).to(CT)
-        v = tl.load(V + n[:, None] * DV + offs_v[None, :], mask=mtv, other=0.0).to(CT)
-        b = tl.load(BETA + n, mask=okt, other=0.0).to(CT)
-        g = tl.load(G + off3, mask=m3, other=0.0).to(CT)
+        k = tl.load(Kd + n * D + offs_d, mask=md, other=0.0).to(CT)
+        rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
+        kh = k * rs
+        x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+        v = tl.load(V + n * DV + offs_v, mask=mv, other=0.0).to(CT)
+        b = tl.load(BETA + n).to(CT)
+        g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
         for j in tl.static_range(KW):
-            okj = okt & (t + (KW - 1) - j < T)
-            dh = tl.load(
-                DH + (n + (KW - 1) - j)[:, None] * D + offs_d[None, :], mask=okj[:, None] & md[None, :]
-            )
+            okd = md & (offs_d * 0 + t + (KW - 1) - j < T)
+            dh = tl.load(DH + (n + (KW - 1) - j) * D + offs_d, mask=okd, other=0.0).to(CT)
             w = tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT)
-            g += w[None] * tl.where(okj[:, None] & md[None, :], dh, 0.0).to(CT)[:, :, None]
+            g += w * dh[:, None]
         if ERASE:
-            r = v - tl.sum(kh[:, :, None] * x, axis=1)
+            r = v - tl.sum(kh[:, None] * x, axis=0)
         else:
             r = v
-        gk = tl.sum(kh[:, :, None] * g, axis=1)
-        gr = tl.sum(g * r[:, None, :], axis=2)
+        gk = tl.sum(kh[:, None] * g, axis=0)
+        gr = tl.sum(g * r[None, :], axis=1)
         if ERASE:
-            dx = g - b[:, None, None] * kh[:, :, None] * gk[:, None, :]
-            dkh = b[:, None] * (gr - tl.sum(x * gk[:, None, :], axis=2))
+            dx = g - b * kh[:, None] * gk[None, :]
+            dkh = b * (gr - tl.sum(x * gk[None, :], axis=1))
         else:
             dx = g
-            dkh = b[:, None] * gr
-        dk = rs[:, None] * (dkh - kh * tl.sum(kh * dkh, axis=1)[:, None])
-        tl.store(DX + off3, dx.to(DX.dtype.element_ty), mask=m3)
-        tl.store(DK + n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=mk)
-        tl.store(
-            DVo + n[:, None] * DV + offs_v[None, :], (b[:, None] * gk).to(DVo.dtype.element_ty), mask=mtv
-        )
-        tl.store(DBETA + n, tl.sum(gk * r, axis=1).to(DBETA.dtype.element_ty), mask=okt)
+            dkh = b * gr
+        dk = rs * (dkh - kh * tl.sum(kh * dkh, axis=0))
+        tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
+        tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md)
+        tl.store(DVo + n * DV + offs_v, (b * gk).to(DVo.dtype.element_ty), mask=mv)
+        tl.store(DBETA + n, tl.sum(gk * r, axis=0).to(DBETA.dtype.element_ty))
 
     @triton.jit
     def _update_tc_wgrad_kernel(
@@ -625,15 +598,6 @@ def _pow2(n):
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def _update_tile(x, cfg):
-    """(tokens per tile, warps) for the update kernels: TB tokens of [d, d_v] make ~ELEMS fp32 elements
-    (twice as many 2-byte ones)."""
-    tile = _pow2(x.shape[1]) * _pow2(x.shape[2])
-    TB = cfg["TB"] or max(1, min(16, cfg["ELEMS"] * (4 // min(x.element_size(), 4)) // tile))
-    warps = cfg["num_warps"] * max(1, min(4, TB * tile // 4096))
-    return TB, warps
-
-
 def _chan_grid(N, D, cfg):
     return (triton.cdiv(N, cfg["TOKENS"]), triton.cdiv(D, cfg["BLOCK_D"]))
 
@@ -646,11 +610,12 @@ def _update_op(
     N, D, DV = x.shape
     x_new = _new((N, D, DV), x)
     h = _new((N, D) if weight is not None else (0,), x)
-    TB, warps = _update_tile(x, _CFG["update_fwd"])
-    _update_fwd_kernel[(triton.cdiv(N, TB),)](
+    cfg = _CFG["update_fwd"]
+    grid = (triton.cdiv(N, cfg["TOKENS"]),)
+    _update_fwd_kernel[grid](
         x, k, v, beta, weight if weight is not None else x, x_new, h, N, D, eps,
-        DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), TB=TB, ERASE=erase,
-        COMPRESS=weight is not None, CT=_ct(x, k, v, beta), num_warps=warps,
+        DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), TOKENS=cfg["TOKENS"], ERASE=erase,
+        COMPRESS=weight is not None, CT=_ct(x, k, v, beta), num_warps=cfg["num_warps"],
     )  # fmt: skip
     return x_new, h
 
@@ -666,11 +631,10 @@ def _update_bwd_op(
     g: torch.Tensor, dh: torch.Tensor | None, eps: float, erase: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     N, D, DV = x.shape
-    compress = weight is not None
-    TB, warps = _update_tile(x, _CFG["update_bwd"])
-    tiles = _CFG["update_bwd"]["TOKENS"] if compress else 1  # tiles per program: only to sum dw
-    nprog = triton.cdiv(N, TB * tiles)
+    cfg = _CFG["update_bwd"]
+    nprog = triton.cdiv(N, cfg["TOKENS"])
     dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
+    compress = weight is not None
     dwp = _new(
         (nprog, D, DV) if compress else (0,),
         x,
@@ -678,8 +642,8 @@ def _update_bwd_op(
     )
     _update_bwd_kernel[(nprog,)](
         x, k, v, beta, weight if compress else x, g, dh if compress else g, dx, dk, dv, dbeta, dwp,
-        N, D, eps, tiles, DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), TB=TB, ERASE=erase, COMPRESS=compress,
-        CT=_ct(x, k, v, beta, g), num_warps=warps,
+        N, D, eps, cfg["TOKENS"], DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), ERASE=erase, COMPRESS=compress,
+        CT=_ct(x, k, v, beta, g), num_warps=cfg["num_warps"],
     )  # fmt: skip
     dw = dwp.sum(0).to(weight.dtype) if compress else x.new_empty(0)
     return dx, dk, dv, dbeta, dw
@@ -888,10 +852,9 @@ def _update_tc_op(
         _new((N,), x, dtype=ft),
         _new((N, DV), x, dtype=ft),
     )
-    TB, warps = _update_tile(x, _CFG["update_tc"])
-    _update_tc_fwd_kernel[(triton.cdiv(N, TB),)](
+    _update_tc_fwd_kernel[(N,)](
         x, k, v, beta, wt, x_new, h, rs, r, N, T, D, eps, KW=wt.shape[0], DV=DV, BLOCK_D=_pow2(D),
-        BLOCK_V=_pow2(DV), TB=TB, ERASE=erase, CT=_ct(x, k, v, beta), num_warps=warps,
+        BLOCK_V=_pow2(DV), ERASE=erase, CT=_ct(x, k, v, beta), num_warps=_CFG["update_fwd"]["num_warps"],
     )  # fmt: skip
     return x_new, h, rs, r
 
@@ -917,10 +880,9 @@ def _update_tc_bwd_op(
     KW = wt.shape[0]
     dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
     ct = _ct(x, k, v, beta, g)
-    TB, warps = _update_tile(x, _CFG["update_tc"])
-    _update_tc_bwd_kernel[(triton.cdiv(N, TB),)](
+    _update_tc_bwd_kernel[(N,)](
         x, k, v, beta, wt, g, dh, dx, dk, dv, dbeta, N, T, D, eps, KW=KW, DV=DV, BLOCK_D=_pow2(D),
-        BLOCK_V=_pow2(DV), TB=TB, ERASE=erase, CT=ct, num_warps=warps,
+        BLOCK_V=_pow2(DV), ERASE=erase, CT=ct, num_warps=_CFG["update_fwd"]["num_warps"],
     )  # fmt: skip
     cfg = _CFG["chan_bwd"]
     bd = min(cfg["BLOCK_D"], _pow2(D))

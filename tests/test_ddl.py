@@ -230,9 +230,8 @@ def test_bad_inputs_raise_naming_the_argument():
 @pytest.fixture
 def triton_small(monkeypatch):
     monkeypatch.setattr(ddl, "_POISON", True)
-    monkeypatch.setitem(ddl._CFG, "update_fwd", dict(TB=2, ELEMS=4096, num_warps=4))
-    monkeypatch.setitem(ddl._CFG, "update_bwd", dict(TB=4, ELEMS=4096, TOKENS=2, num_warps=4))
-    monkeypatch.setitem(ddl._CFG, "update_tc", dict(TB=4, ELEMS=4096, num_warps=4))
+    monkeypatch.setitem(ddl._CFG, "update_fwd", dict(TOKENS=2, num_warps=4))
+    monkeypatch.setitem(ddl._CFG, "update_bwd", dict(TOKENS=3, num_warps=4))
     monkeypatch.setitem(ddl._CFG, "chan_fwd", dict(TOKENS=2, BLOCK_D=8, num_warps=4))
     monkeypatch.setitem(ddl._CFG, "chan_bwd", dict(TOKENS=3, BLOCK_D=8, num_warps=4))
 
