@@ -26,16 +26,18 @@ matrix state X [B, T, d, d_v] per token. Every sublayer F (attention or MLP) run
                                    over v; conv init = identity (last tap 1), read init 1/d_v
     The embedding becomes X0 = emb repeated d_v times, or with EC (ddl_ec, "ddl-cc"/"ddl-tc" only) a
     causal depthwise conv of the embeddings (identity init = the repetition). A last compressor reads
-    X out before the final norm and the LM head.
+    X out before the final norm and the LM head. For DDL-CC each update is fused with the CC read that
+    follows it (kernels.ddl.ddl_update_compress_cc: one pass over the state instead of two).
 
 Attention variants (cfg.attention): "softmax" = causal SDPA. "deltaformer" = the Deltaformer paper's
 two-stage attention (kernels/deltaformer.py): u_i = v_i - beta_i sum_{j<i} kappa(w_i, k_j) u_j, then causal
-softmax attention of q over (k, u). w is q, k (default, as in the Deltaformer paper: each token erases what
-its own key would read back) or a separate projection; w is treated as a query, i.e. it gets the same
-per-head RMSNorm and RoPE as q (with w = q or k it *is* the normed, rotated q or k), so w_i . k_j depends on
-the content and the relative position only. beta_i per head = deltaformer_beta_max * sigmoid(Linear(c))
-(fp32). Default max 2: beta in (0, 2) lets a head reflect (eigenvalue 1 - beta < 0), which parity and
-permutation (swap) tracking need; deltaformer_beta_max=1 gives the classic (0, 1) delta rule.
+softmax attention of q over (k, u). w is q, k (default: the delta rule as in DeltaNet, where each token
+reads the memory with its own key and erases what that key reads back) or a separate projection. w is
+treated as a query: it gets the same per-head RMSNorm and RoPE as q (with w = q or k it *is* the normed,
+rotated q or k), so w_i . k_j depends on content and relative position only. beta_i per head =
+deltaformer_beta_max * sigmoid(Linear(c)) (fp32). Default max 2: beta in (0, 2) lets a head reflect
+(eigenvalue 1 - beta < 0), which parity and permutation (swap) tracking need; deltaformer_beta_max=1
+gives the classic (0, 1) delta rule.
 
 Init (nanoGPT): linear and embedding weights N(0, 0.02); the two output projections of every block
 (attention c_proj, MLP c_proj) N(0, 0.02 / sqrt(2 n_layer)); norm weights 1. DDL: W_v N(0, 0.02) (an input
@@ -49,9 +51,10 @@ residual stream (x or X) stays in the parameter dtype (fp32); the DDL kernels no
 fp32 whatever dtype h and v come in (bf16 from the autocast matmuls).
 
 Decoding (`generate`) keeps a cache per module: keys/values for softmax attention (RoPE at absolute
-positions), keys/u's for Deltaformer (deltaformer_step), the last K-1 states each DDL-TC compressor saw, the
-last K-1 embeddings for EC. Beyond block_size it crops like nanoGPT: the logits come from a plain forward
-over the last block_size tokens (there is no cache to reuse once the window slides).
+positions); keys/u's for Deltaformer (the prompt's u from stage 1 at once, then deltaformer_step per
+token); the last K-1 states each DDL-TC compressor saw; the last K-1 embeddings for EC. Beyond block_size
+it crops like nanoGPT: the logits come from a plain forward over the last block_size tokens (there is no
+cache to reuse once the window slides).
 """
 
 import math
@@ -271,9 +274,8 @@ class Attention(nn.Module):
 
     def forward(self, c, pos=0, cache=None):
         B, T, _ = c.shape
-        heads = (
-            self.c_attn(c).view(B, T, -1, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
-        )  # [n,B,H,T,D]
+        heads = self.c_attn(c).view(B, T, -1, self.n_head, self.head_dim)
+        heads = heads.permute(2, 0, 3, 1, 4)  # [n, B, H, T, D], n = q, k, v (, w)
         q = apply_rope(self.q_norm(heads[0]), pos, self.cfg.rope_base)
         k = apply_rope(self.k_norm(heads[1]), pos, self.cfg.rope_base)
         v = heads[2]
