@@ -42,7 +42,7 @@ from data.tokenizer import EOT, get_encoding  # noqa: E402
 HUB_DATASET = "HuggingFaceFW/fineweb-edu"
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fineweb_edu")
 STATE_NAME = "fineweb_edu_state.json"
-BATCH_DOCS = 64  # documents per tokenization task (~250 KB): amortizes IPC, keeps the workers evenly busy
+BATCH_DOCS = 64  # jsonl / Hub documents per tokenization task (~250 KB): amortizes IPC, spreads the work
 
 
 class InputError(ValueError):
@@ -131,7 +131,10 @@ def _check_batch(where, first_row, texts, scores):
 
 
 def read_files(files, start_doc, need_int_score, batch_docs=BATCH_DOCS):
-    """Yield (first_doc_index, texts, int_scores or None) in input order, from document `start_doc` on.
+    """Yield the work, in input order, from document `start_doc` on, as tasks for run_task():
+    ("rowgroup", path, row_group, first_row_in_file, first_doc, skip, need_int_score) per parquet row
+    group (the worker reads it, so texts never travel between processes), or
+    ("texts", first_doc, texts, int_scores or None) per batch of jsonl lines.
 
     Documents before `start_doc` are skipped cheaply (whole files / row groups by their metadata)."""
     import pyarrow.parquet as pq
@@ -139,31 +142,17 @@ def read_files(files, start_doc, need_int_score, batch_docs=BATCH_DOCS):
     doc = 0  # index of the next document in the whole input
     for path in files:
         if path.endswith(".parquet"):
-            columns = ["text"] + (["int_score"] if need_int_score else [])
             try:
-                pf = pq.ParquetFile(path)
-                rg_rows = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
-                first_rg = 0  # skip whole row groups (and files) that lie before start_doc
-                while first_rg < len(rg_rows) and doc + rg_rows[first_rg] <= start_doc:
-                    doc += rg_rows[first_rg]
-                    first_rg += 1
-                file_row = sum(rg_rows[:first_rg])
-                for rg in range(first_rg, len(rg_rows)):
-                    # a whole row group at a time: far cheaper than small iter_batches
-                    table = pf.read_row_group(rg, columns=columns)
-                    texts = table.column("text").to_pylist()
-                    scores = table.column("int_score").to_pylist() if need_int_score else None
-                    del table
-                    _check_batch(path, file_row, texts, scores)
-                    for i in range(max(0, start_doc - doc), len(texts), batch_docs):
-                        j = i + batch_docs
-                        yield doc + i, texts[i:j], scores[i:j] if scores is not None else None
-                    doc += len(texts)
-                    file_row += len(texts)
-            except InputError:
-                raise
-            except Exception as e:  # a corrupt page or row group
-                raise InputError(f"{path}: cannot read parquet data ({e})") from e
+                meta = pq.ParquetFile(path).metadata
+            except Exception as e:
+                raise InputError(f"{path}: not a readable parquet file ({e})") from e
+            file_row = 0
+            for rg in range(meta.num_row_groups):
+                n = meta.row_group(rg).num_rows
+                if doc + n > start_doc:
+                    yield ("rowgroup", path, rg, file_row, doc, max(0, start_doc - doc), need_int_score)
+                doc += n
+                file_row += n
         else:
             texts, scores, first = [], [], doc
             with open(path, encoding="utf-8") as f:
@@ -178,17 +167,32 @@ def read_files(files, start_doc, need_int_score, batch_docs=BATCH_DOCS):
                             texts.append(text)
                             scores.append(score)
                             if len(texts) == batch_docs:
-                                yield first, texts, scores if need_int_score else None
+                                yield ("texts", first, texts, scores if need_int_score else None)
                                 texts, scores = [], []
                         doc += 1
                 except UnicodeDecodeError as e:
                     raise InputError(f"{path}: not UTF-8 text ({e})") from e
             if texts:
-                yield first, texts, scores if need_int_score else None
+                yield ("texts", first, texts, scores if need_int_score else None)
+
+
+def read_row_group(path, rg, file_row, need_int_score):
+    """(texts, int_scores or None) of one parquet row group, validated."""
+    import pyarrow.parquet as pq
+
+    columns = ["text"] + (["int_score"] if need_int_score else [])
+    try:
+        table = pq.ParquetFile(path).read_row_group(rg, columns=columns)
+        texts = table.column("text").to_pylist()
+        scores = table.column("int_score").to_pylist() if need_int_score else None
+    except Exception as e:  # a corrupt page or row group
+        raise InputError(f"{path}: cannot read parquet row group {rg} ({e})") from e
+    _check_batch(path, file_row, texts, scores)
+    return texts, scores
 
 
 def read_hub(config, start_doc, need_int_score, batch_docs=BATCH_DOCS):
-    """Like read_files, streaming HuggingFaceFW/fineweb-edu (config e.g. sample-10BT) via `datasets`."""
+    """Like read_files ("texts" tasks), streaming HuggingFaceFW/fineweb-edu (`config`) via `datasets`."""
     try:
         import datasets
     except ImportError as e:
@@ -204,12 +208,12 @@ def read_hub(config, start_doc, need_int_score, batch_docs=BATCH_DOCS):
         scores.append(record.get("int_score"))
         if len(texts) == batch_docs:
             _check_batch(where, doc, texts, scores if need_int_score else None)
-            yield doc, texts, scores if need_int_score else None
+            yield ("texts", doc, texts, scores if need_int_score else None)
             doc += len(texts)
             texts, scores = [], []
     if texts:
         _check_batch(where, doc, texts, scores if need_int_score else None)
-        yield doc, texts, scores if need_int_score else None
+        yield ("texts", doc, texts, scores if need_int_score else None)
 
 
 # ---------------------------------------------------------------------------------------- tokenizing
@@ -235,7 +239,7 @@ def _init_worker():
 
 
 def make_pool(workers):
-    """A process pool for tokenize_docs, or None for workers <= 1 (tokenize in this process).
+    """A process pool for run_task, or None for workers <= 1 (tokenize in this process).
 
     Linux forks (instant start; no re-import of __main__, so it also works from a notebook or stdin).
     prepare() makes the pool before it reads any input or starts tqdm, so that no thread of ours (pyarrow's,
@@ -246,34 +250,36 @@ def make_pool(workers):
     return multiprocessing.get_context(method).Pool(workers, initializer=_init_worker)
 
 
-def tokenized(batches, min_int_score, pool, workers):
-    """Yield (doc_indices, tokens, lengths, nbytes) for the documents that pass the filter, in order.
+def run_task(task, min_int_score):
+    """One task of read_files/read_hub -> (doc_indices, tokens, lengths, nbytes) of the documents kept."""
+    if task[0] == "rowgroup":
+        _, path, rg, file_row, first, skip, need_int_score = task
+        texts, scores = read_row_group(path, rg, file_row, need_int_score)
+        texts, scores, first = texts[skip:], scores[skip:] if scores is not None else None, first + skip
+    else:
+        _, first, texts, scores = task
+    index = np.arange(first, first + len(texts), dtype=np.int64)
+    if min_int_score is not None:
+        keep = [i for i, s in enumerate(scores) if s >= min_int_score]
+        index, texts = index[keep], [texts[i] for i in keep]
+    return (index, *tokenize_docs(texts))
+
+
+def tokenized(tasks, min_int_score, pool, workers):
+    """Yield run_task's results in task order, in this process or in the pool.
 
     With a pool, at most 4 tasks per worker are in flight, so memory stays bounded whatever the input."""
-
-    def tasks():
-        for first, texts, scores in batches:
-            index = np.arange(first, first + len(texts), dtype=np.int64)
-            if min_int_score is not None:
-                keep = [i for i, s in enumerate(scores) if s >= min_int_score]
-                index = index[keep]
-                texts = [texts[i] for i in keep]
-            if texts:
-                yield index, texts
-
     if pool is None:
-        for index, texts in tasks():
-            yield (index, *tokenize_docs(texts))
+        for task in tasks:
+            yield run_task(task, min_int_score)
         return
     pending = collections.deque()
-    for index, texts in tasks():
-        pending.append((index, pool.apply_async(tokenize_docs, (texts,))))
+    for task in tasks:
+        pending.append(pool.apply_async(run_task, (task, min_int_score)))
         if len(pending) >= 4 * workers:
-            index, result = pending.popleft()
-            yield (index, *result.get())
+            yield pending.popleft().get()
     while pending:
-        index, result = pending.popleft()
-        yield (index, *result.get())
+        yield pending.popleft().get()
 
 
 # -------------------------------------------------------------------------------------------- driver
@@ -361,9 +367,9 @@ def prepare(
     pool = make_pool(workers)  # first: before anything starts threads (see make_pool)
     try:
         if inputs is not None:
-            batches = read_files(files, start_doc, need_int_score)
+            tasks = read_files(files, start_doc, need_int_score)
         else:
-            batches = read_hub(config, start_doc, need_int_score)
+            tasks = read_hub(config, start_doc, need_int_score)
         bar = None
         if progress:
             from tqdm import tqdm
@@ -371,7 +377,7 @@ def prepare(
             bar = tqdm(unit=" docs", desc="fineweb-edu", dynamic_ncols=True)
         buf = np.empty(shard_tokens, dtype=np.uint16)
         fill, tokens_seen, bytes_seen, t0 = 0, 0, 0, time.time()
-        for index, tokens, lengths, nbytes in tokenized(batches, min_int_score, pool, workers):
+        for index, tokens, lengths, nbytes in tokenized(tasks, min_int_score, pool, workers):
             ends = np.cumsum(lengths)  # end of each document inside `tokens`
             pos = 0
             if skip:  # the document that straddled the last finished shard: its head is already written
