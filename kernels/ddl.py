@@ -19,9 +19,14 @@ EC (expansion) builds the initial state from the token embedding:
     X0[b,t,i,v] = sum_j conv_weight[i,v,j] * emb[b, t-(K-1)+j, i]
 With the identity init (tap K-1 = 1, the rest 0) X0 is emb repeated d_v times.
 
+Fused entry points (one pass over the state where the separate ops take two or three):
+    ddl_update_compress_cc(x, k, v, beta, weight)          -> (x_new, compress_cc(x_new, weight))
+    ddl_update_compress_tc(x, k, v, beta, conv_weight, read) -> (x_new, compress_tc(x_new, conv_weight, read))
+i.e. one sublayer's update together with the next sublayer's read-out.
+
 Every public function takes backend = "auto" | "torch" | "triton"; "auto" picks Triton for CUDA
-tensors (and for CPU tensors when TRITON_INTERPRET=1 is set, which is how the tests run the kernels)
-and the PyTorch reference otherwise. `set_auto_backend("torch")` makes "auto" mean the reference,
+tensors and the PyTorch reference otherwise (tests run the kernels on CPU with backend="triton" and
+TRITON_INTERPRET=1). `set_auto_backend("torch")` makes "auto" mean the reference,
 for benchmarking one against the other. Numerics: the normalisation, the contractions and the update
 run in fp32 (float64 stays float64); results come back in x's dtype, so bf16 state is stored in bf16.
 """
