@@ -1,14 +1,15 @@
 """Tokenization throughput: raw tiktoken vs the FineWeb-Edu shard pipeline on the same number of cores.
 
-    python bench/bench_data.py [--workers N] [--mb 40] [--repeats 3]
+    python bench/bench_data.py [--workers N] [--mb 100] [--repeats 2]
 
-Corpus: the 38 Shakespeare plays (data/shakespeare.py's plain text) cut into ~4 KB documents (a typical
-FineWeb-Edu document size) and repeated up to --mb megabytes of UTF-8, written to a temporary parquet
-file in FineWeb-Edu's column layout with 1,000-row row groups.
+Corpus: the 38 Shakespeare plays (data/shakespeare.py's plain text) cut into ~4 KB documents (~1,000
+tokens, about FineWeb-Edu's average) and repeated up to --mb megabytes of UTF-8, written to a temporary
+parquet file in FineWeb-Edu's column layout with 1,000-row row groups.
 
   raw       enc.encode_ordinary_batch(texts, num_threads=N) on the texts already in memory
-  pipeline  data/fineweb_edu.py's prepare(--input that.parquet, --workers N): read parquet, tokenize in
-            N processes, write shards (2M tokens each) and the state file; end to end, pool start included
+  pipeline  data/fineweb_edu.py's prepare(--input that.parquet, --workers N): N processes read the parquet
+            row groups and tokenize, the main process writes shards (2M tokens each) and the state file;
+            end to end, pool start included
 
 Both report MB/s of UTF-8 text and tokens/s (wall clock), and MB per CPU-second (user + system time of
 all threads and processes involved: a measure of efficiency that holds up when other jobs share the
@@ -58,8 +59,8 @@ def make_corpus(megabytes, doc_bytes=4000):
 def main():
     p = argparse.ArgumentParser(description="tokenization throughput: raw tiktoken vs shard pipeline")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--mb", type=float, default=40.0)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--mb", type=float, default=100.0)  # enough tasks that the last one is a small tail
+    p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
 
     import pyarrow as pa
