@@ -514,7 +514,8 @@ class GPT(nn.Module):
         if targets is None:  # inference: only the last position (nanoGPT convention)
             return self.lm_head(x[:, -1:]), None
         logits = self.lm_head(x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        # (autocast runs cross_entropy in fp32)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     @torch.no_grad()
