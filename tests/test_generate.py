@@ -1,11 +1,12 @@
 """Cached decoding (model.generate) against full forward passes, for every residual x attention variant.
 
-Two checks per variant, float64, every parameter strongly perturbed off its init (so the TC/EC convolutions
-really mix in earlier tokens and the gates differ per token):
+Three checks per variant, float64, every parameter strongly perturbed off its init (so the TC/EC
+convolutions really mix in earlier tokens and the gates differ per token):
 - the logits from the cache (prefill, a chunk of 3, then one token at a time) equal the full forward's
   logits at every position;
 - generate(top_k=1) emits exactly the tokens of greedy decoding by full forward passes, including past
-  block_size, where both crop to the last block_size tokens (nanoGPT).
+  block_size, where both crop to the last block_size tokens (nanoGPT);
+- the same for sampling with the same RNG seed (diverse tokens, unlike greedy decoding of a random model).
 """
 
 import pytest
@@ -61,10 +62,11 @@ def test_cached_logits_equal_full_forward(case):
             model.hidden_states(idx[:, :1], cache)
 
 
-def greedy_by_full_forward(model, idx, n):
+def decode_by_full_forward(model, idx, n, **sampling):
+    """nanoGPT's loop: a full forward over the last block_size tokens for every new token."""
     for _ in range(n):
         logits, _ = model(idx[:, -model.config.block_size :])
-        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        idx = torch.cat([idx, GPT.sample(logits[:, -1], **sampling)], dim=1)
     return idx
 
 
@@ -73,10 +75,26 @@ def test_generate_greedy_equals_full_forward(case):
     model = make(case)
     prompt = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2))
     out = model.generate(prompt, 15, top_k=1)  # 5 + 15 = 20 > block_size 16: crosses the crop
-    want = greedy_by_full_forward(model, prompt, 15)
+    want = prompt
+    for _ in range(15):  # greedy by argmax, written out
+        logits, _ = model(want[:, -16:])
+        want = torch.cat([want, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert out.shape == (2, 20) and torch.equal(out[:, :5], prompt)
     assert torch.equal(out, want)
-    assert len(set(out[:, 5:].flatten().tolist())) > 3  # not a degenerate repetition
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_generate_sampled_equals_full_forward(case):
+    """Sampling (same RNG seed) instead of argmax: random tokens keep the sequence from settling into a
+    repetition, so the cache sees many different inputs (greedy decoding of a random model often repeats)."""
+    model = make(case)
+    prompt = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(7)
+    out = model.generate(prompt, 15, temperature=1.5)
+    torch.manual_seed(7)
+    want = decode_by_full_forward(model, prompt, 15, temperature=1.5)
+    assert torch.equal(out, want)
+    assert min(len(set(row.tolist())) for row in out[:, 5:]) > 5  # not a degenerate repetition
 
 
 def test_generate_sampling_runs_and_respects_top_k():

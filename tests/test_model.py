@@ -188,12 +188,22 @@ def capture(model):
     return records, hooks
 
 
-@pytest.mark.parametrize("erase", [True, False])
-@pytest.mark.parametrize("residual", DDL_RESIDUALS)
-def test_ddl_sublayer_matches_formula(residual, erase):
+def value(m, c):
+    """v = 4 sigmoid(W_v c + b_v), or W_v c for ddl_v="linear" (no bias then)."""
+    if m.cfg.ddl_v == "linear":
+        assert m.v_proj.bias is None
+        return c @ m.v_proj.weight.T
+    return 4 * torch.sigmoid(c @ m.v_proj.weight.T + m.v_proj.bias)
+
+
+@pytest.mark.parametrize(
+    "residual,erase,ddl_v",
+    [(r, e, "sigmoid") for r in DDL_RESIDUALS for e in (True, False)] + [("ddl-cc", True, "linear")],
+)
+def test_ddl_sublayer_matches_formula(residual, erase, ddl_v):
     """Every sublayer: x_in = compress(X), c = RMSNorm(x_in), X' = X + beta khat (v^T - khat^T X) with
-    khat = h/sqrt(|h|^2+eps^2), v = W_v c, beta = 2 sigmoid(w.c + b); erase=False: X' = X + beta khat v^T."""
-    model = make(tiny(residual=residual, ddl_erase=erase, attention="deltaformer"))
+    khat = h/sqrt(|h|^2+eps^2), v = value(c), beta = 2 sigmoid(w.c + b); erase=False: X' = X + beta khat v."""
+    model = make(tiny(residual=residual, ddl_erase=erase, ddl_v=ddl_v, attention="deltaformer"))
     records, hooks = capture(model)
     with torch.no_grad():
         model(tokens(), tokens(seed=2))
@@ -207,7 +217,7 @@ def test_ddl_sublayer_matches_formula(residual, erase):
         rms = torch.sqrt((r["x_in"] ** 2).mean(-1, keepdim=True) + 1e-6)
         torch.testing.assert_close(c, r["x_in"] / rms * m.norm.weight, rtol=1e-12, atol=1e-12)
         khat = h / torch.sqrt((h * h).sum(-1, keepdim=True) + DDL_EPS**2)
-        v = c @ m.v_proj.weight.T
+        v = value(m, c)
         beta = 2 * torch.sigmoid(c @ m.beta.weight[0] + m.beta.bias[0])
         assert beta.std() > 0.01  # the gates really differ per token
         target = v - torch.einsum("btiv,bti->btv", X, khat) if erase else v
@@ -255,7 +265,7 @@ def test_ddl_beta_one_overwrites(residual):
         assert (h * h).sum(-1).min() > 1e-4  # so eps^2/|h|^2 < 1e-6
         khat = h / torch.sqrt((h * h).sum(-1, keepdim=True) + DDL_EPS**2)
         read = torch.einsum("bti,btiv->btv", khat, X_new)
-        v = c @ m.v_proj.weight.T
+        v = value(m, c)
         torch.testing.assert_close(read, v, rtol=0, atol=1e-8)
         assert (r["X"] - X_new).abs().max() > 1e-3  # it did write
 
@@ -319,6 +329,7 @@ def test_ddl_dv1_has_no_ec_and_vector_state():
         (dict(residual="ddl-xx"), "residual"),
         (dict(attention="linear"), "attention"),
         (dict(deltaformer_w="v"), "deltaformer_w"),
+        (dict(residual="ddl", ddl_v="relu"), "ddl_v"),
         (dict(deltaformer_kernel="gelu"), "deltaformer_kernel"),
         (dict(backend="cuda"), "backend"),
         (dict(residual="ddl", ddl_dv=4), "ddl_dv"),
@@ -377,7 +388,7 @@ def test_preset_and_defaults():
     "overrides",
     [
         dict(residual="ddl-tc", attention="deltaformer", deltaformer_w="proj", ddl_conv_size=3),
-        dict(residual="ddl-cc", ddl_ec=False, ddl_erase=False, ddl_dv=3, mlp_hidden=40),
+        dict(residual="ddl-cc", ddl_ec=False, ddl_erase=False, ddl_dv=3, mlp_hidden=40, ddl_v="linear"),
         dict(
             residual="additive", attention="deltaformer", deltaformer_kernel="relu", deltaformer_beta_max=1.0
         ),
@@ -414,7 +425,7 @@ def expected_params(cfg):
     compressor = 0
     if cfg.residual != "additive":
         compressor = {"ddl": 0, "ddl-cc": d * dv, "ddl-tc": d * dv * K + dv}[cfg.residual]
-        per_sublayer += compressor + d * dv + d + 1  # + W_v, w_beta, b_beta
+        per_sublayer += compressor + d * dv + dv + d + 1  # + W_v, b_v, w_beta, b_beta
     layer = attn + 3 * d * hidden + 2 * per_sublayer
     total = cfg.vocab_size * d + L * layer + d  # tied embedding, blocks, final norm
     if cfg.residual != "additive":
