@@ -17,7 +17,7 @@ matrix state X [B, T, d, d_v] per token. Every sublayer F (attention or MLP) run
     additive:  x <- x + F(RMSNorm(x))
     DDL:       x_in = compress(X);  c = RMSNorm(x_in);  h = F(c)
                k = h (ddl_update normalises it: khat = h / sqrt(|h|^2 + eps^2))
-               v = 4 sigmoid(W_v c + b_v)  (d -> d_v; ddl_v="linear": v = W_v c, no bias)
+               v = W_v c  (d -> d_v, no bias; ddl_v="sigmoid": v = 4 sigmoid(W_v c + b_v))
                beta = 2 sigmoid(w_beta . c + b_beta)          (fp32; in (0, 2): identity .. reflection)
                X <- X + beta khat (v^T - khat^T X)             (ddl_erase=False: X <- X + beta khat v^T)
 
@@ -30,13 +30,14 @@ matrix state X [B, T, d, d_v] per token. Every sublayer F (attention or MLP) run
     X out before the final norm and the LM head. For DDL-CC each update is fused with the CC read that
     follows it (kernels.ddl.ddl_update_compress_cc: one pass over the state instead of two).
 
-    Why v = 4 sigmoid(W_v c + b_v) by default (as in the DDL authors' code, deep-delta-learning, whose
-    CC/EC models require it) rather than the plain v = W_v c: h only sets the direction khat; the amount
-    written along it is beta (v - khat^T X). With a zero-mean v that amount has a random sign per token, so
-    what F computed reaches the stream with a random sign. A positive v (sigmoid, or even a bias) keeps
-    the sign. `python bench/copy_task.py` (2-layer d=64 models learning to copy; loss floor 2.08, chance
-    4.16), loss at step 100 / 200: additive 2.33 / 2.06; with v = 4 sigmoid(.): ddl 2.31 / 2.16, ddl-cc
-    2.27 / 2.14, ddl-tc 2.25 / 2.10; with v = W_v c: ddl 4.16 / 3.98, ddl-cc 4.17 / 2.93.
+    The value v. The spec (DEVELOPERS.md, from the paper) is the plain projection v = W_v c, and that is
+    the default. The DDL authors' code (deep-delta-learning) instead uses v = 4 sigmoid(W_v c + b_v), here
+    ddl_v="sigmoid". Why it may matter: h only sets the direction khat; the amount written along it is
+    beta (v - khat^T X). With a zero-mean v that amount has a random sign per token, so what F computed
+    reaches the stream with a random sign; a positive v keeps it. `python bench/copy_task.py` (2-layer d=64
+    models learning to copy; loss floor 2.08, chance 4.16), loss at step 100 / 200: additive 2.33 / 2.06;
+    v = W_v c: ddl 4.16 / 3.98, ddl-cc 4.17 / 2.93; v = 4 sigmoid(.): ddl 2.31 / 2.16, ddl-cc 2.27 / 2.14,
+    ddl-tc 2.25 / 2.10. One small task, 200 steps: a lead for pretraining runs, not a verdict.
 
 Attention variants (cfg.attention): "softmax" = causal SDPA. "deltaformer" = the Deltaformer paper's
 two-stage attention (kernels/deltaformer.py): u_i = v_i - beta_i sum_{j<i} kappa(w_i, k_j) u_j, then causal
@@ -50,10 +51,11 @@ gives the classic (0, 1) delta rule.
 
 Init (nanoGPT): linear and embedding weights N(0, 0.02); the two output projections of every block
 (attention c_proj, MLP c_proj) N(0, 0.02 / sqrt(2 n_layer)); norm weights 1. DDL: W_v N(0, 0.02) (an input
-projection of c like q/k/v) and b_v = 0, so v starts near 2; w_beta = 0 and b_beta = logit(ddl_beta_init
-/ 2), so beta starts at exactly ddl_beta_init for every token. ddl_beta_init defaults to 0.5: halfway
-between identity (0: the sublayer is silent and k, v get no gradient) and a full projection (1: every
-sublayer erases the stream's component along khat from the first step). Deltaformer beta projection:
+projection of c like q/k/v; with ddl_v="sigmoid" also b_v = 0, so v starts near 2); w_beta = 0 and
+b_beta = logit(ddl_beta_init / 2), so beta starts at exactly ddl_beta_init for every token.
+ddl_beta_init defaults to 0.5: halfway between identity (0: the sublayer is silent and k, v get no
+gradient) and a full projection (1: every sublayer erases the stream's component along khat from the
+first step). Deltaformer beta projection:
 N(0, 0.02) weight, zero bias (beta ~ max/2).
 
 Mixed precision: training runs under bf16 autocast; the norms and both betas are computed in fp32, the
@@ -84,7 +86,7 @@ DELTAFORMER_KERNELS = ("softmax", "relu", "linear")
 BACKENDS = ("auto", "torch", "triton")
 DDL_EPS = 1e-5  # khat = h / sqrt(|h|^2 + eps^2)
 DDL_V_SCALE = 4.0  # v = 4 sigmoid(.) in (0, 4), as in the DDL authors' code
-DDL_VS = ("sigmoid", "linear")
+DDL_VS = ("linear", "sigmoid")
 NORM_EPS = 1e-6
 
 PRESETS = {
@@ -109,7 +111,7 @@ class GPTConfig:
     ddl_ec: bool = True  # EC expansion of the embedding ("ddl-tc"/"ddl-cc" only)
     ddl_erase: bool = True  # False: the write-only control X <- X + beta khat v^T
     ddl_beta_init: float = 0.5  # in (0, 2)
-    ddl_v: str = "sigmoid"  # v = 4 sigmoid(W_v c + b_v); "linear": v = W_v c (see the module docstring)
+    ddl_v: str = "linear"  # v = W_v c (the spec); "sigmoid": 4 sigmoid(W_v c + b_v) (authors' code)
     ddl_conv_size: int = 4  # K of the TC compressor and of EC
     attention: str = "softmax"
     deltaformer_w: str = "k"
@@ -406,7 +408,7 @@ class Residual(nn.Module):
         return self.ddl_write(X, c, h, next_read)
 
     def value(self, c):
-        """v [B, T, d_v] in fp32: 4 sigmoid(W_v c + b_v), or W_v c with ddl_v="linear"."""
+        """v [B, T, d_v] in fp32: W_v c, or 4 sigmoid(W_v c + b_v) with ddl_v="sigmoid"."""
         if self.cfg.ddl_v == "linear":
             return fp32_linear(c, self.v_proj)
         return DDL_V_SCALE * torch.sigmoid(fp32_linear(c, self.v_proj))

@@ -425,7 +425,8 @@ def expected_params(cfg):
     compressor = 0
     if cfg.residual != "additive":
         compressor = {"ddl": 0, "ddl-cc": d * dv, "ddl-tc": d * dv * K + dv}[cfg.residual]
-        per_sublayer += compressor + d * dv + dv + d + 1  # + W_v, b_v, w_beta, b_beta
+        b_v = dv if cfg.ddl_v == "sigmoid" else 0
+        per_sublayer += compressor + d * dv + b_v + d + 1  # + W_v, b_v, w_beta, b_beta
     layer = attn + 3 * d * hidden + 2 * per_sublayer
     total = cfg.vocab_size * d + L * layer + d  # tied embedding, blocks, final norm
     if cfg.residual != "additive":
