@@ -21,13 +21,13 @@ import torch  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 VOCAB, T = 64, 64
-VARIANTS = {
+VARIANTS = {  # ddl_v: "linear" = the spec's v = W_v c (default), "sigmoid" = the authors' 4 sigmoid(W_v c + b_v)
     "additive": dict(residual="additive"),
-    "ddl": dict(residual="ddl"),
-    "ddl-cc": dict(residual="ddl-cc"),
-    "ddl-tc": dict(residual="ddl-tc"),
-    "ddl-cc+deltaformer": dict(residual="ddl-cc", attention="deltaformer"),
-    "ddl-cc write-only": dict(residual="ddl-cc", ddl_erase=False),
+    "ddl v=sigmoid": dict(residual="ddl", ddl_v="sigmoid"),
+    "ddl-cc v=sigmoid": dict(residual="ddl-cc", ddl_v="sigmoid"),
+    "ddl-tc v=sigmoid": dict(residual="ddl-tc", ddl_v="sigmoid"),
+    "ddl-cc+deltaformer v=sigmoid": dict(residual="ddl-cc", attention="deltaformer", ddl_v="sigmoid"),
+    "ddl-cc write-only v=sigmoid": dict(residual="ddl-cc", ddl_erase=False, ddl_v="sigmoid"),
     "ddl v=linear": dict(residual="ddl", ddl_v="linear"),
     "ddl-cc v=linear": dict(residual="ddl-cc", ddl_v="linear"),
 }
