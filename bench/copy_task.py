@@ -21,7 +21,8 @@ import torch  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 VOCAB, T = 64, 64
-VARIANTS = {  # ddl_v: "linear" = the spec's v = W_v c (default), "sigmoid" = the authors' 4 sigmoid(W_v c + b_v)
+# ddl_v: "linear" = the spec's v = W_v c (default), "sigmoid" = the authors' 4 sigmoid(W_v c + b_v)
+VARIANTS = {
     "additive": dict(residual="additive"),
     "ddl v=sigmoid": dict(residual="ddl", ddl_v="sigmoid"),
     "ddl-cc v=sigmoid": dict(residual="ddl-cc", ddl_v="sigmoid"),
