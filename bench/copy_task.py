@@ -1,7 +1,7 @@
 """A 2-layer sanity check that every residual variant can learn something attention must do: copying.
 
     python bench/copy_task.py                       # the table quoted in model.py's docstring
-    python bench/copy_task.py --steps 400 --only ddl-cc
+    python bench/copy_task.py --steps 400 --only "ddl-cc v=linear"
 
 Each row is 32 random tokens (vocab 64) followed by the same 32 again; the model sees 63 tokens and
 predicts the next. The first half is unpredictable (ln 64 = 4.16 per token), the second half is a copy
