@@ -192,8 +192,8 @@ def deltaformer_attention(q, k, v, w, beta, kernel="softmax", scale=None, backen
 # gives up and writes NaN.
 #
 # In-chunk inverse: N = diag(beta_c) A_cc is strictly lower triangular (nilpotent), so
-# (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...(I + N^(C/2)): log2(C) rounds of matrix products on the tensor
-# cores instead of C dependent row updates; X_c is saved for the backward (C*C per chunk).
+# (I + N)^-1 by forward substitution in the parallel prep kernel (see `_unit_lower_inverse` for why not
+# the Neumann series by squaring); X_c is saved for the backward (C*C per chunk).
 #
 # Backward, with M = I + diag(beta) A, U = M^-1 V, G = M^-T dU:
 #   dV = G, found anti-causally: G_j = dU_j - sum_{i>j} A_ij beta_i G_i: the same wavefront, reversed
@@ -260,14 +260,19 @@ if _triton_available():
 
     @triton.jit
     def _unit_lower_inverse(n, C: tl.constexpr, LOG2C: tl.constexpr, PREC: tl.constexpr):
-        """(I + n)^-1 for strictly lower triangular n [C, C]: the finite Neumann series, by squaring."""
+        """(I + n)^-1 for strictly lower triangular n [C, C], by forward substitution, row by row:
+        x_r = e_r - sum_{j<r} n_rj x_j. Not the Neumann series by squaring ((I - n)(I + n^2)(I + n^4)...):
+        that is exact in exact arithmetic, but where beta * kappa ~ 1-2 (a token's update is a reflection,
+        the regime state tracking needs) the powers of n grow huge and cancel, and fp32 lost up to 7e-2 of
+        u at C = 64 (tests/test_deltaformer.py, reflection regime). Substitution is as accurate as the
+        solve itself; it runs in the parallel prep kernel, off the wavefront's critical path."""
         offs = tl.arange(0, C)
-        x = tl.where(offs[:, None] == offs[None, :], 1.0, 0.0) - n
-        p = tl.dot(n, n, input_precision=PREC)
-        for r in tl.static_range(LOG2C - 1):
-            x = x + tl.dot(x, p, input_precision=PREC)
-            if r < LOG2C - 2:
-                p = tl.dot(p, p, input_precision=PREC)
+        x = tl.where(offs[:, None] == offs[None, :], 1.0, 0.0)
+        for r in range(1, C):
+            is_row = offs[:, None] == r
+            n_r = tl.sum(tl.where(is_row, n, 0.0), axis=0)  # row r of n, indexed by j (zero for j >= r)
+            x_r = tl.sum(n_r[:, None] * x, axis=0)  # sum_{j<r} n_rj x_j: rows j < r are final already
+            x = tl.where(is_row, x - x_r[None, :], x)
         return x
 
     @triton.jit
