@@ -1,5 +1,6 @@
 # A small GPT on the embedded Shakespeare corpus: trains on 2 idle CPU cores in 9-10 minutes (~1.8 s per
-# iteration) to a val loss of ~5.2, then samples recognisable (if not sensible) Shakespeare. The README's first command:
+# iteration) to a val loss of ~5.2, then samples recognisable (if not sensible) Shakespeare.
+# The README's first command:
 #   python data/shakespeare.py && python train.py configs/shakespeare.py
 #   python sample.py --out_dir=out-shakespeare --start="ROMEO:"
 # Try a variant with e.g. --residual=ddl-cc or --attention=deltaformer (slower on CPU).
