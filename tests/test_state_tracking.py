@@ -194,3 +194,31 @@ def test_cli(tmp_path):
         check=True,
     )
     assert "QUERY token = 8" in r.stdout
+
+
+def _train(tmp_path, *overrides):
+    cmd = [sys.executable, "train.py", "configs/state_tracking.py", "--device=cpu", "--dtype=float32"]
+    cmd += ["--n_embd=32", "--n_head=1", "--head_dim=16", "--batch_size=4", "--eval_interval=4"]
+    cmd += ["--eval_iters=1", "--st_curriculum_acc=0.0", "--st_max_length=96", "--st_eval_lengths=(96,128)"]
+    cmd += ["--block_size=128", "--backend=torch", f"--out_dir={tmp_path}", *overrides]
+    subprocess.run(cmd, capture_output=True, text=True, check=True)
+    import json
+
+    with open(tmp_path / "log.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_train_curriculum_and_exact_resume(tmp_path):
+    """train.py with dataset=state_tracking: the curriculum doubles the length at each regular eval
+    (threshold 0 here) up to st_max_length, the final record has accuracy at st_eval_lengths, and a run
+    stopped off the eval grid and resumed has the same losses and curriculum as an uninterrupted one."""
+    full = _train(tmp_path / "full", "--max_iters=12")
+    evals = [r for r in full if "val_acc" in r]
+    assert [r["st_length"] for r in evals] == [64, 96, 96, 96]  # 32 -> 64 -> 96 (capped), at iters 0, 4
+    final = full[-1]
+    assert final["final"] and {"val_acc@96", "val_acc_last@96", "val_acc@128"} <= set(final)
+    assert all(0.0 <= final[k] <= 1.0 for k in final if k.startswith("val_acc"))
+    _train(tmp_path / "split", "--max_iters=6")  # stops at 6 with length 96: the checkpoint must keep it
+    resumed = _train(tmp_path / "split", "--max_iters=12", "--init_from=resume")
+    losses = lambda recs: [(r["iter"], r["train_loss"]) for r in recs if "train_loss" in r]  # noqa: E731
+    assert losses(resumed) == losses(full)
