@@ -291,8 +291,8 @@ def test_config_files_are_valid_for_train_py(config, millions):
 def readme_variant_overrides():
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
         text = f.read()
-    table = text.split("## Variants", 1)[1].split("\n\n")[2]  # the table after the intro paragraph
-    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    section = text.split("## Variants", 1)[1].split("\n## ", 1)[0]  # up to the next heading
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
     overrides = [row.split("|")[4].strip() for row in rows]
     return [o.replace("`", "").split() if o != "(none)" else [] for o in overrides]
 
