@@ -259,7 +259,7 @@ if _triton_available():
             return tl.where(valid, da, 0.0)
 
     @triton.jit
-    def _unit_lower_inverse(n, C: tl.constexpr, LOG2C: tl.constexpr, PREC: tl.constexpr):
+    def _unit_lower_inverse(n, C: tl.constexpr):
         """(I + n)^-1 for strictly lower triangular n [C, C], by forward substitution, row by row:
         x_r = e_r - sum_{j<r} n_rj x_j. Not the Neumann series by squaring ((I - n)(I + n^2)(I + n^4)...):
         that is exact in exact arithmetic, but where beta * kappa ~ 1-2 (a token's update is a reflection,
@@ -278,7 +278,7 @@ if _triton_available():
     @triton.jit
     def _prep_kernel(
         W, K, Beta, LSE, Xinv, scale, T, NC,
-        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, PREC: tl.constexpr,
+        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr,
     ):  # fmt: skip
         c = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
@@ -305,7 +305,7 @@ if _triton_available():
             lse = m + tl.log(tl.where(l > 0, l, 1.0))  # row 0 of the sequence has no j < i
             tl.store(LSE + bh * T + rows, lse, mask=rmask)
         a_cc = _kappa(s_cc, lower, lse, KERNEL)
-        x = _unit_lower_inverse(b[:, None] * a_cc, C, LOG2C, PREC)
+        x = _unit_lower_inverse(b[:, None] * a_cc, C)
         tl.store(Xinv + (bh * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :], x)
 
     @triton.jit
@@ -516,7 +516,7 @@ class _DeltaformerUTriton(torch.autograd.Function):
         xinv = torch.empty(BH, NC, C, C, **f32)
         kid = _KERNEL_IDS[kernel]
         _prep_kernel[(NC, BH)](
-            w, k, beta, lse, xinv, scale, T, NC, KERNEL=kid, D=D, C=C, LOG2C=C.bit_length() - 1, PREC=prec,
+            w, k, beta, lse, xinv, scale, T, NC, KERNEL=kid, D=D, C=C, PREC=prec,
             **launch,
         )  # fmt: skip
         counters = torch.zeros(BH + 1, device=v.device, dtype=torch.int32)  # progress per (b, h); ticket
