@@ -59,8 +59,15 @@ first step). Deltaformer beta projection:
 N(0, 0.02) weight, zero bias (beta ~ max/2).
 
 Mixed precision: training runs under bf16 autocast; the norms and both betas are computed in fp32, the
-residual stream (x or X) stays in the parameter dtype (fp32); the DDL kernels normalise h and update X in
-fp32 whatever dtype h and v come in (bf16 from the autocast matmuls).
+additive stream x stays in the parameter dtype (fp32); the DDL kernels normalise h and update X in fp32
+whatever dtype X, h and v come in (bf16 h from the autocast matmuls) and store the result in X's dtype.
+ddl_state_dtype chooses that dtype for DDL: "float32" (default: the parameter dtype, i.e. fp32, or float64
+for a .double() model) or "bfloat16": X0 (EC or the repetition), every X between sublayers, the fused CC
+reads and the last read-out are stored in bf16 (each update still computes in fp32 and rounds once). The
+state is the DDL model's dominant memory traffic (d_v numbers per channel, read and written by every
+sublayer), so bf16 halves it (bench/NOTES_ddl.md); the default stays fp32 because rounding X to 8 bits of
+mantissa after every sublayer is a numerical change of the architecture (the additive baseline keeps an
+fp32 stream), to be validated by a training run before it becomes the default.
 
 Decoding (`generate`) keeps a cache per module: keys/values for softmax attention (RoPE at absolute
 positions); keys/u's for Deltaformer (the prompt's u from stage 1 at once, then deltaformer_step per
@@ -87,6 +94,7 @@ BACKENDS = ("auto", "torch", "triton")
 DDL_EPS = 1e-5  # khat = h / sqrt(|h|^2 + eps^2)
 DDL_V_SCALE = 4.0  # v = 4 sigmoid(.) in (0, 4), as in the DDL authors' code
 DDL_VS = ("linear", "sigmoid")
+DDL_STATE_DTYPES = ("float32", "bfloat16")
 NORM_EPS = 1e-6
 
 PRESETS = {
@@ -113,6 +121,7 @@ class GPTConfig:
     ddl_beta_init: float = 0.5  # in (0, 2)
     ddl_v: str = "linear"  # v = W_v c (the spec); "sigmoid": 4 sigmoid(W_v c + b_v) (authors' code)
     ddl_conv_size: int = 4  # K of the TC compressor and of EC
+    ddl_state_dtype: str = "float32"  # dtype X is stored in: "float32" (= parameter dtype) | "bfloat16"
     attention: str = "softmax"
     deltaformer_w: str = "k"
     deltaformer_kernel: str = "softmax"
@@ -140,6 +149,7 @@ class GPTConfig:
         choice("deltaformer_kernel", DELTAFORMER_KERNELS)
         choice("backend", BACKENDS)
         choice("ddl_v", DDL_VS)
+        choice("ddl_state_dtype", DDL_STATE_DTYPES)
         for name in ("n_layer", "n_head", "n_embd", "head_dim", "block_size", "vocab_size", "ddl_conv_size"):
             positive_int(name)
         for name in ("ddl_ec", "ddl_erase"):
@@ -403,7 +413,7 @@ class Residual(nn.Module):
             return X + self.drop(sublayer(self.norm(X))), None
         if x_in is None:
             x_in = self.compress(X, cache)
-        c = self.norm(x_in)
+        c = self.norm(x_in.to(self.norm.weight.dtype))  # a bf16 state's read joins the parameter dtype
         h = self.drop(sublayer(c))
         return self.ddl_write(X, c, h, next_read)
 
@@ -494,12 +504,20 @@ class GPT(nn.Module):
         emb = self.drop(self.wte(idx))
         if not cfg.is_ddl:
             return emb
+        emb = emb.to(self.state_dtype)  # EC then writes X0 in that dtype (it computes in fp32)
         if not cfg.uses_ec:
             return emb[..., None].expand(*emb.shape, cfg.ddl_dv).contiguous()
         T = emb.shape[1]
         if cache is not None:
             emb = with_history(cache, self, emb, cfg.ddl_conv_size - 1)
         return expand_ec(emb, self.ec_conv, backend=cfg.backend)[:, emb.shape[1] - T :]
+
+    @property
+    def state_dtype(self):
+        """The dtype the DDL state X is stored in (cfg.ddl_state_dtype; "float32" = the parameters')."""
+        if self.config.ddl_state_dtype == "bfloat16":
+            return torch.bfloat16
+        return self.wte.weight.dtype
 
     def reader_after(self, i):
         """The Compressor that reads the DDL state after block i (None for additive)."""
@@ -520,7 +538,7 @@ class GPT(nn.Module):
         if not cfg.is_ddl:
             x = X
         else:
-            x = x_in if x_in is not None else self.readout(X, cache)
+            x = (x_in if x_in is not None else self.readout(X, cache)).to(self.ln_f.weight.dtype)
         if cache is not None:
             cache.pos += T
         return self.ln_f(x)
