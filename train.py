@@ -473,7 +473,6 @@ def write_log(record):
             wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
 
-flops_per_token = raw_model.flops_per_token(block_size) if hasattr(raw_model, "flops_per_token") else None
 peak = peak_flops()
 log(
     f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {model_args['residual']} residual, "
@@ -522,8 +521,10 @@ while True:
     dt = time.time() - t0
     if iter_num > (resumed_at or 0):  # the first iteration includes compilation and warm-up
         dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
-    tok_per_s = tokens_per_iter / dt
-    mfu = flops_per_token * tok_per_s / (peak * world_size) if peak and flops_per_token else None
+    # state tracking trains at the curriculum's length, not block_size
+    length = train_loader.length if dataset == "state_tracking" else block_size
+    tok_per_s = global_rows * length / dt
+    mfu = raw_model.flops_per_token(length) * tok_per_s / (peak * world_size) if peak else None
     write_log(
         {
             "iter": iter_num,
@@ -553,6 +554,8 @@ while True:
 
 if dataset == "state_tracking":
     metrics = evaluate_lengths(st_eval_lengths)
+    if not all(math.isfinite(v) for v in metrics.values()):
+        fail(f"final evaluation: non-finite metrics {metrics}")
     log("final: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     write_log({"iter": iter_num, "final": True, **metrics})
 if device_type == "cuda":

@@ -1,0 +1,250 @@
+"""Multi-GPU check of train.py: one global batch on 1 and on N GPUs gives the same losses, N times faster.
+
+    python bench/bench_ddp.py --stage single --gpus 0          # 1-GPU runs of every variant
+    python bench/bench_ddp.py --stage multi                    # torchrun --nproc_per_node=N, same batch
+    python bench/bench_ddp.py --stage yardstick --gpus 0,1     # 1 GPU, other micro-batch split (noise scale)
+    python bench/bench_ddp.py --stage report --out $OUT        # the table (report needs no GPU)
+
+Every run is `train.py configs/gpt2_small.py` on Shakespeare (`python data/shakespeare.py` first) with
+a global batch of --batch-size x --grad-accum rows of 1024 tokens: on 1 GPU as --grad-accum micro-steps of
+--batch-size rows; on N GPUs each rank takes --grad-accum / N of those micro-steps (train.py splits the
+same global batch among the ranks, so both see the same data). The yardstick runs 1 GPU with micro-steps
+twice as large (half as many): the same math, another summation order, so its loss difference to the
+1-GPU run is the scale of bf16 noise that the N-GPU difference is judged against.
+
+Loss: train.py's train_loss (the mean over the global batch, all ranks). Tokens/s: median over iterations
+--skip.. of the logged per-iteration rate (iteration 0 compiles). Peak memory: train.py's last line, rank 0.
+Stages run one after another (several GPUs can hold different stages' runs at once: --gpus). Runs are
+kept in --work (one out_dir each, with stdout.txt), so a stage can be rerun alone.
+"""
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGES = ("single", "multi", "yardstick")
+
+
+def run_name(variant, stage):
+    return f"{variant}-{stage}"
+
+
+def train_command(args, variant, stage):
+    """(argv, env overrides) of one run; the global batch is the same in every stage."""
+    batch, accum = args.batch_size, args.grad_accum
+    if stage == "yardstick":  # same global batch, micro-steps twice as large
+        if accum % 2:
+            sys.exit(f"bench_ddp: --grad-accum must be even for the yardstick, got {accum}")
+        batch, accum = 2 * batch, accum // 2
+    overrides = [
+        f"--residual={variant}",
+        "--dataset=shakespeare",
+        f"--batch_size={batch}",
+        f"--gradient_accumulation_steps={accum}",
+        f"--max_iters={args.iters}",
+        f"--warmup_iters={args.warmup}",
+        f"--lr_decay_iters={10 * args.iters}",
+        "--eval_interval=1000000",  # evaluate at iteration 0 and at the end only
+        "--eval_iters=1",
+        "--log_interval=10",
+        f"--out_dir={os.path.join(args.work, run_name(variant, stage))}",
+        *args.extra.split(),
+    ]
+    train = [os.path.join(REPO, "train.py"), os.path.join(REPO, args.config), *overrides]
+    if stage == "multi":
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={args.nproc}",
+            *train,
+        ]
+    return [sys.executable, *train]
+
+
+def shown(arg):
+    """An argument as a reader would type it: `python`, paths relative to the repository root."""
+    return "python" if arg == sys.executable else os.path.relpath(arg, REPO) if arg.startswith(REPO) else arg
+
+
+def run_stage(args, stage):
+    """All variants of one stage; single-GPU stages spread their runs over --gpus (one run per GPU)."""
+    gpus = (
+        [g for g in args.gpus.split(",") if g]
+        if stage != "multi"
+        else [",".join(map(str, range(args.nproc)))]
+    )
+    pending, running, failed = list(args.variants), {}, []
+    while pending or running:
+        free = [g for g in gpus if g not in running.values()]
+        while pending and free:
+            variant, gpu = pending.pop(0), free.pop(0)
+            out_dir = os.path.join(args.work, run_name(variant, stage))
+            os.makedirs(out_dir, exist_ok=True)
+            cmd = train_command(args, variant, stage)
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "PYTHONUNBUFFERED": "1"}
+            log = open(os.path.join(out_dir, "stdout.txt"), "w")  # noqa: SIM115 (closed when it ends)
+            with open(os.path.join(out_dir, "command.txt"), "w") as f:
+                f.write(f"CUDA_VISIBLE_DEVICES={gpu} " + " ".join(shown(c) for c in cmd) + "\n")
+            proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+            running[(proc, log, variant, time.time())] = gpu
+            print(f"[{stage}] started {variant} on GPU(s) {gpu}", flush=True)
+        time.sleep(1.0)
+        for key in list(running):
+            proc, log, variant, t0 = key
+            if proc.poll() is not None:
+                log.close()
+                del running[key]
+                print(
+                    f"[{stage}] {variant}: exit {proc.returncode} after {time.time() - t0:.0f} s", flush=True
+                )
+                if proc.returncode:
+                    failed.append(variant)
+    return failed
+
+
+def read_run(args, variant, stage):
+    """{losses, tok_s (median), peak_gib, ranks, command} of a finished run, or None."""
+    out_dir = os.path.join(args.work, run_name(variant, stage))
+    path = os.path.join(out_dir, "log.jsonl")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    train = sorted((r for r in records if "train_loss" in r), key=lambda r: r["iter"])
+    rates = sorted(r["tok_per_s"] for r in train if r["iter"] >= args.skip)
+    text = open(os.path.join(out_dir, "stdout.txt")).read()
+    peak = re.findall(r"peak memory ([0-9.]+) GiB", text)
+    ranks = re.findall(r"(\d+) rank\(s\) on", text)
+    with open(os.path.join(out_dir, "command.txt")) as f:
+        command = f.read().strip()
+    return {
+        "losses": [r["train_loss"] for r in train],
+        "tok_s": rates[len(rates) // 2] if rates else None,
+        "peak_gib": float(peak[-1]) if peak else None,
+        "ranks": int(ranks[-1]) if ranks else None,
+        "command": command,
+    }
+
+
+def max_difference(a, b, n):
+    """(largest |a_i - b_i| over the first n iterations, its iteration); needs n values in both."""
+    if len(a) < n or len(b) < n:
+        raise ValueError(f"need {n} losses in both runs, got {len(a)} and {len(b)}")
+    diffs = [abs(x - y) for x, y in zip(a[:n], b[:n])]
+    i = max(range(n), key=diffs.__getitem__)
+    return diffs[i], i
+
+
+def versions():
+    import torch
+
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = "none"
+    gpu = (
+        f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+        if torch.cuda.is_available()
+        else "none"
+    )
+    return f"GPU {gpu}; torch {torch.__version__}; triton {tv}; Python {platform.python_version()}"
+
+
+def report(args):
+    lines = [
+        f"Global batch {args.batch_size * args.grad_accum} rows (of 1024 tokens unless --extra sets "
+        f"block_size), {args.iters} iterations of "
+        f"configs/gpt2_small.py on Shakespeare (warmup {args.warmup}, lr 1e-3), bf16 autocast, compiled, "
+        f"fused AdamW on GPU. tokens/s: median over iterations {args.skip}..{args.iters - 1}.",
+        f"{versions()}",
+        "",
+        "| variant | run | ranks x micro-batch x micro-steps | tokens/s | scaling vs 1 GPU "
+        f"| peak GiB (rank 0) | max abs loss diff to 1 GPU, first {args.iters} iters (at iter) |",
+        "|---|---|---|---:|---:|---:|---|",
+    ]
+    summary, commands = {}, []
+    for variant in args.variants:
+        runs = {s: read_run(args, variant, s) for s in STAGES}
+        base = runs["single"]
+        for stage, r in runs.items():
+            if r is None:
+                lines.append(f"| {variant} | {stage} | not run | | | | |")
+                continue
+            commands.append(f"- {variant} {stage}: `{r['command']}`")
+            ranks = r["ranks"] or 1
+            batch = args.batch_size * (2 if stage == "yardstick" else 1)
+            steps = args.grad_accum // (2 if stage == "yardstick" else 1) // ranks
+            scaling = diff = ""
+            if base and base["tok_s"] and r["tok_s"] and stage == "multi":
+                s = r["tok_s"] / base["tok_s"]
+                scaling = f"{s:.2f}x ({s / ranks:.2f} of {ranks}x)"
+                summary[(variant, "scaling")] = s / ranks
+            if base and stage != "single":
+                try:
+                    d, at = max_difference(base["losses"], r["losses"], args.iters)
+                    diff = f"{d:.2e} (iter {at})"
+                    summary[(variant, stage)] = d
+                except ValueError as e:
+                    diff = str(e)
+            tok = f"{r['tok_s']:,.0f}" if r["tok_s"] else "-"
+            peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] else "-"
+            lines.append(
+                f"| {variant} | {stage} | {ranks} x {batch} x {steps} | {tok} | {scaling} | {peak} | {diff} |"
+            )
+    lines += ["", "Commands:", "", *commands]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_ddp.md.tmp"), "w") as f:
+            f.write(text + "\n")
+        os.replace(os.path.join(args.out, "bench_ddp.md.tmp"), os.path.join(args.out, "bench_ddp.md"))
+        losses = {
+            f"{v}-{s}": (read_run(args, v, s) or {}).get("losses") for v in args.variants for s in STAGES
+        }
+        with open(os.path.join(args.out, "bench_ddp_losses.json"), "w") as f:
+            json.dump(losses, f)
+    return summary
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--stage", required=True, choices=(*STAGES, "report"))
+    p.add_argument("--variants", default="additive,ddl-cc", help="residual variants (softmax attention)")
+    p.add_argument("--nproc", type=int, default=2, help="GPUs of the multi stage")
+    p.add_argument("--gpus", default="0", help="GPUs for single/yardstick runs, one run per GPU at a time")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--skip", type=int, default=10, help="iterations left out of the tokens/s median")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=16, help="rows per micro-step (single and multi)")
+    p.add_argument("--grad-accum", type=int, default=8, help="GLOBAL micro-steps per iteration")
+    p.add_argument("--config", default="configs/gpt2_small.py")
+    p.add_argument("--extra", default="", help="more train.py overrides, space-separated")
+    p.add_argument("--work", default="out-bench-ddp")
+    p.add_argument("--out", default=os.environ.get("OUT", ""))
+    args = p.parse_args()
+    args.variants = [v for v in args.variants.split(",") if v]
+    if args.grad_accum % args.nproc:
+        sys.exit(f"bench_ddp: --grad-accum {args.grad_accum} must be divisible by --nproc {args.nproc}")
+    if args.stage == "report":
+        report(args)
+        return
+    failed = run_stage(args, args.stage)
+    if failed:
+        sys.exit(
+            f"bench_ddp: {args.stage} failed for {failed}: see {args.work}/<variant>-{args.stage}/stdout.txt"
+        )
+
+
+if __name__ == "__main__":
+    main()
