@@ -162,7 +162,7 @@ def deltaformer_attention(q, k, v, w, beta, kernel="softmax", scale=None, backen
     D = q.shape[-1]
     s = 1.0 / math.sqrt(D) if scale is None else scale
     if backend == "auto":
-        backend = "triton" if (q.is_cuda and _TRITON_PATH_WRITTEN and _triton_available()) else "torch"
+        backend = "triton" if (q.is_cuda and _HAS_TRITON) else "torch"
     if backend == "triton":
         u = deltaformer_u_triton(k, v, w, beta, kernel=kernel, scale=s)
     else:
@@ -203,7 +203,6 @@ def deltaformer_attention(q, k, v, w, beta, kernel="softmax", scale=None, backen
 #   relu: dS = dA [S > 0];  linear: dS = dA;  then dK = s dS^T W (`_dk_kernel`, parallel over column
 #   chunks) and dW = s dS K (`_dw_kernel`, parallel over row chunks).
 
-_TRITON_PATH_WRITTEN = True
 _KERNEL_IDS = {"softmax": 0, "relu": 1, "linear": 2}
 _SPIN_LIMIT = 20_000_000  # ~10 s of spinning: only a bug gets there
 
@@ -216,7 +215,9 @@ def _triton_available():
     return True
 
 
-if _triton_available():
+_HAS_TRITON = _triton_available()  # a constant, so torch.compile does not trace an import
+
+if _HAS_TRITON:
     import triton
     import triton.language as tl
 
@@ -237,6 +238,26 @@ if _triton_available():
             return tl.dot(a.to(like.dtype.element_ty), b.to(like.dtype.element_ty))
         else:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+
+    @triton.jit
+    def _mm_rec(a, b, like, REC: tl.constexpr, PREC: tl.constexpr):
+        """a @ b for the recurrence's inter-chunk products (A @ u forward, A^T (beta G) backward), fp32
+        accumulation. Their rounding errors are fed back into every later u (or G), and where updates are
+        near reflections |u| grows and the errors with it, hence a choice (bench/NOTES_deltaformer.md, V4):
+        REC 0: operands rounded to the inputs' half dtype (cheapest; bf16 missed 1e-2 there);
+        REC 1: fp32 operands at PREC (tf32 for half inputs: 3 more mantissa bits than bf16; exact for fp32);
+        REC 2: each operand split into hi + lo halves of the inputs' dtype and three half-precision
+        products, a_hi b_hi + a_hi b_lo + a_lo b_hi (~16 mantissa bits at tensor-core half speed)."""
+        if REC == 0:
+            return tl.dot(a.to(like.dtype.element_ty), b.to(like.dtype.element_ty))
+        elif REC == 1:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+        else:
+            a32, b32 = a.to(tl.float32), b.to(tl.float32)
+            a_hi, b_hi = a32.to(like.dtype.element_ty), b32.to(like.dtype.element_ty)
+            a_lo = (a32 - a_hi.to(tl.float32)).to(like.dtype.element_ty)
+            b_lo = (b32 - b_hi.to(tl.float32)).to(like.dtype.element_ty)
+            return tl.dot(a_hi, b_hi, tl.dot(a_lo, b_hi, tl.dot(a_hi, b_lo)))
 
     @triton.jit
     def _kappa(s, valid, lse, KERNEL: tl.constexpr):
@@ -265,7 +286,7 @@ if _triton_available():
         that is exact in exact arithmetic, but where beta * kappa ~ 1-2 (a token's update is a reflection,
         the regime state tracking needs) the powers of n grow huge and cancel, and fp32 lost up to 7e-2 of
         u at C = 64 (tests/test_deltaformer.py, reflection regime). Substitution is as accurate as the
-        solve itself; it runs in the parallel prep kernel, off the wavefront's critical path."""
+        solve itself. Used as is only for C = 16; larger chunks go through `_blocked_unit_lower_inverse`."""
         offs = tl.arange(0, C)
         x = tl.where(offs[:, None] == offs[None, :], 1.0, 0.0)
         for r in range(1, C):
@@ -276,9 +297,39 @@ if _triton_available():
         return x
 
     @triton.jit
+    def _blocked_unit_lower_inverse(n, C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr):
+        """(I + n)^-1 as above, blocked, with the same accuracy: substitution's C - 1 dependent steps, two
+        cross-warp reductions each over the whole [C, C] tile, cost ~0.2 ms per forward (V3 in
+        bench/NOTES_deltaformer.md). Here:
+        1. the C/S diagonal [S, S] blocks by forward substitution, all at once as one [C/S, S, S] tensor
+           (S - 1 steps on a quarter of the elements);
+        2. the blocks below the diagonal by block forward substitution, one block row at a time:
+           X_b = D_b^-1 (I_b - sum_{k<b} N_bk X_k), two [C, C] products per block row (tensor cores).
+        Like substitution, it only ever multiplies by final entries of the inverse (no cancelling powers)."""
+        NB: tl.constexpr = C // S
+        offs = tl.arange(0, C)
+        blk = tl.arange(0, NB)
+        r = tl.arange(0, S)
+        same = blk[:, None, None, None] == blk[None, None, :, None]  # [NB, 1, NB, 1]: a diagonal block
+        n3 = tl.sum(tl.where(same, tl.reshape(n, (NB, S, NB, S)), 0.0), axis=2)  # [NB, S, S]
+        x3 = tl.where((r[None, :, None] == r[None, None, :]) & (blk[:, None, None] >= 0), 1.0, 0.0)
+        for i in range(1, S):
+            is_row = r[None, :, None] == i
+            n_i = tl.sum(tl.where(is_row, n3, 0.0), axis=1)  # [NB, S]: row i of every block
+            x_i = tl.sum(n_i[:, :, None] * x3, axis=1)  # [NB, S]: sum_{j<i} n_ij x_j
+            x3 = tl.where(is_row, x3 - x_i[:, None, :], x3)
+        dinv = tl.reshape(tl.where(same, x3[:, :, None, :], 0.0), (C, C))  # block diagonal [C, C]
+        x = dinv
+        for b in range(1, NB):
+            # rows of block b, columns of the blocks before it (final in x already)
+            e_b = tl.where(((offs[:, None] // S) == b) & (offs[None, :] < b * S), n, 0.0)
+            x = x - tl.dot(dinv, tl.dot(e_b, x, input_precision=PREC), input_precision=PREC)
+        return x
+
+    @triton.jit
     def _prep_kernel(
         W, K, Beta, LSE, Xinv, scale, T, NC,
-        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr,
+        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
     ):  # fmt: skip
         c = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
@@ -305,14 +356,18 @@ if _triton_available():
             lse = m + tl.log(tl.where(l > 0, l, 1.0))  # row 0 of the sequence has no j < i
             tl.store(LSE + bh * T + rows, lse, mask=rmask)
         a_cc = _kappa(s_cc, lower, lse, KERNEL)
-        x = _unit_lower_inverse(b[:, None] * a_cc, C)
+        if C <= 16:
+            x = _unit_lower_inverse(b[:, None] * a_cc, C)
+        else:
+            x = _blocked_unit_lower_inverse(b[:, None] * a_cc, C, 16, XPREC)
         tl.store(Xinv + (bh * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :], x)
 
     @triton.jit
     def _fwd_kernel(
         W, K, V, Beta, U, U32, Hs, LSE, Xinv, Prog, Ticket, scale, T, NC, BH,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
-        LOWP: tl.constexpr, PREC: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+        REC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr, STORE32: tl.constexpr,
+        SPIN_LIMIT: tl.constexpr,
     ):  # fmt: skip
         ticket = tl.atomic_add(Ticket, 1)
         c = ticket // BH
@@ -340,19 +395,19 @@ if _triton_available():
                 k_p = tl.load(K + prev)
                 s = tl.dot(w, tl.trans(k_p), input_precision=PREC) * scale
                 p = _kappa(s, everything, lse, KERNEL)
-                if LOWP:
+                if REC == 0:
                     u_p = tl.load(U + prev, cache_modifier=".cg")
                 else:
                     u_p = tl.load(U32 + prev, cache_modifier=".cg")
-                acc += _mm(p, u_p, W, LOWP, PREC)
+                acc += _mm_rec(p, u_p, W, REC, PREC)
             done = ready
         b = tl.load(Beta + bh64 * T + rows, mask=rmask, other=0.0).to(tl.float32)
         v = tl.load(V + tile, mask=rmask[:, None], other=0.0).to(tl.float32)
         x = tl.load(Xinv + (bh64 * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :])
-        u = tl.dot(x, v - b[:, None] * acc, input_precision=PREC)
+        u = tl.dot(x, v - b[:, None] * acc, input_precision=XPREC)
         u = tl.where(ok != 0, u, float("nan"))
         tl.store(U + tile, u.to(U.dtype.element_ty), mask=rmask[:, None])
-        if not LOWP:
+        if STORE32:
             tl.store(U32 + tile, u, mask=rmask[:, None])
         tl.debug_barrier()  # every thread's stores precede the release below
         tl.atomic_xchg(Prog + bh, c + 1, sem="release")
@@ -367,7 +422,7 @@ if _triton_available():
     def _bwd_g_kernel(
         W, K, DU, Beta, Hs, LSE, Xinv, GB, DV, DBeta, RT, Prog, Ticket, scale, T, NC, BH,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
-        LOWP: tl.constexpr, PREC: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+        REC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr, SPIN_LIMIT: tl.constexpr,
     ):  # fmt: skip
         ticket = tl.atomic_add(Ticket, 1)
         c = NC - 1 - ticket // BH  # last chunk first
@@ -397,11 +452,11 @@ if _triton_available():
                     lse_r = tl.load(LSE + bh64 * T + rows, mask=rmask, other=0.0)
                 s = tl.dot(w_r, tl.trans(k_c), input_precision=PREC) * scale  # [rows i, cols j]
                 a = _kappa(s, rmask[:, None], lse_r, KERNEL)
-                acc += _mm(tl.trans(a), gb_r, W, LOWP, PREC)
+                acc += _mm_rec(tl.trans(a), gb_r, W, REC, PREC)
             done = ready
         x = tl.load(Xinv + (bh64 * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :])
         du_c = tl.load(DU + tile, mask=cmask[:, None], other=0.0).to(tl.float32)
-        g_c = tl.dot(tl.trans(x), du_c - acc, input_precision=PREC)
+        g_c = tl.dot(tl.trans(x), du_c - acc, input_precision=XPREC)
         g_c = tl.where(ok != 0, g_c, float("nan"))
         b_c = tl.load(Beta + bh64 * T + cols, mask=cmask, other=0.0).to(tl.float32)
         gb_c = g_c * b_c[:, None]
@@ -483,7 +538,12 @@ if _triton_available():
         tl.store(DW + tile, (dw * scale).to(DW.dtype.element_ty), mask=rmask[:, None])
 
 
-def _triton_cfg(x, chunk, lowp):
+RECS = ("lowp", "tf32", "split")  # precision of the recurrence's inter-chunk products (see `_mm_rec`)
+DEFAULT_REC = "split"  # half-precision inputs; fp32 inputs always get exact fp32 products
+
+
+def _triton_cfg(x, chunk, lowp, rec):
+    """Validated settings: (prec, xprec, lowp, rec id, launch options)."""
     D = x.shape[-1]
     if D not in (16, 32, 64, 128):
         raise ValueError(f"deltaformer (triton): head dim D must be 16, 32, 64 or 128, got {D}")
@@ -491,62 +551,108 @@ def _triton_cfg(x, chunk, lowp):
         raise ValueError(f"deltaformer (triton): dtype must be float32, bfloat16 or float16, got {x.dtype}")
     if chunk not in (16, 32, 64, 128):
         raise ValueError(f"deltaformer (triton): chunk must be 16, 32, 64 or 128, got {chunk}")
-    # fp32 inputs get exact fp32 products; half-precision inputs fp32 accumulation, tf32 products in the
-    # in-chunk solve and (by default) half-precision operands in the O(T^2) products, as FlashAttention.
-    prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    lowp = (x.dtype != torch.float32) if lowp is None else (lowp and x.dtype != torch.float32)
+    if rec not in RECS:
+        raise ValueError(f"deltaformer (triton): rec must be one of {RECS}, got {rec!r}")
+    # fp32 inputs: every product in exact fp32. Half-precision inputs: fp32 accumulation; half operands in
+    # the non-recurrent O(T^2) products (dK, dW) as FlashAttention (unless lowp=False: tf32); the
+    # recurrence's products as `rec` says; the in-chunk inverse and its products in tf32, or in 3-pass
+    # tf32 (~fp32) with rec="split", so that they do not undo its accuracy.
+    if x.dtype == torch.float32:
+        return "ieee", "ieee", False, 1, _launch(D, chunk, lowp=False)
+    xprec = "tf32x3" if rec == "split" else "tf32"
+    return "tf32", xprec, lowp, RECS.index(rec), _launch(D, chunk, lowp)
+
+
+def _launch(D, chunk, lowp):
     launch = dict(num_warps=4 if D <= 64 and chunk <= 64 else 8)
     if D == 128 or not lowp:
         launch["num_stages"] = 2  # fp32 or D = 128 tiles: three stages overflow shared memory
-    return prec, lowp, launch
+    return launch
 
 
-class _DeltaformerUTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, k, v, w, beta, kernel, scale, chunk, lowp):
-        B, H, T, D = v.shape
-        BH, NC, C = B * H, triton.cdiv(T, chunk), chunk
-        prec, lowp, launch = _triton_cfg(v, chunk, lowp)
-        k, v, w, beta = (x.contiguous() for x in (k, v, w, beta))
-        f32 = dict(device=v.device, dtype=torch.float32)
-        u = torch.empty_like(v)
-        u32 = u if lowp else torch.empty(B, H, T, D, **f32)  # fp32 copy only for fp32 products
-        h = torch.empty(B, H, T, D, **f32)
-        lse = torch.empty(B, H, T, **f32) if kernel == "softmax" else torch.empty(1, **f32)
-        xinv = torch.empty(BH, NC, C, C, **f32)
-        kid = _KERNEL_IDS[kernel]
+def _device_guard(x):
+    """Launch on the inputs' device, whatever the current one is."""
+    import contextlib
+
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+# The kernels are wrapped as torch.library custom ops (forward and backward each one op, the autograd
+# formula registered on the forward) so that torch.compile treats them as opaque calls with known output
+# shapes (register_fake) instead of tracing into the Triton launches, which broke Inductor before.
+# u32 (the fp32 copy of u the recurrence reads) is empty when the recurrence reads the half u.
+
+
+@torch.library.custom_op("deltaformer::u_fwd", mutates_args=())
+def _u_fwd_op(
+    k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, beta: torch.Tensor,
+    kernel: str, scale: float, chunk: int, lowp: bool, rec: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    B, H, T, D = v.shape
+    BH, NC, C = B * H, triton.cdiv(T, chunk), chunk
+    prec, xprec, lowp, rec_id, launch = _triton_cfg(v, chunk, lowp, rec)
+    k, v, w, beta = (x.contiguous() for x in (k, v, w, beta))
+    f32 = dict(device=v.device, dtype=torch.float32)
+    u = torch.empty_like(v)
+    store32 = rec_id != 0 or not lowp  # fp32 u for the recurrence or the dK / dW products
+    u32 = torch.empty(B, H, T, D, **f32) if store32 else torch.empty(0, **f32)
+    h = torch.empty(B, H, T, D, **f32)
+    lse = torch.empty(B, H, T, **f32) if kernel == "softmax" else torch.empty(1, **f32)
+    xinv = torch.empty(BH, NC, C, C, **f32)
+    kid = _KERNEL_IDS[kernel]
+    with _device_guard(v):
         _prep_kernel[(NC, BH)](
-            w, k, beta, lse, xinv, scale, T, NC, KERNEL=kid, D=D, C=C, PREC=prec,
+            w, k, beta, lse, xinv, scale, T, NC, KERNEL=kid, D=D, C=C, PREC=prec, XPREC=xprec,
             **launch,
         )  # fmt: skip
         counters = torch.zeros(BH + 1, device=v.device, dtype=torch.int32)  # progress per (b, h); ticket
         _fwd_kernel[(BH * NC,)](
-            w, k, v, beta, u, u32, h, lse, xinv, counters, counters[BH:], scale, T, NC, BH,
-            KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, SPIN_LIMIT=_SPIN_LIMIT, **launch,
+            w, k, v, beta, u, u32 if store32 else u, h, lse, xinv, counters, counters[BH:],
+            scale, T, NC, BH, KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE32=store32,
+            SPIN_LIMIT=_SPIN_LIMIT, **launch,
         )  # fmt: skip
-        ctx.save_for_backward(k, w, beta, u32, h, lse, xinv)
-        ctx.cfg = (kernel, scale, chunk, lowp, v.dtype)
-        return u
+    return u, u32, h, lse, xinv
 
-    @staticmethod
-    def backward(ctx, du):
-        k, w, beta, u_op, h, lse, xinv = ctx.saved_tensors
-        kernel, scale, chunk, lowp, v_dtype = ctx.cfg
-        B, H, T, D = k.shape
-        BH, NC, C = B * H, triton.cdiv(T, chunk), chunk
-        prec, lowp, launch = _triton_cfg(k, chunk, lowp)
-        kid = _KERNEL_IDS[kernel]
-        du = du.contiguous()
-        gb = torch.empty(B, H, T, D, device=k.device, dtype=k.dtype if lowp else torch.float32)
-        dv = torch.empty(B, H, T, D, device=k.device, dtype=v_dtype)
-        dk = torch.empty_like(k)
-        dw = torch.empty_like(w)
-        dbeta = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
-        rowterm = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
-        counters = torch.zeros(BH + 1, device=k.device, dtype=torch.int32)
+
+@_u_fwd_op.register_fake
+def _(k, v, w, beta, kernel, scale, chunk, lowp, rec):
+    B, H, T, D = v.shape
+    NC = -(-T // chunk)
+    f32 = dict(device=v.device, dtype=torch.float32)
+    need32 = v.dtype == torch.float32 or rec != "lowp" or not lowp
+    return (
+        torch.empty_like(v),
+        v.new_empty((B, H, T, D) if need32 else (0,), dtype=torch.float32),
+        torch.empty(B, H, T, D, **f32),
+        torch.empty((B, H, T) if kernel == "softmax" else (1,), **f32),
+        torch.empty(B * H, NC, chunk, chunk, **f32),
+    )
+
+
+@torch.library.custom_op("deltaformer::u_bwd", mutates_args=())
+def _u_bwd_op(
+    du: torch.Tensor, k: torch.Tensor, w: torch.Tensor, beta: torch.Tensor, u: torch.Tensor,
+    u32: torch.Tensor, h: torch.Tensor, lse: torch.Tensor, xinv: torch.Tensor,
+    kernel: str, scale: float, chunk: int, lowp: bool, rec: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    B, H, T, D = k.shape
+    BH, NC, C = B * H, triton.cdiv(T, chunk), chunk
+    prec, xprec, lowp, rec_id, launch = _triton_cfg(k, chunk, lowp, rec)
+    kid = _KERNEL_IDS[kernel]
+    k, w, beta, du = (x.contiguous() for x in (k, w, beta, du))
+    u_op = u if lowp else u32  # the dK / dW products read half u only with half operands
+    # beta G: read by the backward recurrence (fp32 unless rec="lowp") and by dK / dW
+    gb = torch.empty(B, H, T, D, device=k.device, dtype=k.dtype if rec_id == 0 else torch.float32)
+    dv = torch.empty(B, H, T, D, device=k.device, dtype=k.dtype)
+    dk = torch.empty_like(k)
+    dw = torch.empty_like(w)
+    dbeta = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
+    rowterm = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
+    counters = torch.zeros(BH + 1, device=k.device, dtype=torch.int32)
+    with _device_guard(k):
         _bwd_g_kernel[(BH * NC,)](
             w, k, du, beta, h, lse, xinv, gb, dv, dbeta, rowterm, counters, counters[BH:], scale, T, NC, BH,
-            KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, SPIN_LIMIT=_SPIN_LIMIT, **launch,
+            KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, SPIN_LIMIT=_SPIN_LIMIT, **launch,
         )  # fmt: skip
         _dk_kernel[(NC, BH)](
             w, k, u_op, gb, lse, rowterm, dk, scale, T, NC,
@@ -556,17 +662,40 @@ class _DeltaformerUTriton(torch.autograd.Function):
             w, k, u_op, gb, lse, rowterm, dw, scale, T,
             KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, **launch,
         )  # fmt: skip
-        return dk, dv, dw, dbeta.to(beta.dtype), None, None, None, None
+    return dk, dv, dw, dbeta.to(beta.dtype)
 
 
-@torch.compiler.disable  # torch.compile runs around it (a graph break): the kernels synchronise themselves
-def deltaformer_u_triton(k, v, w, beta, kernel="softmax", scale=None, chunk=64, lowp=None):
+@_u_bwd_op.register_fake
+def _(du, k, w, beta, u, u32, h, lse, xinv, kernel, scale, chunk, lowp, rec):
+    return torch.empty_like(k), torch.empty_like(k), torch.empty_like(w), torch.empty_like(beta)
+
+
+def _u_setup(ctx, inputs, output):
+    k, v, w, beta, kernel, scale, chunk, lowp, rec = inputs
+    u, u32, h, lse, xinv = output
+    ctx.save_for_backward(k, w, beta, u, u32, h, lse, xinv)
+    ctx.cfg = (kernel, scale, chunk, lowp, rec)
+
+
+def _u_backward(ctx, du, *_unused):  # u32, h, lse, xinv are saved state, not differentiated
+    k, w, beta, u, u32, h, lse, xinv = ctx.saved_tensors
+    dk, dv, dw, dbeta = _u_bwd_op(du, k, w, beta, u, u32, h, lse, xinv, *ctx.cfg)
+    return dk, dv, dw, dbeta, None, None, None, None, None
+
+
+if _HAS_TRITON:
+    torch.library.register_autograd("deltaformer::u_fwd", _u_backward, setup_context=_u_setup)
+
+
+def deltaformer_u_triton(k, v, w, beta, kernel="softmax", scale=None, chunk=64, lowp=None, rec=None):
     """Stage 1 by the Triton kernels: u [B, H, T, D] in v's dtype, differentiable in k, v, w, beta.
 
-    chunk: rows per tile (power of two, 16..128). lowp: half-precision operands in the O(T^2) products
-    (default: when the inputs are bf16/fp16).
+    chunk: rows per tile (power of two, 16..128). lowp: half-precision operands in the non-recurrent
+    O(T^2) products of the backward (default: when the inputs are bf16/fp16). rec: precision of the
+    recurrence's inter-chunk products for half inputs, one of RECS (default DEFAULT_REC). Both are
+    benchmark knobs (bench/bench_attention.py --variants); fp32 inputs ignore them.
     """
-    if not _triton_available():
+    if not _HAS_TRITON:
         raise ValueError("deltaformer: backend='triton' needs the triton package; use backend='torch'")
     if kernel not in KERNELS:
         raise ValueError(f"deltaformer: kernel must be one of {KERNELS}, got {kernel!r}")
@@ -574,8 +703,9 @@ def deltaformer_u_triton(k, v, w, beta, kernel="softmax", scale=None, chunk=64, 
         raise ValueError(
             f"deltaformer (triton): k, v, w must share a dtype, got {k.dtype}, {v.dtype}, {w.dtype}"
         )
+    _triton_cfg(v, chunk, lowp, DEFAULT_REC if rec is None else rec)  # clear errors before any launch
     s = 1.0 / math.sqrt(k.shape[-1]) if scale is None else float(scale)
-    if k.is_cuda:  # launch on the inputs' device, whatever the current one is
-        with torch.cuda.device(k.device):
-            return _DeltaformerUTriton.apply(k, v, w, beta, kernel, s, chunk, lowp)
-    return _DeltaformerUTriton.apply(k, v, w, beta, kernel, s, chunk, lowp)
+    half = v.dtype != torch.float32
+    lowp = half if lowp is None else bool(lowp) and half
+    rec = (DEFAULT_REC if rec is None else rec) if half else "tf32"
+    return _u_fwd_op(k, v, w, beta, kernel, s, chunk, lowp, rec)[0]
