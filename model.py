@@ -553,6 +553,11 @@ class GPT(nn.Module):
         x = self.hidden_states(idx)
         if targets is None:  # inference: only the last position (nanoGPT convention)
             return self.lm_head(x[:, -1:]), None
+        return self.logits_and_loss(x, targets)
+
+    def logits_and_loss(self, x, targets):
+        """LM head and mean cross-entropy (-1 ignored) of final-normed features x [B, T, d]. A method of
+        its own so that a regional compile (bench_train.py --compile-scope blocks) can compile it too."""
         logits = self.lm_head(x)
         # (autocast runs cross_entropy in fp32)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)

@@ -5,10 +5,18 @@ of the DDL kernels.
     python bench/bench_train.py --kernels-only        # DDL kernel timings and bytes moved
     python bench/bench_train.py --models gpt2-small --variants additive,ddl-cc --out /tmp/b
     python bench/bench_train.py --merge /tmp/b/bench_train.json   # into bench/RESULTS.md (no GPU)
+    CUDA_VISIBLE_DEVICES=1 python bench/bench_train.py --models gpt2-small --variants additive --profile
+                                                      # + where one step's GPU time goes (torch.profiler)
+
+Variants: additive, ddl (d_v = 1), ddl-tc, ddl-cc (EC on), each with softmax attention, and additive /
+ddl-cc with Deltaformer; a "-bf16" suffix (ddl-bf16, ddl-tc-bf16, ddl-cc-bf16, ddl-cc-bf16+deltaformer)
+is the same model with the DDL state stored in bf16 (GPTConfig.ddl_state_dtype="bfloat16").
+The GPU is whichever CUDA_VISIBLE_DEVICES the caller gives (device 0 of the process).
 
 For each (model, variant): bf16 autocast, torch.compile, fused AdamW, seq 1024, the largest micro-batch of
 --batches that fits (OOM is caught and the next smaller one tried); tokens/s, step time (median of the
-timed steps), peak memory, MFU = tokens/s * (6 N + 12 L H Q T) / 989e12 (N: the variant's parameters,
+timed steps), compile time (the first step) apart from it, peak memory,
+MFU = tokens/s * (6 N + 12 L H Q T) / 989e12 (N: the variant's parameters,
 H heads of width Q), and ratios to additive + softmax of the same size (peak memory only where both ran
 at the same micro-batch; pass --batches 32 to force one).
 
@@ -34,13 +42,18 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H100/H200 dense bf16
+BF16 = dict(ddl_state_dtype="bfloat16")  # the "-bf16" rows: the DDL state stored in bf16
 VARIANTS = {
     "additive": dict(residual="additive"),
     "ddl": dict(residual="ddl"),
+    "ddl-bf16": dict(residual="ddl", **BF16),
     "ddl-tc": dict(residual="ddl-tc"),
+    "ddl-tc-bf16": dict(residual="ddl-tc", **BF16),
     "ddl-cc": dict(residual="ddl-cc"),
+    "ddl-cc-bf16": dict(residual="ddl-cc", **BF16),
     "additive+deltaformer": dict(residual="additive", attention="deltaformer"),
     "ddl-cc+deltaformer": dict(residual="ddl-cc", attention="deltaformer"),
+    "ddl-cc-bf16+deltaformer": dict(residual="ddl-cc", attention="deltaformer", **BF16),
 }
 
 
@@ -101,8 +114,11 @@ def measure(model, compiled, cfg, B, args, row):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device == "cuda")
     reset_peak()
     t0 = time.time()
-    train_steps(compiled, opt, B, args.seq, args.warmup, cfg.vocab_size, device)
-    row["compile_s"] = round(time.time() - t0, 1)  # compile + warm-up steps
+    train_steps(compiled, opt, B, args.seq, 1, cfg.vocab_size, device)
+    row["compile_s"] = round(time.time() - t0, 1)  # the first step: compile (forward and backward) + 1 step
+    t0 = time.time()
+    train_steps(compiled, opt, B, args.seq, max(args.warmup - 1, 0), cfg.vocab_size, device)
+    row["warmup_s"] = round(time.time() - t0, 1)
     times = train_steps(compiled, opt, B, args.seq, args.steps, cfg.vocab_size, device)
     step = statistics.median(times)
     tok_s = B * args.seq / step
@@ -113,7 +129,84 @@ def measure(model, compiled, cfg, B, args, row):
         peak_GB=peak_gb(),
         mfu=tok_s * issue_flops_per_token(model, args.seq) / PEAK_FLOPS,
         mfu_model_flops=tok_s * model.flops_per_token(args.seq) / PEAK_FLOPS,
+        step_ms_min=min(times) * 1e3,
+        step_ms_max=max(times) * 1e3,
     )
+    if args.profile:
+        profile_step(compiled, opt, B, cfg, args, row)
+
+
+def profile_step(compiled, opt, B, cfg, args, row):
+    """torch.profiler over --profile-steps training steps: the top GPU kernels by total time, and the
+    time by kind (matmul, attention, Triton kernels of Inductor, the DDL kernels, optimizer, other)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        train_steps(compiled, opt, B, args.seq, args.profile_steps, cfg.vocab_size, args.device)
+    events = prof.key_averages()
+
+    def gpu_us(e):  # the attribute was renamed (cuda -> device) across torch versions; CPU: a smoke test
+        names = ("self_device_time_total", "self_cuda_time_total") if args.device == "cuda" else ()
+        for name in names + ("self_cpu_time_total",):
+            if hasattr(e, name):
+                return getattr(e, name)
+        return 0.0
+
+    # On the GPU only the kernels themselves (device events): an aten op's self device time repeats the
+    # time of the kernels it launched, and Inductor's Triton kernels have no aten op above them.
+    from torch.autograd import DeviceType
+
+    device_events = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA]
+    kernels = [(e.key, gpu_us(e), e.count) for e in (device_events or events) if gpu_us(e) > 0]
+    total = sum(us for _, us, _ in kernels) or 1.0
+    kernels.sort(key=lambda r: -r[1])
+    kinds = {}
+    for name, us, _ in kernels:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us
+    n = args.profile_steps
+    lines = [
+        f"profile {row['model']} {row['variant']} micro-batch {B}: {n} step(s), kernels busy "
+        f"{total / 1e3 / n:.1f} ms/step (timed step {row['step_ms']:.1f} ms)"
+    ]
+    for kind, us in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {kind:40s} {us / 1e3 / n:8.2f} ms/step  {100 * us / total:5.1f}%")
+    lines.append(f"  top {args.profile_top} kernels (ms/step, share, calls/step, name):")
+    for name, us, count in kernels[: args.profile_top]:
+        lines.append(f"  {us / 1e3 / n:8.3f} {100 * us / total:5.1f}% {count // n:4d}  {name[:150]}")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    row["profile_kinds_ms"] = {k: round(us / 1e3 / args.profile_steps, 3) for k, us in kinds.items()}
+    row["profile_top"] = [
+        [name[:200], round(us / 1e3 / args.profile_steps, 3), count // args.profile_steps]
+        for name, us, count in kernels[: args.profile_top]
+    ]
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"profile_{row['model']}_{row['variant']}.txt"), "w") as f:
+            f.write(text + "\n")
+
+
+def kernel_kind(name):
+    """A coarse label for a GPU kernel's name (cuBLAS/CUTLASS GEMMs, flash attention, Triton, ...)."""
+    n = name.lower()
+    if "_update_" in n or "_cc_" in n or "_tc_" in n or "_ec_" in n:
+        return "DDL kernels"
+    if "deltaformer" in n or "_u_" in n:
+        return "Deltaformer kernels"
+    if "flash" in n or "fmha" in n or "attention" in n:
+        return "attention"
+    if "gemm" in n or "cutlass" in n or "sm90" in n or "nvjet" in n or "matmul" in n or "xmma" in n:
+        return "matmul"
+    if "adam" in n or "foreach" in n or "multi_tensor" in n:
+        return "optimizer / grad clip"
+    if n.startswith("triton_"):
+        return "inductor (fused elementwise/reductions)"
+    if "memcpy" in n or "memset" in n or "copy" in n or "fill" in n:
+        return "copies / fills"
+    if "elementwise" in n or "reduce" in n or "softmax" in n or "nll" in n:
+        return "eager aten kernels"
+    return "other"
 
 
 def worker(job, results):
@@ -137,9 +230,10 @@ def worker(job, results):
             compiled = model
             if args.compile and args.compile_scope == "model":
                 compiled = torch.compile(model, dynamic=False)
-            elif args.compile:  # regional: each Block (one compile serves all, they share code)
+            elif args.compile:  # regional: each Block (one compile serves all, they share code) + the loss
                 for block in model.blocks:
                     block.compile(dynamic=False)
+                model.logits_and_loss = torch.compile(GPT.logits_and_loss.__get__(model), dynamic=False)
             try:
                 measure(model, compiled, cfg, B, args, row)
                 break
@@ -154,6 +248,7 @@ def worker(job, results):
                 args.compile = 0
                 for block in model.blocks:
                     block._compiled_call_impl = None  # undo Module.compile
+                model.__dict__.pop("logits_and_loss", None)
                 try:
                     measure(model, model, cfg, B, args, row)
                     break
@@ -189,10 +284,16 @@ def run_table(args):
                 target=worker, args=(dict(name=v, size=m, overrides=VARIANTS[v], args=args), results)
             )
             p.start()
-            try:
-                row = results.get(timeout=min(left, args.job_timeout))
-            except queue.Empty:
-                row = dict(model=m, variant=v, error=f"no result within {min(left, args.job_timeout):.0f} s")
+            budget, t_job, row = min(left, args.job_timeout), time.time(), None
+            while row is None:
+                try:
+                    row = results.get(timeout=2)
+                except queue.Empty:
+                    if not p.is_alive():  # died without a row (crash, killed for memory, ...)
+                        error = f"worker exited with code {p.exitcode}, no result"
+                        row = dict(model=m, variant=v, error=error)
+                    elif time.time() - t_job > budget:
+                        row = dict(model=m, variant=v, error=f"no result within {budget:.0f} s (killed)")
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
@@ -220,19 +321,20 @@ def table(rows):
     where both ran at the same micro-batch)."""
     base = {r["model"]: r for r in rows if r["variant"] == "additive" and "tok_s" in r}
     lines = [
-        "| model | variant | micro-batch | tokens/s | ×additive | step ms | peak GB | ×additive | MFU |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| model | variant | micro-batch | tokens/s | ×additive | step ms | peak GB | ×additive | MFU "
+        "| compile s |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         if "tok_s" not in r:
-            lines.append(f"| {r['model']} | {r['variant']} | not measured: {r.get('error', '?')} ||||||")
+            lines.append(f"| {r['model']} | {r['variant']} | not measured: {r.get('error', '?')} |||||||")
             continue
         b = base.get(r["model"])
         ratio = f"{r['tok_s'] / b['tok_s']:.3f}" if b else "-"
         mem_ratio = f"{r['peak_GB'] / b['peak_GB']:.3f}" if b and b["batch"] == r["batch"] else "-"
         variant = r["variant"] + (" (eager: compile failed)" if "compile_error" in r else "")
         cells = [r["model"], variant, r["batch"], f"{r['tok_s']:,.0f}", ratio, f"{r['step_ms']:.1f}"]
-        cells += [f"{r['peak_GB']:.1f}", mem_ratio, f"{100 * r['mfu']:.1f}%"]
+        cells += [f"{r['peak_GB']:.1f}", mem_ratio, f"{100 * r['mfu']:.1f}%", r.get("compile_s", "-")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -497,6 +599,11 @@ def main():
     p.add_argument("--time-limit", type=float, default=540, help="seconds for the whole table")
     p.add_argument("--job-timeout", type=float, default=420, help="seconds for one (model, variant)")
     p.add_argument("--merge", nargs="+", default=None, help="bench_train.json files to merge into --results")
+    p.add_argument(
+        "--profile", action="store_true", help="after timing each row, profile --profile-steps steps"
+    )
+    p.add_argument("--profile-steps", type=int, default=1)
+    p.add_argument("--profile-top", type=int, default=30, help="kernels listed by the profile")
     p.add_argument("--kernels", action="store_true", help="also run the DDL kernel micro-benchmarks first")
     p.add_argument("--kernels-only", action="store_true")
     p.add_argument(
