@@ -82,7 +82,17 @@ def run_stage(args, stage):
         else [",".join(map(str, range(args.nproc)))]
     )
     pending, running, failed = list(args.variants), {}, []
+    start = time.time()
     while pending or running:
+        if args.time_limit and time.time() - start > args.time_limit:  # stop cleanly, the GPUs freed
+            for proc, log, variant, _ in running:
+                proc.terminate()  # torchrun passes SIGTERM on to its workers
+                proc.wait()
+                log.close()
+                failed.append(variant)
+                print(f"[{stage}] {variant}: stopped at the --time-limit ({args.time_limit:g} s)", flush=True)
+            failed += pending
+            break
         free = [g for g in gpus if g not in running.values()]
         while pending and free:
             variant, gpu = pending.pop(0), free.pop(0)
@@ -230,6 +240,7 @@ def main():
     p.add_argument("--grad-accum", type=int, default=8, help="GLOBAL micro-steps per iteration")
     p.add_argument("--config", default="configs/gpt2_small.py")
     p.add_argument("--extra", default="", help="more train.py overrides, space-separated")
+    p.add_argument("--time-limit", type=float, default=0, help="seconds for this stage; 0 = none")
     p.add_argument("--work", default="out-bench-ddp")
     p.add_argument("--out", default=os.environ.get("OUT", ""))
     args = p.parse_args()
