@@ -432,11 +432,87 @@ def bench_kernels(args):
     ms = do_bench(lambda: bufs[1].copy_(bufs[0]), return_mode="median")
     report("copy 1 GiB (read + write)", ms, 2 * 2**30)
     bufs.clear()
+    if args.kernel_sweeps:
+        bench_kernel_sweeps(args, do_bench, report)
     for dtype in (torch.float32,) if args.kernels_quick else (torch.float32, torch.bfloat16):
         bench_kernels_dtype(args, dtype, do_bench, report)
         torch.cuda.empty_cache()
     bench_kernels_dv1(args, do_bench, report)
     return out
+
+
+def bench_kernel_sweeps(args, do_bench, report):
+    """Launch choices of the update kernels, bf16 and fp32 state, N tokens, d 768, forward + backward
+    (autograd.grad: no accumulation into .grad). Each line names the _CFG entry it sets; the shipped
+    one is marked. Bytes: the minimal passes (update: 5 S + 3 V; fused CC: 5 S + 5 V; S a state pass)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        for dv in (4, 1):
+            sweep_update(args, do_bench, report, dtype, dv)
+            torch.cuda.empty_cache()
+
+
+def sweep_update(args, do_bench, report, dtype, dv):
+    from kernels import ddl
+
+    N, d = args.kernel_tokens, 768
+    shipped = {key: dict(val) for key, val in ddl._CFG.items()}
+    es = torch.finfo(dtype).bits // 8
+    tag = f"{str(dtype).replace('torch.', '')}, N={N}"
+    x = torch.randn(N // 1024, 1024, d, dv, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(N // 1024, 1024, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(N // 1024, 1024, dv, device="cuda", requires_grad=True)  # fp32, as in the model
+    beta = torch.rand(N // 1024, 1024, device="cuda", requires_grad=True)
+    w = torch.randn(d, dv, device="cuda", requires_grad=True)
+    gx, gh = torch.randn_like(x), torch.randn_like(k)
+    S, V = N * d * dv * es, N * d * es
+
+    def timed(name, fn, nbytes):
+        try:
+            fn()
+            report(f"{name} [{tag}]", do_bench(fn, return_mode="median"), nbytes)
+        except Exception as e:
+            print(f"{name} [{tag}] FAILED: {type(e).__name__}: {e}"[:300], flush=True)
+
+    def upd(update=ddl.ddl_update):
+        return torch.autograd.grad(update(x, k, v, beta, backend="triton"), (x, k, v, beta), gx)
+
+    def fused():
+        out = ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton")
+        return torch.autograd.grad(out, (x, k, v, beta, w), (gx, gh))
+
+    if dv == 1:
+        ref_c = torch.compile(ddl.ddl_update_ref)
+        timed(
+            "d_v=1 update f+b torch.compile(ref)",
+            lambda: torch.autograd.grad(ref_c(x, k, v, beta), (x, k, v, beta), gx),
+            5 * S + 3 * V,
+        )
+        row_cfgs = [dict(ROWS=0, num_warps=4)]
+        row_cfgs += [
+            dict(ROWS=r, num_warps=nw) for r, nw in ((1, 4), (2, 4), (4, 4), (4, 8), (8, 8), (16, 8))
+        ]
+        for cfg in row_cfgs:
+            ddl._CFG["update_row"] = cfg
+            mark = " (shipped)" if cfg == shipped["update_row"] else ""
+            timed(f"d_v=1 update f+b update_row={cfg}{mark}", upd, 5 * S + 3 * V)
+        ddl._CFG.update(shipped)
+        return
+    bwd_cfgs = [
+        dict(TOKENS=32, LOOP=0, num_warps=4),
+        dict(TOKENS=8, LOOP=0, num_warps=4),
+        dict(TOKENS=4, LOOP=1, num_warps=4),
+        dict(TOKENS=8, LOOP=1, num_warps=4),
+        dict(TOKENS=8, LOOP=1, num_warps=8),
+        dict(TOKENS=16, LOOP=1, num_warps=8),
+        dict(TOKENS=16, LOOP=2, num_warps=4),
+        dict(TOKENS=32, LOOP=2, num_warps=4),
+    ]
+    for cfg in bwd_cfgs:
+        ddl._CFG["update_bwd"] = cfg
+        mark = " (shipped)" if cfg == shipped["update_bwd"] else ""
+        timed(f"update f+b update_bwd={cfg}{mark}", upd, 5 * S + 3 * V)
+        timed(f"update+cc f+b update_bwd={cfg}{mark}", fused, 5 * S + 5 * V)
+    ddl._CFG.update(shipped)
 
 
 def bench_kernels_dv1(args, do_bench, report):
@@ -610,6 +686,11 @@ def main():
         "--kernels-quick", action="store_true", help="kernel timings: Triton, fp32 only, no sweeps"
     )
     p.add_argument("--kernel-tokens", type=int, default=32768)
+    p.add_argument(
+        "--kernel-sweeps",
+        action="store_true",
+        help="with --kernels-quick: the update kernels' launch choices",
+    )
     p.add_argument(
         "--device", default="cuda", help="cpu: a smoke test of this script (tiny --model-overrides)"
     )

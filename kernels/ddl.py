@@ -180,7 +180,8 @@ except ImportError:  # pragma: no cover - triton is a requirement on Linux
 # by `python bench/bench_train.py --kernels`; tests shrink TOKENS to exercise partial sums and tails.
 _CFG = {
     "update_fwd": dict(TOKENS=1, num_warps=4),
-    "update_bwd": dict(TOKENS=32, num_warps=4),
+    "update_bwd": dict(TOKENS=32, LOOP=0, num_warps=4),  # LOOP: see _update_bwd_kernel
+    "update_row": dict(ROWS=4, num_warps=4),  # d_v = 1 without a fused read-out; ROWS=0: the general kernel
     "chan_fwd": dict(TOKENS=4, BLOCK_D=256, num_warps=4),
     "chan_bwd": dict(TOKENS=64, BLOCK_D=256, num_warps=4),
 }
@@ -236,14 +237,58 @@ if triton is not None:
                 tl.store(H + n * D + offs_d, h.to(H.dtype.element_ty), mask=md & okd)
 
     @triton.jit
-    def _update_bwd_kernel(
-        X, Kd, V, BETA, W, G, DH, DX, DK, DVo, DBETA, DWP, N, D, eps, TOKENS,
-        DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-        ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
+    def _update_bwd_token(
+        n, X, Kd, V, BETA, w, G, DH, DX, DK, DVo, DBETA, N, D, eps, offs_d, offs_v, md, mv, off2,
+        DV: tl.constexpr, ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
     ):  # fmt: skip
+        # One token of the backward; returns its contribution dh xn^T to the CC weight gradient.
         # x' = x + b khat r^T, r = v - x^T khat.  With G = dL/dx' (+ dh w^T from the fused read-out):
         # dx = G - b khat (khat^T G);  dv = b G^T khat;  dbeta = r . (G^T khat);
         # dkhat = b (G r - x G^T khat);  dk = (dkhat - khat (khat . dkhat)) / sqrt(|k|^2 + eps^2).
+        ok = n < N
+        okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+        m2 = (md & okd)[:, None] & mv[None, :]
+        k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
+        rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
+        kh = k * rs
+        x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+        v = tl.load(V + n * DV + offs_v, mask=mv & (offs_v * 0 + n < N), other=0.0).to(CT)
+        b = tl.load(BETA + n, mask=ok, other=0.0).to(CT)
+        g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+        if ERASE:
+            r = v - tl.sum(kh[:, None] * x, axis=0)
+        else:
+            r = v
+        dw = w * 0.0
+        if COMPRESS:
+            dh = tl.load(DH + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
+            xn = (x + b * kh[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)
+            dw = dh[:, None] * xn
+            g = g + dh[:, None] * w
+        gk = tl.sum(kh[:, None] * g, axis=0)  # khat^T G  [d_v]
+        gr = tl.sum(g * r[None, :], axis=1)  # G r  [d]
+        if ERASE:
+            dx = g - b * kh[:, None] * gk[None, :]
+            dkh = b * (gr - tl.sum(x * gk[None, :], axis=1))
+        else:
+            dx = g
+            dkh = b * gr
+        dk = rs * (dkh - kh * tl.sum(kh * dkh, axis=0))
+        tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
+        tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md & okd)
+        tl.store(DVo + n * DV + offs_v, (b * gk).to(DVo.dtype.element_ty), mask=mv & (offs_v * 0 + n < N))
+        tl.store(DBETA + n, tl.sum(gk * r, axis=0).to(DBETA.dtype.element_ty), mask=ok)
+        return dw
+
+    @triton.jit
+    def _update_bwd_kernel(
+        X, Kd, V, BETA, W, G, DH, DX, DK, DVo, DBETA, DWP, N, D, eps,
+        TOKENS: tl.constexpr, LOOP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_V: tl.constexpr, ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
+    ):  # fmt: skip
+        # TOKENS tokens per program (the CC weight gradient is summed over them in registers). LOOP picks
+        # how the loop over them is emitted: 0 a plain loop (one token's loads in flight at a time),
+        # 1 unrolled (every token's loads independent, more registers), 2 software-pipelined (num_stages 2).
         pid = tl.program_id(0).to(tl.int64)
         offs_d = tl.arange(0, BLOCK_D)
         offs_v = tl.arange(0, BLOCK_V)
@@ -252,43 +297,86 @@ if triton is not None:
         off2 = offs_d[:, None] * DV + offs_v[None, :]
         if COMPRESS:
             w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
-            dw = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
-        for tt in range(TOKENS):
-            n = pid * TOKENS + tt
-            ok = n < N
-            okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
-            m2 = (md & okd)[:, None] & mv[None, :]
-            k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
-            rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
-            kh = k * rs
-            x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-            v = tl.load(V + n * DV + offs_v, mask=mv & (offs_v * 0 + n < N), other=0.0).to(CT)
-            b = tl.load(BETA + n, mask=ok, other=0.0).to(CT)
-            g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-            if ERASE:
-                r = v - tl.sum(kh[:, None] * x, axis=0)
-            else:
-                r = v
-            if COMPRESS:
-                dh = tl.load(DH + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
-                xn = (x + b * kh[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)
-                dw += dh[:, None] * xn
-                g = g + dh[:, None] * w
-            gk = tl.sum(kh[:, None] * g, axis=0)  # khat^T G  [d_v]
-            gr = tl.sum(g * r[None, :], axis=1)  # G r  [d]
-            if ERASE:
-                dx = g - b * kh[:, None] * gk[None, :]
-                dkh = b * (gr - tl.sum(x * gk[None, :], axis=1))
-            else:
-                dx = g
-                dkh = b * gr
-            dk = rs * (dkh - kh * tl.sum(kh * dkh, axis=0))
-            tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
-            tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md & okd)
-            tl.store(DVo + n * DV + offs_v, (b * gk).to(DVo.dtype.element_ty), mask=mv & (offs_v * 0 + n < N))
-            tl.store(DBETA + n, tl.sum(gk * r, axis=0).to(DBETA.dtype.element_ty), mask=ok)
+        else:
+            w = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
+        dw = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
+        if LOOP == 1:
+            for tt in tl.static_range(TOKENS):
+                dw += _update_bwd_token(
+                    pid * TOKENS + tt, X, Kd, V, BETA, w, G, DH, DX, DK, DVo, DBETA, N, D, eps,
+                    offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, CT,
+                )  # fmt: skip
+        elif LOOP == 2:
+            for tt in tl.range(0, TOKENS, num_stages=2):
+                dw += _update_bwd_token(
+                    pid * TOKENS + tt, X, Kd, V, BETA, w, G, DH, DX, DK, DVo, DBETA, N, D, eps,
+                    offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, CT,
+                )  # fmt: skip
+        else:
+            for tt in range(TOKENS):
+                dw += _update_bwd_token(
+                    pid * TOKENS + tt, X, Kd, V, BETA, w, G, DH, DX, DK, DVo, DBETA, N, D, eps,
+                    offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, CT,
+                )  # fmt: skip
         if COMPRESS:
             tl.store(DWP + pid * D * DV + off2, dw, mask=md[:, None] & mv[None, :])
+
+    @triton.jit
+    def _update_row_fwd_kernel(
+        X, Kd, V, BETA, XOUT, N, D, eps,
+        ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
+    ):  # fmt: skip
+        # d_v = 1: the state is a d-vector per token, so a program takes ROWS tokens as a [ROWS, d] tile
+        # (like a layer norm) instead of one [d, 1] tile per token.
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK_D)
+        mr = rows < N
+        m2 = mr[:, None] & (cols < D)[None, :]
+        off = rows[:, None] * D + cols[None, :]
+        k = tl.load(Kd + off, mask=m2, other=0.0).to(CT)
+        rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + eps * eps)
+        kh = k * rs[:, None]
+        x = tl.load(X + off, mask=m2, other=0.0).to(CT)
+        v = tl.load(V + rows, mask=mr, other=0.0).to(CT)
+        b = tl.load(BETA + rows, mask=mr, other=0.0).to(CT)
+        if ERASE:
+            r = v - tl.sum(kh * x, axis=1)
+        else:
+            r = v
+        tl.store(XOUT + off, (x + (b * r)[:, None] * kh).to(XOUT.dtype.element_ty), mask=m2)
+
+    @triton.jit
+    def _update_row_bwd_kernel(
+        X, Kd, V, BETA, G, DX, DK, DVo, DBETA, N, D, eps,
+        ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
+    ):  # fmt: skip
+        # _update_bwd_token with d_v = 1 (r, gk scalars per token), ROWS tokens per program.
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK_D)
+        mr = rows < N
+        m2 = mr[:, None] & (cols < D)[None, :]
+        off = rows[:, None] * D + cols[None, :]
+        k = tl.load(Kd + off, mask=m2, other=0.0).to(CT)
+        rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + eps * eps)
+        kh = k * rs[:, None]
+        x = tl.load(X + off, mask=m2, other=0.0).to(CT)
+        v = tl.load(V + rows, mask=mr, other=0.0).to(CT)
+        b = tl.load(BETA + rows, mask=mr, other=0.0).to(CT)
+        g = tl.load(G + off, mask=m2, other=0.0).to(CT)
+        gk = tl.sum(kh * g, axis=1)
+        if ERASE:
+            r = v - tl.sum(kh * x, axis=1)
+            dx = g - (b * gk)[:, None] * kh
+            dkh = b[:, None] * (g * r[:, None] - x * gk[:, None])
+        else:
+            r = v
+            dx = g
+            dkh = (b * r)[:, None] * g
+        dk = rs[:, None] * (dkh - kh * tl.sum(kh * dkh, axis=1)[:, None])
+        tl.store(DX + off, dx.to(DX.dtype.element_ty), mask=m2)
+        tl.store(DK + off, dk.to(DK.dtype.element_ty), mask=m2)
+        tl.store(DVo + rows, (b * gk).to(DVo.dtype.element_ty), mask=mr)
+        tl.store(DBETA + rows, (gk * r).to(DBETA.dtype.element_ty), mask=mr)
 
     @triton.jit
     def _cc_fwd_kernel(
@@ -603,6 +691,14 @@ def _pow2(n):
     return triton.next_power_of_2(max(int(n), 1))
 
 
+def _use_rows(DV, weight):
+    """d_v = 1 and no fused read-out: the [tokens, d] row kernels (unless _CFG turns them off)."""
+    rows = _CFG["update_row"]["ROWS"]
+    if rows and rows != _pow2(rows):
+        raise ValueError(f"_CFG['update_row']['ROWS'] must be 0 or a power of two, got {rows}")
+    return DV == 1 and weight is None and rows > 0
+
+
 def _chan_grid(N, D, cfg):
     return (triton.cdiv(N, cfg["TOKENS"]), triton.cdiv(D, cfg["BLOCK_D"]))
 
@@ -615,6 +711,13 @@ def _update_op(
     N, D, DV = x.shape
     x_new = _new((N, D, DV), x)
     h = _new((N, D) if weight is not None else (0,), x)
+    if _use_rows(DV, weight):
+        cfg = _CFG["update_row"]
+        _update_row_fwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
+            x, k, v, beta, x_new, N, D, eps, ROWS=cfg["ROWS"], BLOCK_D=_pow2(D), ERASE=erase,
+            CT=_ct(x, k, v, beta), num_warps=cfg["num_warps"],
+        )  # fmt: skip
+        return x_new, h
     cfg = _CFG["update_fwd"]
     grid = (triton.cdiv(N, cfg["TOKENS"]),)
     _update_fwd_kernel[grid](
@@ -639,6 +742,13 @@ def _update_bwd_op(
     cfg = _CFG["update_bwd"]
     nprog = triton.cdiv(N, cfg["TOKENS"])
     dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
+    if _use_rows(DV, weight):
+        rcfg = _CFG["update_row"]
+        _update_row_bwd_kernel[(triton.cdiv(N, rcfg["ROWS"]),)](
+            x, k, v, beta, g, dx, dk, dv, dbeta, N, D, eps, ROWS=rcfg["ROWS"], BLOCK_D=_pow2(D),
+            ERASE=erase, CT=_ct(x, k, v, beta, g), num_warps=rcfg["num_warps"],
+        )  # fmt: skip
+        return dx, dk, dv, dbeta, x.new_empty(0)
     compress = weight is not None
     dwp = _new(
         (nprog, D, DV) if compress else (0,),
@@ -647,8 +757,8 @@ def _update_bwd_op(
     )
     _update_bwd_kernel[(nprog,)](
         x, k, v, beta, weight if compress else x, g, dh if compress else g, dx, dk, dv, dbeta, dwp,
-        N, D, eps, cfg["TOKENS"], DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), ERASE=erase, COMPRESS=compress,
-        CT=_ct(x, k, v, beta, g), num_warps=cfg["num_warps"],
+        N, D, eps, TOKENS=cfg["TOKENS"], LOOP=cfg.get("LOOP", 0), DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV),
+        ERASE=erase, COMPRESS=compress, CT=_ct(x, k, v, beta, g), num_warps=cfg["num_warps"],
     )  # fmt: skip
     dw = dwp.sum(0).to(weight.dtype) if compress else x.new_empty(0)
     return dx, dk, dv, dbeta, dw

@@ -276,6 +276,32 @@ def test_triton_update_default_launch_shapes(dv, monkeypatch):
     compare(lambda *a: ddl_update(*a, backend="triton"), ddl_update_ref, (x, k, v, beta))
 
 
+@pytest.mark.parametrize("loop", [0, 1, 2])
+@pytest.mark.parametrize("fused", [False, True])
+def test_triton_update_backward_loop_kinds(triton_small, monkeypatch, loop, fused):
+    """Each way of emitting the backward's loop over a program's tokens (plain, unrolled, pipelined)."""
+    monkeypatch.setitem(ddl._CFG, "update_bwd", dict(TOKENS=3, LOOP=loop, num_warps=4))
+    x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=3))
+    if fused:
+        w = torch.randn(20, 3, dtype=F64, requires_grad=True)
+        fn = lambda *a: ddl.ddl_update_compress_cc(*a, backend="triton")  # noqa: E731
+        compare(fn, ddl.ddl_update_compress_cc_ref, (x, k, v, beta, w))
+    else:
+        compare(lambda *a: ddl_update(*a, backend="triton"), ddl_update_ref, (x, k, v, beta))
+
+
+@pytest.mark.parametrize("rows", [0, 4, 16])  # 0: the general [d, d_v] kernel; 16 > the 10 tokens
+@pytest.mark.parametrize("erase", [True, False])
+def test_triton_update_dv1_row_kernels(triton_small, monkeypatch, rows, erase):
+    monkeypatch.setitem(ddl._CFG, "update_row", dict(ROWS=rows, num_warps=4))
+    x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=1))
+    compare(
+        lambda *a: ddl_update(*a, eps=1e-3, erase=erase, backend="triton"),
+        lambda *a: ddl_update_ref(*a, eps=1e-3, erase=erase),
+        (x, k, v, beta),
+    )
+
+
 @pytest.mark.parametrize("dv", [1, 4])
 @pytest.mark.parametrize("erase", [True, False])
 def test_triton_update_compress_cc_matches_reference(triton_small, dv, erase):
@@ -399,7 +425,19 @@ def test_gpu_update_compress_tc_realistic(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dv", [1, 4])
-def test_gpu_update_realistic(dtype, fused, dv):
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {},  # the shipped launch shapes
+        {"update_bwd": dict(TOKENS=8, LOOP=1, num_warps=4), "update_row": dict(ROWS=0, num_warps=4)},
+        {"update_bwd": dict(TOKENS=32, LOOP=2, num_warps=8), "update_row": dict(ROWS=8, num_warps=8)},
+    ],
+    ids=["shipped", "unrolled-general", "pipelined-rows8"],
+)
+def test_gpu_update_realistic(dtype, fused, dv, cfg, monkeypatch):
+    for key, val in cfg.items():
+        monkeypatch.setitem(ddl._CFG, key, val)
+    monkeypatch.setattr(ddl, "_POISON", True)
     dev = "cuda"
     B, T, d = 8, 1024, 768
     x = torch.randn(B, T, d, dv, device=dev, dtype=dtype, requires_grad=True)
