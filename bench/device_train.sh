@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# DDL throughput, one GPU (the caller picks it: CUDA_VISIBLE_DEVICES=0 bash bench/device_train.sh), ~380 s.
+#   1. GPU tests of the DDL kernels (tests/test_ddl.py -m gpu) and the model on the Triton kernels
+#   2. kernel micro-benchmarks: the update kernels' launch choices (backward loop kind, tokens per
+#      program, d_v=1 row kernels), bf16 and fp32 state, against the copy bandwidth
+#   3. gpt2-small additive+softmax and ddl-cc with the bf16 state: one training step each profiled
+#      (GPU time by kind, top kernels) after the timed steps (tokens/s, step ms, peak GB, MFU)
+# Results under $OUT (3 files): device_train.log (everything), bench_kernels.json, bench_train.json.
+# Every stage has its own timeout, so a hang in one still leaves the others' results.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-/tmp/device_train_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+LOG=$OUT/device_train.log
+WORK=$(mktemp -d)
+T0=$(date +%s)
+stage() { echo "=== [$(($(date +%s) - T0)) s] $*" | tee -a "$LOG"; }
+
+stage "GPU: ${CUDA_VISIBLE_DEVICES:-all visible}; $(nvidia-smi --query-gpu=name,memory.used --format=csv,noheader | head -1)"
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$LOG"
+
+stage "1. GPU tests (timeout 90 s)"
+timeout -k 5 90 $PY -m pytest -q -x -p no:cacheprovider -m gpu tests/test_ddl.py 2>&1 | tail -n 25 | tee -a "$LOG"
+timeout -k 5 40 $PY -m pytest -q -p no:cacheprovider tests/test_model.py -k triton_backend 2>&1 | tail -n 5 |
+    tee -a "$LOG"
+
+stage "2. kernel micro-benchmarks (timeout 90 s)"
+timeout -k 5 90 $PY bench/bench_train.py --kernels-only --kernel-sweeps --out "$WORK" 2>&1 | tee -a "$LOG"
+
+stage "3. gpt2-small additive vs ddl-cc-bf16, whole-model compile, profiled (timeout $((390 - $(date +%s) + T0)) s)"
+LEFT=$((385 - $(date +%s) + T0))
+timeout -k 5 $LEFT $PY bench/bench_train.py --models gpt2-small --variants additive,ddl-cc-bf16 \
+    --batches 64,32 --warmup 2 --steps 8 --profile --profile-top 25 --time-limit $((LEFT - 10)) \
+    --job-timeout 190 --out "$WORK" 2>&1 | grep -v "^USDT\|SyncActivityProfilerHandler" | tee -a "$LOG"
+
+for f in bench_kernels.json bench_train.json; do
+    [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/$f"
+done
+stage "done"
