@@ -1,7 +1,7 @@
 """Deltaformer attention speed on one GPU: causal SDPA vs FLA 0.6.0's Deltaformer vs ours (Triton).
 
     python bench/bench_attention.py                 # the five shapes of issue 5, bf16
-    python bench/bench_attention.py --variants      # also our kernel's variants (chunk, operand precision)
+    python bench/bench_attention.py --variants      # also our kernel's variants (VARIANTS below)
 
 Times are medians of triton.testing.do_bench (CUDA events) in ms. "fwd" is the forward alone, "f+b" the
 forward plus the backward of all inputs. FLA's Deltaformer (when `fla` imports) is its u-stage
@@ -24,6 +24,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+import kernels.deltaformer as df  # noqa: E402
 from kernels.deltaformer import deltaformer_u_triton  # noqa: E402
 
 SHAPES = [(8, 12, 1024, 64), (8, 6, 1024, 128), (4, 12, 2048, 64), (2, 12, 4096, 64), (8, 16, 1024, 64)]
@@ -68,16 +69,55 @@ def sdpa(q, k, v, w, beta):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def ours(kernel, chunk=64, lowp=None):
+def ours(kernel, **opts):
     def fn(q, k, v, w, beta):
-        u = deltaformer_u_triton(k, v, w, beta, kernel=kernel, chunk=chunk, lowp=lowp)
+        u = deltaformer_u_triton(k, v, w, beta, kernel=kernel, **opts)
         return F.scaled_dot_product_attention(q, k, u, is_causal=True)
 
     return fn
 
 
-def ours_u_only(kernel, chunk=64, lowp=None):
-    return lambda q, k, v, w, beta: deltaformer_u_triton(k, v, w, beta, kernel=kernel, chunk=chunk, lowp=lowp)
+def ours_u_only(kernel, **opts):
+    return lambda q, k, v, w, beta: deltaformer_u_triton(k, v, w, beta, kernel=kernel, **opts)
+
+
+# Our kernel's variants, each against the default in the same run: (name, keyword arguments of
+# deltaformer_u_triton, kernels.deltaformer.TUNING switches). Default: chunk 64, rec "split" (bf16 hi/lo
+# recurrence products), atomic polling, num_warps 4 (D 64).
+VARIANTS = [
+    ("default", {}, {}),
+    ("rec=lowp", {"rec": "lowp"}, {}),  # bf16 recurrence operands: the V3 speed, the V3 bf16 defect
+    ("rec=tf32", {"rec": "tf32"}, {}),
+    ("C32", {"chunk": 32}, {}),
+    ("poll=ld", {}, {"poll": 1}),  # acquire loads instead of atomic RMWs while waiting
+    ("warps=8", {}, {"num_warps": 8}),
+    ("stages=2", {}, {"num_stages": 2}),
+]
+
+
+def time_variants(inputs, kernel, res):
+    """Times of every variant (u-stage alone and with SDPA), and its u against the default's u."""
+    q, k, v, w, beta = inputs
+    with torch.no_grad():
+        u_default = deltaformer_u_triton(k, v, w, beta, kernel=kernel).float()
+    for name, opts, tuning in VARIANTS:
+        saved = dict(df.TUNING)
+        df.TUNING.update(tuning)
+        tag = f"{kernel} {name}"
+        try:
+            with torch.no_grad():
+                u = deltaformer_u_triton(k, v, w, beta, kernel=kernel, **opts).float()
+            res[f"{tag} u-diff"] = ((u - u_default).norm() / u_default.norm()).item()
+            for mode in ("fwd", "f+b"):
+                res[f"{tag} u-only {mode}"] = time_fn(ours_u_only(kernel, **opts), inputs, mode == "f+b")
+                res[f"{tag} {mode}"] = time_fn(ours(kernel, **opts), inputs, mode == "f+b")
+        except Exception as e:  # noqa: BLE001  (a variant that does not compile must not end the run)
+            print(f"variant {tag} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        finally:
+            df.TUNING.clear()
+            df.TUNING.update(saved)
+        mine = [(key[len(tag) + 1 :], val) for key, val in res.items() if key.startswith(tag + " ")]
+        print(f"  {tag}: " + ", ".join(f"{key} {val:.3g}" for key, val in mine), flush=True)
 
 
 def fla_fn():
@@ -96,10 +136,18 @@ def fla_fn():
     return fn
 
 
+def write_json(path, results):
+    if path:
+        with open(path + ".tmp", "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", action="store_true", help="also time chunk / operand-precision variants")
     ap.add_argument("--variant-shapes", default="0,3", help="indices into SHAPES for --variants")
+    ap.add_argument("--variant-kernels", default="softmax", help="kernels for --variants, comma-separated")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernel-by-kernel times of one configuration")
     ap.add_argument("--json", default="", help="write all numbers to this file")
@@ -123,14 +171,7 @@ def main():
                 continue
             for mode in ("fwd", "f+b"):
                 res[f"{name} {mode}"] = time_fn(fn, inputs, backward=mode == "f+b")
-        if args.variants and (B, H, T, D) in variant_shapes:
-            for chunk, lowp in ((32, True), (64, True), (64, False)):
-                tag = f"softmax C{chunk} {'lowp' if lowp else 'tf32'}"
-                for mode in ("fwd", "f+b"):
-                    res[f"{tag} {mode}"] = time_fn(ours("softmax", chunk, lowp), inputs, mode == "f+b")
-                    res[f"{tag} u-only {mode}"] = time_fn(
-                        ours_u_only("softmax", chunk, lowp), inputs, mode == "f+b"
-                    )
+        print(f"{B},{H},{T},{D}: " + ", ".join(f"{k} {v:.3f}" for k, v in res.items()), flush=True)
         bh = B * H
         flop_fwd, flop_fb = 4 * T * T * D * bh, 12 * T * T * D * bh
         n = bh * T * D
@@ -141,7 +182,7 @@ def main():
         res.update({"floor fwd": floor_fwd, "floor f+b": floor_fb})
         results["shapes"][f"{B},{H},{T},{D}"] = res
         rows.append(((B, H, T, D), res))
-        print(f"{B},{H},{T},{D}: " + ", ".join(f"{k} {v:.3f}" for k, v in res.items()), flush=True)
+        write_json(args.json, results)  # after every shape: a run cut short keeps what it measured
 
     if args.profile:  # where the time of one softmax forward+backward goes, kernel by kernel
         from torch.profiler import ProfilerActivity, profile
@@ -157,12 +198,9 @@ def main():
                 fn(*inputs).backward(grad_out)
             torch.cuda.synchronize()
         print(f"profile of 10 x softmax f+b at {SHAPES[0]}:")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
 
-    if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(results, f, indent=1)
-        os.replace(args.json + ".tmp", args.json)
+    write_json(args.json, results)
 
     print("\nmedians in ms, bf16; ours/SDPA = time ratio; FLA/ours = speed-up over FLA 0.6.0")
     cols = [
@@ -192,6 +230,17 @@ def main():
         cells = [f"{x:.3f}" for x in vals] + [f"{x:.2f}x" for x in ratios]
         cells += [f"{r['floor fwd']:.3f}", f"{r['floor f+b']:.3f}"]
         print(f"| {','.join(map(str, shape))} | " + " | ".join(cells) + " |")
+
+    # last, so that a run cut short still has the main table and the profile
+    for B, H, T, D in SHAPES if args.variants else []:
+        if (B, H, T, D) not in variant_shapes:
+            continue
+        torch.manual_seed(0)
+        inputs = make(B, H, T, D)
+        print(f"{B},{H},{T},{D} variants (ms; u-diff = |u - u_default| / |u_default|):", flush=True)
+        for kernel in args.variant_kernels.split(","):
+            time_variants(inputs, kernel, results["shapes"][f"{B},{H},{T},{D}"])
+        write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -222,12 +222,24 @@ if _HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _wait_progress(ptr, target, SPIN_LIMIT: tl.constexpr):
+    def _read_progress(ptr, POLL: tl.constexpr):
+        """*ptr with acquire semantics. POLL 0: an atomic read-modify-write (add 0), portable, also in the
+        interpreter; POLL 1: a plain acquire load (PTX ld.acquire.gpu), which does not queue behind the
+        other waiters' atomics on the same counter (a speed candidate, NVIDIA only)."""
+        if POLL == 0:
+            return tl.atomic_add(ptr, 0, sem="acquire")
+        else:
+            return tl.inline_asm_elementwise(
+                "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
+            )
+
+    @triton.jit
+    def _wait_progress(ptr, target, SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr):
         """Spin until *ptr >= target (acquire); returns the last value seen (< target after SPIN_LIMIT)."""
-        seen = tl.atomic_add(ptr, 0, sem="acquire")
+        seen = _read_progress(ptr, POLL)
         tries = seen * 0
         while (seen < target) & (tries < SPIN_LIMIT):
-            seen = tl.atomic_add(ptr, 0, sem="acquire")
+            seen = _read_progress(ptr, POLL)
             tries += 1
         return seen
 
@@ -367,7 +379,7 @@ if _HAS_TRITON:
         W, K, V, Beta, U, U32, Hs, LSE, Xinv, Prog, Ticket, scale, T, NC, BH,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
         REC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr, STORE32: tl.constexpr,
-        SPIN_LIMIT: tl.constexpr,
+        SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr,
     ):  # fmt: skip
         ticket = tl.atomic_add(Ticket, 1)
         c = ticket // BH
@@ -387,7 +399,7 @@ if _HAS_TRITON:
         done = ticket * 0  # earlier chunks consumed
         ok = done + 1
         while done < c:
-            seen = _wait_progress(Prog + bh, done + 1, SPIN_LIMIT)
+            seen = _wait_progress(Prog + bh, done + 1, SPIN_LIMIT, POLL)
             ok = ok & (seen > done).to(tl.int32)
             ready = tl.where(seen > done, tl.minimum(seen, c), c)
             for cp in range(done, ready):
@@ -423,6 +435,7 @@ if _HAS_TRITON:
         W, K, DU, Beta, Hs, LSE, Xinv, GB, DV, DBeta, RT, Prog, Ticket, scale, T, NC, BH,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
         REC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+        POLL: tl.constexpr,
     ):  # fmt: skip
         ticket = tl.atomic_add(Ticket, 1)
         c = NC - 1 - ticket // BH  # last chunk first
@@ -438,7 +451,7 @@ if _HAS_TRITON:
         done = ticket * 0  # later chunks consumed, counted from the end
         ok = done + 1
         while done < NC - 1 - c:
-            seen = _wait_progress(Prog + bh, done + 1, SPIN_LIMIT)
+            seen = _wait_progress(Prog + bh, done + 1, SPIN_LIMIT, POLL)
             ok = ok & (seen > done).to(tl.int32)
             ready = tl.where(seen > done, tl.minimum(seen, NC - 1 - c), NC - 1 - c)
             for it in range(done, ready):
@@ -563,10 +576,16 @@ def _triton_cfg(x, chunk, lowp, rec):
     return "tf32", xprec, lowp, RECS.index(rec), _launch(D, chunk, lowp)
 
 
+# Benchmark switches (bench/bench_attention.py --variants sets them; read at launch time, not traced):
+# poll: 0 atomic / 1 acquire-load polling (`_read_progress`); num_warps / num_stages: None = the defaults.
+TUNING = {"poll": 0, "num_warps": None, "num_stages": None}
+
+
 def _launch(D, chunk, lowp):
     launch = dict(num_warps=4 if D <= 64 and chunk <= 64 else 8)
     if D == 128 or not lowp:
         launch["num_stages"] = 2  # fp32 or D = 128 tiles: three stages overflow shared memory
+    launch.update({key: TUNING[key] for key in ("num_warps", "num_stages") if TUNING[key] is not None})
     return launch
 
 
@@ -597,7 +616,7 @@ def _u_fwd_op(
     store32 = rec_id != 0 or not lowp  # fp32 u for the recurrence or the dK / dW products
     u32 = torch.empty(B, H, T, D, **f32) if store32 else torch.empty(0, **f32)
     h = torch.empty(B, H, T, D, **f32)
-    lse = torch.empty(B, H, T, **f32) if kernel == "softmax" else torch.empty(1, **f32)
+    lse = torch.empty(B, H, T, **f32) if kernel == "softmax" else torch.zeros(1, **f32)  # placeholder
     xinv = torch.empty(BH, NC, C, C, **f32)
     kid = _KERNEL_IDS[kernel]
     with _device_guard(v):
@@ -609,7 +628,7 @@ def _u_fwd_op(
         _fwd_kernel[(BH * NC,)](
             w, k, v, beta, u, u32 if store32 else u, h, lse, xinv, counters, counters[BH:],
             scale, T, NC, BH, KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE32=store32,
-            SPIN_LIMIT=_SPIN_LIMIT, **launch,
+            SPIN_LIMIT=_SPIN_LIMIT, POLL=TUNING["poll"], **launch,
         )  # fmt: skip
     return u, u32, h, lse, xinv
 
@@ -652,7 +671,8 @@ def _u_bwd_op(
     with _device_guard(k):
         _bwd_g_kernel[(BH * NC,)](
             w, k, du, beta, h, lse, xinv, gb, dv, dbeta, rowterm, counters, counters[BH:], scale, T, NC, BH,
-            KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, SPIN_LIMIT=_SPIN_LIMIT, **launch,
+            KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, SPIN_LIMIT=_SPIN_LIMIT,
+            POLL=TUNING["poll"], **launch,
         )  # fmt: skip
         _dk_kernel[(NC, BH)](
             w, k, u_op, gb, lse, rowterm, dk, scale, T, NC,
