@@ -838,120 +838,69 @@ def _cc_backward(ctx, dh):
 torch.library.register_autograd("ddl::cc", _cc_backward, setup_context=_cc_setup)
 
 
-@torch.library.custom_op("ddl::tc", mutates_args=())
-def _tc_op(x: torch.Tensor, wt: torch.Tensor, T: int) -> torch.Tensor:
-    N, D, DV = x.shape
-    KW = wt.shape[0]
-    h = _new((N, D), x)
-    cfg = _CFG["chan_fwd"]
-    bd = min(cfg["BLOCK_D"], _pow2(D))
-    _tc_fwd_kernel[_chan_grid(N, D, {**cfg, "BLOCK_D": bd})](
-        x, wt, h, N, T, D, KW=KW, KP=_pow2(KW), DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV),
-        TOKENS=cfg["TOKENS"], CT=_ct(x, wt), num_warps=cfg["num_warps"],
-    )  # fmt: skip
-    return h
+def _acc_dtype(t):
+    """Weight-gradient partials: fp32, or float64 for float64 inputs."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-@_tc_op.register_fake
-def _(x, wt, T):
-    return x.new_empty(x.shape[:2])
+def _token_conv_op(name, fwd_kernel, bwd_kernel, out_shape):
+    """Registers `ddl::{name}(a, wt, T)` (a [N, d] or [N, d, d_v], wt [K, d, d_v] taps, T the sequence
+    length), its backward op and its autograd, for the two causal depthwise convolutions over tokens,
+    TC (a = the state, out [N, d]) and EC (a = the embedding, out [N, d, d_v]): their kernels share a
+    signature, a launch grid (a block of d by a run of tokens) and the weight gradient summed from
+    per-program partials. Returns the forward op."""
+
+    def launch(a, wt, key):
+        N, D = a.shape[0], a.shape[1]
+        KW, DV = wt.shape[0], wt.shape[2]
+        cfg = _CFG[key]
+        bd = min(cfg["BLOCK_D"], _pow2(D))
+        consts = dict(KW=KW, KP=_pow2(KW), DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), num_warps=cfg["num_warps"])
+        return N, D, cfg, _chan_grid(N, D, {**cfg, "BLOCK_D": bd}), consts
+
+    @torch.library.custom_op(f"ddl::{name}", mutates_args=())
+    def op(a: torch.Tensor, wt: torch.Tensor, T: int) -> torch.Tensor:
+        N, D, cfg, grid, consts = launch(a, wt, "chan_fwd")
+        out = _new(out_shape(a, wt), a)
+        fwd_kernel[grid](a, wt, out, N, T, D, TOKENS=cfg["TOKENS"], CT=_ct(a, wt), **consts)
+        return out
+
+    @op.register_fake
+    def _(a, wt, T):
+        return a.new_empty(out_shape(a, wt))
+
+    @torch.library.custom_op(f"ddl::{name}_bwd", mutates_args=())
+    def op_bwd(
+        a: torch.Tensor, wt: torch.Tensor, g: torch.Tensor, T: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        N, D, cfg, grid, consts = launch(a, wt, "chan_bwd")
+        da = _new(a.shape, a)
+        dwp = _new((grid[0],) + tuple(wt.shape), a, dtype=_acc_dtype(a))
+        bwd_kernel[grid](a, wt, g, da, dwp, N, T, D, cfg["TOKENS"], CT=_ct(a, wt, g), **consts)
+        return da, dwp.sum(0).to(wt.dtype)
+
+    @op_bwd.register_fake
+    def _(a, wt, g, T):
+        return torch.empty_like(a), torch.empty_like(wt)
+
+    def setup(ctx, inputs, output):
+        a, wt, T = inputs
+        ctx.save_for_backward(a, wt)
+        ctx.T = T
+
+    def backward(ctx, g):
+        a, wt = ctx.saved_tensors
+        da, dwt = op_bwd(a, wt, g.contiguous(), ctx.T)
+        return da, dwt, None
+
+    torch.library.register_autograd(f"ddl::{name}", backward, setup_context=setup)
+    return op
 
 
-@torch.library.custom_op("ddl::tc_bwd", mutates_args=())
-def _tc_bwd_op(
-    x: torch.Tensor, wt: torch.Tensor, dh: torch.Tensor, T: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    N, D, DV = x.shape
-    KW = wt.shape[0]
-    cfg = _CFG["chan_bwd"]
-    bd = min(cfg["BLOCK_D"], _pow2(D))
-    grid = _chan_grid(N, D, {**cfg, "BLOCK_D": bd})
-    dx = _new(x.shape, x)
-    dwp = _new((grid[0], KW, D, DV), x, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
-    _tc_bwd_kernel[grid](
-        x, wt, dh, dx, dwp, N, T, D, cfg["TOKENS"], KW=KW, KP=_pow2(KW), DV=DV, BLOCK_D=bd,
-        BLOCK_V=_pow2(DV), CT=_ct(x, wt, dh), num_warps=cfg["num_warps"],
-    )  # fmt: skip
-    return dx, dwp.sum(0).to(wt.dtype)
-
-
-@_tc_bwd_op.register_fake
-def _(x, wt, dh, T):
-    return torch.empty_like(x), torch.empty_like(wt)
-
-
-def _tc_setup(ctx, inputs, output):
-    x, wt, T = inputs
-    ctx.save_for_backward(x, wt)
-    ctx.T = T
-
-
-def _tc_backward(ctx, dh):
-    x, wt = ctx.saved_tensors
-    dx, dwt = _tc_bwd_op(x, wt, dh.contiguous(), ctx.T)
-    return dx, dwt, None
-
-
-torch.library.register_autograd("ddl::tc", _tc_backward, setup_context=_tc_setup)
-
-
-@torch.library.custom_op("ddl::ec", mutates_args=())
-def _ec_op(emb: torch.Tensor, wt: torch.Tensor, T: int) -> torch.Tensor:
-    N, D = emb.shape
-    KW, _, DV = wt.shape
-    x0 = _new((N, D, DV), emb)
-    cfg = _CFG["chan_fwd"]
-    bd = min(cfg["BLOCK_D"], _pow2(D))
-    _ec_fwd_kernel[_chan_grid(N, D, {**cfg, "BLOCK_D": bd})](
-        emb, wt, x0, N, T, D, KW=KW, KP=_pow2(KW), DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV),
-        TOKENS=cfg["TOKENS"], CT=_ct(emb, wt), num_warps=cfg["num_warps"],
-    )  # fmt: skip
-    return x0
-
-
-@_ec_op.register_fake
-def _(emb, wt, T):
-    return emb.new_empty((emb.shape[0], emb.shape[1], wt.shape[2]))
-
-
-@torch.library.custom_op("ddl::ec_bwd", mutates_args=())
-def _ec_bwd_op(
-    emb: torch.Tensor, wt: torch.Tensor, g: torch.Tensor, T: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    N, D = emb.shape
-    KW, _, DV = wt.shape
-    cfg = _CFG["chan_bwd"]
-    bd = min(cfg["BLOCK_D"], _pow2(D))
-    grid = _chan_grid(N, D, {**cfg, "BLOCK_D": bd})
-    de = _new(emb.shape, emb)
-    dwp = _new(
-        (grid[0], KW, D, DV), emb, dtype=torch.float64 if emb.dtype == torch.float64 else torch.float32
-    )
-    _ec_bwd_kernel[grid](
-        emb, wt, g, de, dwp, N, T, D, cfg["TOKENS"], KW=KW, KP=_pow2(KW), DV=DV, BLOCK_D=bd,
-        BLOCK_V=_pow2(DV), CT=_ct(emb, wt, g), num_warps=cfg["num_warps"],
-    )  # fmt: skip
-    return de, dwp.sum(0).to(wt.dtype)
-
-
-@_ec_bwd_op.register_fake
-def _(emb, wt, g, T):
-    return torch.empty_like(emb), torch.empty_like(wt)
-
-
-def _ec_setup(ctx, inputs, output):
-    emb, wt, T = inputs
-    ctx.save_for_backward(emb, wt)
-    ctx.T = T
-
-
-def _ec_backward(ctx, g):
-    emb, wt = ctx.saved_tensors
-    de, dwt = _ec_bwd_op(emb, wt, g.contiguous(), ctx.T)
-    return de, dwt, None
-
-
-torch.library.register_autograd("ddl::ec", _ec_backward, setup_context=_ec_setup)
+_tc_op = _token_conv_op("tc", _tc_fwd_kernel, _tc_bwd_kernel, lambda x, wt: (x.shape[0], x.shape[1]))
+_ec_op = _token_conv_op(
+    "ec", _ec_fwd_kernel, _ec_bwd_kernel, lambda emb, wt: (emb.shape[0], emb.shape[1], wt.shape[2])
+)
 
 
 @torch.library.custom_op("ddl::update_tc", mutates_args=())
