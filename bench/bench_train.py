@@ -138,7 +138,8 @@ def measure(model, compiled, cfg, B, args, row):
 
 def profile_step(compiled, opt, B, cfg, args, row):
     """torch.profiler over --profile-steps training steps: the top GPU kernels by total time, and the
-    time by kind (matmul, attention, Triton kernels of Inductor, the DDL kernels, optimizer, other)."""
+    time by kind (matmul, attention, Triton kernels of Inductor, the DDL kernels, optimizer, other).
+    Printed, and kept in the row (profile_kinds_ms, profile_top) of bench_train.json."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
@@ -181,10 +182,6 @@ def profile_step(compiled, opt, B, cfg, args, row):
         [name[:200], round(us / 1e3 / args.profile_steps, 3), count // args.profile_steps]
         for name, us, count in kernels[: args.profile_top]
     ]
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"profile_{row['model']}_{row['variant']}.txt"), "w") as f:
-            f.write(text + "\n")
 
 
 def kernel_kind(name):

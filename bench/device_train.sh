@@ -5,7 +5,9 @@
 #      program, d_v=1 row kernels), bf16 and fp32 state, against the copy bandwidth
 #   3. gpt2-small additive+softmax and ddl-cc with the bf16 state: one training step each profiled
 #      (GPU time by kind, top kernels) after the timed steps (tokens/s, step ms, peak GB, MFU)
-# Results under $OUT (3 files): device_train.log (everything), bench_kernels.json, bench_train.json.
+#   4. if time is left: gpt2-small additive with --compile-scope blocks (compile time against speed)
+# Results under $OUT (<= 4 files): device_train.log (everything), bench_kernels.json, bench_train.json,
+# bench_train_blocks.json (stage 4).
 # Every stage has its own timeout, so a hang in one still leaves the others' results.
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -27,15 +29,23 @@ timeout -k 5 40 $PY -m pytest -q -p no:cacheprovider tests/test_model.py -k trit
     tee -a "$LOG"
 
 stage "2. kernel micro-benchmarks (timeout 90 s)"
-timeout -k 5 90 $PY bench/bench_train.py --kernels-only --kernel-sweeps --out "$WORK" 2>&1 | tee -a "$LOG"
+timeout -k 5 90 $PY bench/bench_train.py --kernels-only --kernel-sweeps --out "$OUT" 2>&1 | tee -a "$LOG"
 
-stage "3. gpt2-small additive vs ddl-cc-bf16, whole-model compile, profiled (timeout $((390 - $(date +%s) + T0)) s)"
 LEFT=$((385 - $(date +%s) + T0))
+stage "3. gpt2-small additive vs ddl-cc-bf16, whole-model compile, profiled (timeout $LEFT s)"
 timeout -k 5 $LEFT $PY bench/bench_train.py --models gpt2-small --variants additive,ddl-cc-bf16 \
     --batches 64,32 --warmup 2 --steps 8 --profile --profile-top 25 --time-limit $((LEFT - 10)) \
-    --job-timeout 190 --out "$WORK" 2>&1 | grep -v "^USDT\|SyncActivityProfilerHandler" | tee -a "$LOG"
+    --job-timeout 190 --out "$OUT" 2>&1 | grep -v "^USDT\|SyncActivityProfilerHandler" | tee -a "$LOG"
+rm -f "$OUT/bench_train.md"  # the same table is in the log; keeps $OUT at 4 files
 
-for f in bench_kernels.json bench_train.json; do
-    [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/$f"
-done
+LEFT=$((385 - $(date +%s) + T0))
+if [ $LEFT -gt 45 ]; then
+    stage "4. gpt2-small additive, regional compile (--compile-scope blocks: compile time vs speed), ${LEFT} s left"
+    mkdir -p "$WORK/blocks"
+    timeout -k 5 $LEFT $PY bench/bench_train.py --models gpt2-small --variants additive --compile-scope blocks \
+        --batches 64 --warmup 2 --steps 8 --time-limit $((LEFT - 5)) --job-timeout $((LEFT - 5)) \
+        --out "$WORK/blocks" 2>&1 | tee -a "$LOG"
+    [ -f "$WORK/blocks/bench_train.json" ] && cp "$WORK/blocks/bench_train.json" "$OUT/bench_train_blocks.json"
+fi
+
 stage "done"
