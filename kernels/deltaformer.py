@@ -483,72 +483,76 @@ if _HAS_TRITON:
         tl.store(RT + bh64 * T + cols, tl.sum(gb_c * h_c, axis=1), mask=cmask)
 
     @triton.jit
+    def _load_rows(W, GB, LSE, RT, bh, T, rows, D: tl.constexpr, C: tl.constexpr, KERNEL: tl.constexpr):
+        """What dS needs of a block of rows i: w_i, beta_i G_i and, for softmax, lse_i and the row term."""
+        rmask = rows < T
+        tile = bh * T * D + rows[:, None] * D + tl.arange(0, D)[None, :]
+        w = tl.load(W + tile, mask=rmask[:, None], other=0.0)
+        gb = tl.load(GB + tile, mask=rmask[:, None], other=0.0)
+        lse = tl.zeros((C,), dtype=tl.float32)
+        rt = tl.zeros((C,), dtype=tl.float32)
+        if KERNEL == 0:
+            lse = tl.load(LSE + bh * T + rows, mask=rmask, other=0.0)
+            rt = tl.load(RT + bh * T + rows, mask=rmask, other=0.0)
+        return w, gb, lse, rt
+
+    @triton.jit
+    def _load_cols(K, Uop, bh, T, cols, D: tl.constexpr):
+        """What dS needs of a block of columns j: k_j and u_j."""
+        tile = bh * T * D + cols[:, None] * D + tl.arange(0, D)[None, :]
+        cmask = (cols < T)[:, None]
+        return tl.load(K + tile, mask=cmask, other=0.0), tl.load(Uop + tile, mask=cmask, other=0.0)
+
+    @triton.jit
+    def _dscores_block(
+        w_r, gb_r, lse_r, rt_r, rows, k_c, u_c, cols, T, scale, W,
+        KERNEL: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+    ):  # fmt: skip
+        """dS of a block of rows i against a block of columns j (0 unless j < i < T): S and A recomputed,
+        dA_ij = -beta_i <G_i, u_j>."""
+        valid = (rows[:, None] > cols[None, :]) & (rows < T)[:, None]
+        s = tl.dot(w_r, tl.trans(k_c), input_precision=PREC) * scale
+        a = _kappa(s, valid, lse_r, KERNEL)
+        da = -_mm(gb_r, tl.trans(u_c), W, LOWP, PREC)
+        return _dscores(a, s, da, rt_r, valid, KERNEL)
+
+    @triton.jit
     def _dk_kernel(
         W, K, Uop, GB, LSE, RT, DK, scale, T, NC,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
     ):  # fmt: skip
+        """dK_j = s sum_{i > j} dS_ij w_i for one block of columns j, over the row blocks from its own on."""
         c = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
-        offs_c = tl.arange(0, C)
-        offs_d = tl.arange(0, D)
-        cols = c * C + offs_c
-        cmask = cols < T
-        tile = bh * T * D + cols[:, None] * D + offs_d[None, :]
-        k_c = tl.load(K + tile, mask=cmask[:, None], other=0.0)
-        u_c = tl.load(Uop + tile, mask=cmask[:, None], other=0.0)
+        cols = c * C + tl.arange(0, C)
+        k_c, u_c = _load_cols(K, Uop, bh, T, cols, D)
         dk = tl.zeros((C, D), dtype=tl.float32)
         for cp in range(c, NC):
-            rows = cp * C + offs_c
-            rmask = rows < T
-            later = bh * T * D + rows[:, None] * D + offs_d[None, :]
-            w_r = tl.load(W + later, mask=rmask[:, None], other=0.0)
-            gb_r = tl.load(GB + later, mask=rmask[:, None], other=0.0)
-            lse_r = tl.zeros((C,), dtype=tl.float32)
-            rt_r = tl.zeros((C,), dtype=tl.float32)
-            if KERNEL == 0:
-                lse_r = tl.load(LSE + bh * T + rows, mask=rmask, other=0.0)
-                rt_r = tl.load(RT + bh * T + rows, mask=rmask, other=0.0)
-            valid = (rows[:, None] > cols[None, :]) & rmask[:, None]
-            s = tl.dot(w_r, tl.trans(k_c), input_precision=PREC) * scale
-            a = _kappa(s, valid, lse_r, KERNEL)
-            da = -_mm(gb_r, tl.trans(u_c), W, LOWP, PREC)
-            ds = _dscores(a, s, da, rt_r, valid, KERNEL)
+            rows = cp * C + tl.arange(0, C)
+            w_r, gb_r, lse_r, rt_r = _load_rows(W, GB, LSE, RT, bh, T, rows, D, C, KERNEL)
+            ds = _dscores_block(w_r, gb_r, lse_r, rt_r, rows, k_c, u_c, cols, T, scale, W, KERNEL, LOWP, PREC)
             dk += _mm(tl.trans(ds), w_r, W, LOWP, PREC)
-        tl.store(DK + tile, (dk * scale).to(DK.dtype.element_ty), mask=cmask[:, None])
+        tile = bh * T * D + cols[:, None] * D + tl.arange(0, D)[None, :]
+        tl.store(DK + tile, (dk * scale).to(DK.dtype.element_ty), mask=(cols < T)[:, None])
 
     @triton.jit
     def _dw_kernel(
         W, K, Uop, GB, LSE, RT, DW, scale, T,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
     ):  # fmt: skip
+        """dW_i = s sum_{j < i} dS_ij k_j for one block of rows i, over the column blocks up to its own."""
         c = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
-        offs_c = tl.arange(0, C)
-        offs_d = tl.arange(0, D)
-        rows = c * C + offs_c
-        rmask = rows < T
-        tile = bh * T * D + rows[:, None] * D + offs_d[None, :]
-        w_c = tl.load(W + tile, mask=rmask[:, None], other=0.0)
-        gb_c = tl.load(GB + tile, mask=rmask[:, None], other=0.0)
-        lse_c = tl.zeros((C,), dtype=tl.float32)
-        rt_c = tl.zeros((C,), dtype=tl.float32)
-        if KERNEL == 0:
-            lse_c = tl.load(LSE + bh * T + rows, mask=rmask, other=0.0)
-            rt_c = tl.load(RT + bh * T + rows, mask=rmask, other=0.0)
+        rows = c * C + tl.arange(0, C)
+        w_c, gb_c, lse_c, rt_c = _load_rows(W, GB, LSE, RT, bh, T, rows, D, C, KERNEL)
         dw = tl.zeros((C, D), dtype=tl.float32)
         for cp in range(0, c + 1):
-            cols = cp * C + offs_c
-            cmask = cols < T
-            prev = bh * T * D + cols[:, None] * D + offs_d[None, :]
-            k_p = tl.load(K + prev, mask=cmask[:, None], other=0.0)
-            u_p = tl.load(Uop + prev, mask=cmask[:, None], other=0.0)
-            valid = (cols[None, :] < rows[:, None]) & rmask[:, None]
-            s = tl.dot(w_c, tl.trans(k_p), input_precision=PREC) * scale
-            a = _kappa(s, valid, lse_c, KERNEL)
-            da = -_mm(gb_c, tl.trans(u_p), W, LOWP, PREC)
-            ds = _dscores(a, s, da, rt_c, valid, KERNEL)
+            cols = cp * C + tl.arange(0, C)
+            k_p, u_p = _load_cols(K, Uop, bh, T, cols, D)
+            ds = _dscores_block(w_c, gb_c, lse_c, rt_c, rows, k_p, u_p, cols, T, scale, W, KERNEL, LOWP, PREC)
             dw += _mm(ds, k_p, W, LOWP, PREC)
-        tl.store(DW + tile, (dw * scale).to(DW.dtype.element_ty), mask=rmask[:, None])
+        tile = bh * T * D + rows[:, None] * D + tl.arange(0, D)[None, :]
+        tl.store(DW + tile, (dw * scale).to(DW.dtype.element_ty), mask=(rows < T)[:, None])
 
 
 RECS = ("lowp", "tf32", "split")  # precision of the recurrence's inter-chunk products (see `_mm_rec`)
