@@ -78,6 +78,10 @@ seed = 1337
 device = "cuda" if torch.cuda.is_available() else "cpu"  # "cpu", "cuda", "cuda:1", ...
 dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast dtype: "bfloat16" | "float32"
 compile = torch.cuda.is_available()  # torch.compile the model
+# compile + DDP: let Dynamo split the graph at DDP's gradient buckets so the all-reduce overlaps the
+# backward (DDPOptimizer). Off: one graph, all-reduce after the backward; with gradient accumulation only
+# the last micro-step communicates, and the split costs fusion (bench/bench_ddp.py measures both)
+ddp_split_graph = False
 dry_run = False  # print the resolved config and the model size, then exit (needs no data)
 # -----------------------------------------------------------------------------
 _train_keys = [k for k in globals() if k not in _names_before_config and not k.startswith("_")]
@@ -275,6 +279,8 @@ if checkpoint is not None:
     if checkpoint.get("st_length"):  # the curriculum's current training length
         train_loader.length = val_loader.length = checkpoint["st_length"]
 
+if compile:
+    torch._dynamo.config.optimize_ddp = ddp_split_graph
 model = torch.compile(raw_model) if compile else raw_model
 eval_model = model  # evaluation skips DDP: no gradients to sync
 if ddp:
