@@ -533,6 +533,8 @@ class GPT(nn.Module):
         if pos + T > cfg.block_size:
             raise ValueError(f"sequence of {pos + T} tokens exceeds block_size {cfg.block_size}")
         X, x_in = self.embed(idx, cache), None
+        if cfg.is_ddl:  # the first read here, so every Block gets an x_in (one compiled Block serves all)
+            x_in = self.blocks[0].res_attn.compress(X, cache)
         for i, block in enumerate(self.blocks):
             X, x_in = block(X, x_in, pos, cache, next_read=self.reader_after(i))
         if not cfg.is_ddl:
