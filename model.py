@@ -259,11 +259,11 @@ def apply_rope(x, pos, base):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
-def fp32_linear(x, linear):
-    """linear(x) in fp32 (float64 stays float64) even under autocast: for the gates' and v's logits."""
+def fp32_linear(x, weight, bias=None):
+    """F.linear in fp32 (float64 stays float64) even under autocast: for the gates' and v's logits."""
     dt = torch.promote_types(x.dtype, torch.float32)
     with torch.autocast(x.device.type, enabled=False):
-        return F.linear(x.to(dt), linear.weight.to(dt), None if linear.bias is None else linear.bias.to(dt))
+        return F.linear(x.to(dt), weight.to(dt), None if bias is None else bias.to(dt))
 
 
 class MLP(nn.Module):
@@ -332,7 +332,7 @@ class Attention(nn.Module):
             w = k
         else:
             w = apply_rope(self.w_norm(heads[3]), pos, cfg.rope_base)
-        beta = cfg.deltaformer_beta_max * torch.sigmoid(fp32_linear(c, self.beta))
+        beta = cfg.deltaformer_beta_max * torch.sigmoid(fp32_linear(c, self.beta.weight, self.beta.bias))
         beta = beta.transpose(1, 2)  # [B, H, T], fp32
         if cache is None:
             return deltaformer_attention(q, k, v, w, beta, kernel=cfg.deltaformer_kernel, backend=cfg.backend)
@@ -417,25 +417,27 @@ class Residual(nn.Module):
         h = self.drop(sublayer(c))
         return self.ddl_write(X, c, h, next_read)
 
-    def value(self, c):
-        """v [B, T, d_v] in fp32: W_v c, or 4 sigmoid(W_v c + b_v) with ddl_v="sigmoid"."""
-        if self.cfg.ddl_v == "linear":
-            return fp32_linear(c, self.v_proj)
-        return DDL_V_SCALE * torch.sigmoid(fp32_linear(c, self.v_proj))
-
-    def gate(self, c):
-        """beta = 2 sigmoid(w_beta . c + b_beta) in fp32, shape [B, T]."""
-        return 2.0 * torch.sigmoid(fp32_linear(c, self.beta)[..., 0])
+    def value_and_gate(self, c):
+        """(v [B, T, d_v], beta [B, T]), fp32: v = W_v c (ddl_v="sigmoid": 4 sigmoid(W_v c + b_v)) and
+        beta = 2 sigmoid(w_beta . c + b_beta). One fp32 matmul with W_v and w_beta stacked, so that c is
+        read once (forward and backward), not twice: these thin matmuls are memory-bound."""
+        dv = self.cfg.ddl_dv
+        weight = torch.cat([self.v_proj.weight, self.beta.weight])
+        v_bias = self.v_proj.bias if self.v_proj.bias is not None else self.beta.bias.new_zeros(dv)
+        logits = fp32_linear(c, weight, torch.cat([v_bias, self.beta.bias]))
+        v, beta_logit = logits[..., :dv], logits[..., dv]
+        if self.cfg.ddl_v == "sigmoid":
+            v = DDL_V_SCALE * torch.sigmoid(v)
+        return v, 2.0 * torch.sigmoid(beta_logit)
 
     def ddl_write(self, X, c, h, next_read=None):
-        """X + beta khat (v^T - khat^T X) with k = h, v = value(c): the one place the DDL update runs.
+        """X + beta khat (v^T - khat^T X) with k = h, (v, beta) = value_and_gate(c): where the update runs.
 
         The kernels normalise h and do the update in fp32 whatever the input dtypes; the new state comes
         back in X's dtype. When the next reader is a CC compressor, one fused kernel also returns its read
         (saves a pass over the d x d_v state). Returns (X_new, next x_in or None).
         """
-        v = self.value(c)
-        beta = self.gate(c)
+        v, beta = self.value_and_gate(c)
         kw = dict(eps=DDL_EPS, erase=self.cfg.ddl_erase, backend=self.cfg.backend)
         if next_read is not None and next_read.kind == "ddl-cc":
             return ddl_update_compress_cc(X, h, v, beta, next_read.weight, **kw)

@@ -112,12 +112,12 @@ def test_bf16_autocast_close_to_fp32():
     seen = {}
     res = model.blocks[0].res_attn
     hook = res.register_forward_hook(lambda m, args, out: seen.update(X=out[0].dtype))
-    orig_gate = res.gate
-    res.gate = lambda c: seen.setdefault("beta", orig_gate(c))
+    orig = res.value_and_gate
+    res.value_and_gate = lambda c: seen.setdefault("v_beta", orig(c))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, loss16 = model(idx, targets)
     hook.remove()
-    assert seen["X"] == torch.float32 and seen["beta"].dtype == torch.float32
+    assert seen["X"] == torch.float32 and {t.dtype for t in seen["v_beta"]} == {torch.float32}
     assert torch.isfinite(loss16) and abs(loss16.item() - loss32.item()) < 0.05 * loss32.item()
 
 
