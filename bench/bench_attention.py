@@ -90,6 +90,9 @@ VARIANTS = [
     ("rec=tf32", {"rec": "tf32"}, {}),
     ("C32", {"chunk": 32}, {}),
     ("poll=ld", {}, {"poll": 1}),  # acquire loads instead of atomic RMWs while waiting
+    ("look", {}, {"lookahead": 1}),  # the last awaited chunk's matrix prepared before waiting for it
+    ("look+poll=ld", {}, {"lookahead": 1, "poll": 1}),
+    ("look+rec=tf32", {"rec": "tf32"}, {"lookahead": 1}),
     ("warps=8", {}, {"num_warps": 8}),
     ("stages=2", {}, {"num_stages": 2}),
 ]

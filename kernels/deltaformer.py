@@ -379,7 +379,7 @@ if _HAS_TRITON:
         W, K, V, Beta, U, U32, Hs, LSE, Xinv, Prog, Ticket, scale, T, NC, BH,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
         REC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr, STORE32: tl.constexpr,
-        SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr,
+        SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr, LOOK: tl.constexpr,
     ):  # fmt: skip
         ticket = tl.atomic_add(Ticket, 1)
         c = ticket // BH
@@ -395,13 +395,17 @@ if _HAS_TRITON:
         if KERNEL == 0:
             lse = tl.load(LSE + bh64 * T + rows, mask=rmask, other=0.0)
         everything = offs_c[:, None] >= 0  # earlier chunks: every j < i
+        b = tl.load(Beta + bh64 * T + rows, mask=rmask, other=0.0).to(tl.float32)
+        v = tl.load(V + tile, mask=rmask[:, None], other=0.0).to(tl.float32)
+        x = tl.load(Xinv + (bh64 * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :])
         acc = tl.zeros((C, D), dtype=tl.float32)
         done = ticket * 0  # earlier chunks consumed
         ok = done + 1
-        while done < c:
+        free = c - LOOK  # chunks consumed as they are published (LOOK: all but the last, see below)
+        while done < free:
             seen = _wait_progress(Prog + bh, done + 1, SPIN_LIMIT, POLL)
             ok = ok & (seen > done).to(tl.int32)
-            ready = tl.where(seen > done, tl.minimum(seen, c), c)
+            ready = tl.where(seen > done, tl.minimum(seen, free), free)
             for cp in range(done, ready):
                 prev = bh64 * T * D + (cp * C + offs_c)[:, None] * D + offs_d[None, :]
                 k_p = tl.load(K + prev)
@@ -413,10 +417,27 @@ if _HAS_TRITON:
                     u_p = tl.load(U32 + prev, cache_modifier=".cg")
                 acc += _mm_rec(p, u_p, W, REC, PREC)
             done = ready
-        b = tl.load(Beta + bh64 * T + rows, mask=rmask, other=0.0).to(tl.float32)
-        v = tl.load(V + tile, mask=rmask[:, None], other=0.0).to(tl.float32)
-        x = tl.load(Xinv + (bh64 * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :])
-        u = tl.dot(x, v - b[:, None] * acc, input_precision=XPREC)
+        if LOOK:
+            # Chunk c - 1 is published last. Its scores and X diag(b) A_{c,c-1} only need w and k, so they
+            # are computed while waiting for it, and one product follows its publication:
+            # u_c = X (v - b acc) - (X diag(b) A_{c,c-1}) u_{c-1}. (Chunk 0: nothing to wait for, A = 0.)
+            lrows = (c - 1) * C + offs_c
+            has = lrows >= 0
+            lprev = bh64 * T * D + lrows[:, None] * D + offs_d[None, :]
+            k_l = tl.load(K + lprev, mask=has[:, None], other=0.0)
+            s_l = tl.dot(w, tl.trans(k_l), input_precision=PREC) * scale
+            p_l = _kappa(s_l, everything & has[None, :], lse, KERNEL)
+            rhs = tl.dot(x, v - b[:, None] * acc, input_precision=XPREC)
+            xp = tl.dot(x, b[:, None] * p_l, input_precision=XPREC)
+            seen = _wait_progress(Prog + bh, c, SPIN_LIMIT, POLL)
+            ok = ok & (seen >= c).to(tl.int32)
+            if REC == 0:
+                u_l = tl.load(U + lprev, mask=has[:, None], other=0.0, cache_modifier=".cg")
+            else:
+                u_l = tl.load(U32 + lprev, mask=has[:, None], other=0.0, cache_modifier=".cg")
+            u = rhs - _mm_rec(xp, u_l, W, REC, PREC)
+        else:
+            u = tl.dot(x, v - b[:, None] * acc, input_precision=XPREC)
         u = tl.where(ok != 0, u, float("nan"))
         tl.store(U + tile, u.to(U.dtype.element_ty), mask=rmask[:, None])
         if STORE32:
@@ -424,6 +445,8 @@ if _HAS_TRITON:
         tl.debug_barrier()  # every thread's stores precede the release below
         tl.atomic_xchg(Prog + bh, c + 1, sem="release")
         # off the critical path: h = sum_{j<i} A_ij u_j, for the backward
+        if LOOK:
+            acc += tl.dot(p_l, u_l.to(tl.float32), input_precision=PREC)
         k_c = tl.load(K + tile, mask=rmask[:, None], other=0.0)
         s_cc = tl.dot(w, tl.trans(k_c), input_precision=PREC) * scale
         a_cc = _kappa(s_cc, offs_c[:, None] > offs_c[None, :], lse, KERNEL)
@@ -435,7 +458,7 @@ if _HAS_TRITON:
         W, K, DU, Beta, Hs, LSE, Xinv, GB, DV, DBeta, RT, Prog, Ticket, scale, T, NC, BH,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
         REC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr, SPIN_LIMIT: tl.constexpr,
-        POLL: tl.constexpr,
+        POLL: tl.constexpr, LOOK: tl.constexpr,
     ):  # fmt: skip
         ticket = tl.atomic_add(Ticket, 1)
         c = NC - 1 - ticket // BH  # last chunk first
@@ -447,13 +470,17 @@ if _HAS_TRITON:
         cmask = cols < T
         tile = bh64 * T * D + cols[:, None] * D + offs_d[None, :]
         k_c = tl.load(K + tile, mask=cmask[:, None], other=0.0)
+        x = tl.load(Xinv + (bh64 * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :])
+        du_c = tl.load(DU + tile, mask=cmask[:, None], other=0.0).to(tl.float32)
+        b_c = tl.load(Beta + bh64 * T + cols, mask=cmask, other=0.0).to(tl.float32)
         acc = tl.zeros((C, D), dtype=tl.float32)  # sum_{i in later chunks} A_ij beta_i G_i
         done = ticket * 0  # later chunks consumed, counted from the end
         ok = done + 1
-        while done < NC - 1 - c:
+        free = NC - 1 - c - LOOK  # as in the forward: LOOK handles the last one (chunk c + 1) below
+        while done < free:
             seen = _wait_progress(Prog + bh, done + 1, SPIN_LIMIT, POLL)
             ok = ok & (seen > done).to(tl.int32)
-            ready = tl.where(seen > done, tl.minimum(seen, NC - 1 - c), NC - 1 - c)
+            ready = tl.where(seen > done, tl.minimum(seen, free), free)
             for it in range(done, ready):
                 rows = (NC - 1 - it) * C + offs_c  # a later chunk, in the order they were published
                 rmask = rows < T
@@ -467,11 +494,26 @@ if _HAS_TRITON:
                 a = _kappa(s, rmask[:, None], lse_r, KERNEL)
                 acc += _mm_rec(tl.trans(a), gb_r, W, REC, PREC)
             done = ready
-        x = tl.load(Xinv + (bh64 * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :])
-        du_c = tl.load(DU + tile, mask=cmask[:, None], other=0.0).to(tl.float32)
-        g_c = tl.dot(tl.trans(x), du_c - acc, input_precision=XPREC)
+        if LOOK:
+            # G_c = X^T (dU_c - acc) - (X^T A_{c+1,c}^T) (beta G)_{c+1}, the matrix ready before the wait
+            lrows = (c + 1) * C + offs_c
+            lmask = lrows < T  # none for the last chunk
+            later = bh64 * T * D + lrows[:, None] * D + offs_d[None, :]
+            w_l = tl.load(W + later, mask=lmask[:, None], other=0.0)
+            lse_l = tl.zeros((C,), dtype=tl.float32)
+            if KERNEL == 0:
+                lse_l = tl.load(LSE + bh64 * T + lrows, mask=lmask, other=0.0)
+            s_l = tl.dot(w_l, tl.trans(k_c), input_precision=PREC) * scale
+            a_l = _kappa(s_l, lmask[:, None], lse_l, KERNEL)
+            rhs = tl.dot(tl.trans(x), du_c - acc, input_precision=XPREC)
+            xa = tl.dot(tl.trans(x), tl.trans(a_l), input_precision=XPREC)
+            seen = _wait_progress(Prog + bh, NC - 1 - c, SPIN_LIMIT, POLL)
+            ok = ok & (seen >= NC - 1 - c).to(tl.int32)
+            gb_l = tl.load(GB + later, mask=lmask[:, None], other=0.0, cache_modifier=".cg")
+            g_c = rhs - _mm_rec(xa, gb_l, W, REC, PREC)
+        else:
+            g_c = tl.dot(tl.trans(x), du_c - acc, input_precision=XPREC)
         g_c = tl.where(ok != 0, g_c, float("nan"))
-        b_c = tl.load(Beta + bh64 * T + cols, mask=cmask, other=0.0).to(tl.float32)
         gb_c = g_c * b_c[:, None]
         tl.store(GB + tile, gb_c.to(GB.dtype.element_ty), mask=cmask[:, None])
         tl.debug_barrier()
@@ -581,8 +623,10 @@ def _triton_cfg(x, chunk, lowp, rec):
 
 
 # Benchmark switches (bench/bench_attention.py --variants sets them; read at launch time, not traced):
-# poll: 0 atomic / 1 acquire-load polling (`_read_progress`); num_warps / num_stages: None = the defaults.
-TUNING = {"poll": 0, "num_warps": None, "num_stages": None}
+# poll: 0 atomic / 1 acquire-load polling (`_read_progress`); lookahead: 1 = the wavefronts prepare the
+# last awaited chunk's matrix before waiting for it (LOOK in `_fwd_kernel`); num_warps / num_stages:
+# None = the defaults.
+TUNING = {"poll": 0, "lookahead": 0, "num_warps": None, "num_stages": None}
 
 
 def _launch(D, chunk, lowp):
@@ -632,7 +676,7 @@ def _u_fwd_op(
         _fwd_kernel[(BH * NC,)](
             w, k, v, beta, u, u32 if store32 else u, h, lse, xinv, counters, counters[BH:],
             scale, T, NC, BH, KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE32=store32,
-            SPIN_LIMIT=_SPIN_LIMIT, POLL=TUNING["poll"], **launch,
+            SPIN_LIMIT=_SPIN_LIMIT, POLL=TUNING["poll"], LOOK=TUNING["lookahead"], **launch,
         )  # fmt: skip
     return u, u32, h, lse, xinv
 
@@ -676,7 +720,7 @@ def _u_bwd_op(
         _bwd_g_kernel[(BH * NC,)](
             w, k, du, beta, h, lse, xinv, gb, dv, dbeta, rowterm, counters, counters[BH:], scale, T, NC, BH,
             KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, SPIN_LIMIT=_SPIN_LIMIT,
-            POLL=TUNING["poll"], **launch,
+            POLL=TUNING["poll"], LOOK=TUNING["lookahead"], **launch,
         )  # fmt: skip
         _dk_kernel[(NC, BH)](
             w, k, u_op, gb, lse, rowterm, dk, scale, T, NC,
