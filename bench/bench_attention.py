@@ -98,19 +98,29 @@ VARIANTS = [
 ]
 
 
+def u_and_grads(inputs, kernel, opts, grad_u):
+    """u and the gradients of <u, grad_u> in k, v, w, beta, flattened into one fp32 vector each."""
+    q, k, v, w, beta = (x.detach().requires_grad_(True) for x in inputs)
+    u = deltaformer_u_triton(k, v, w, beta, kernel=kernel, **opts)
+    grads = torch.autograd.grad(u, (k, v, w, beta), grad_u)
+    return u.detach().float(), torch.cat([g.float().flatten() for g in grads])
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
 def time_variants(inputs, kernel, res):
-    """Times of every variant (u-stage alone and with SDPA), and its u against the default's u."""
-    q, k, v, w, beta = inputs
-    with torch.no_grad():
-        u_default = deltaformer_u_triton(k, v, w, beta, kernel=kernel).float()
+    """Times of every variant (u-stage alone and with SDPA); its u and gradients against the default's."""
+    grad_u = torch.randn_like(inputs[2])
+    u_default, g_default = u_and_grads(inputs, kernel, {}, grad_u)
     for name, opts, tuning in VARIANTS:
         saved = dict(df.TUNING)
         df.TUNING.update(tuning)
         tag = f"{kernel} {name}"
         try:
-            with torch.no_grad():
-                u = deltaformer_u_triton(k, v, w, beta, kernel=kernel, **opts).float()
-            res[f"{tag} u-diff"] = ((u - u_default).norm() / u_default.norm()).item()
+            u, g = u_and_grads(inputs, kernel, opts, grad_u)
+            res[f"{tag} u-diff"], res[f"{tag} grad-diff"] = rel(u, u_default), rel(g, g_default)
             for mode in ("fwd", "f+b"):
                 res[f"{tag} u-only {mode}"] = time_fn(ours_u_only(kernel, **opts), inputs, mode == "f+b")
                 res[f"{tag} {mode}"] = time_fn(ours(kernel, **opts), inputs, mode == "f+b")
@@ -240,7 +250,7 @@ def main():
             continue
         torch.manual_seed(0)
         inputs = make(B, H, T, D)
-        print(f"{B},{H},{T},{D} variants (ms; u-diff = |u - u_default| / |u_default|):", flush=True)
+        print(f"{B},{H},{T},{D} variants (ms; u-diff, grad-diff: vs the default's):", flush=True)
         for kernel in args.variant_kernels.split(","):
             time_variants(inputs, kernel, results["shapes"][f"{B},{H},{T},{D}"])
         write_json(args.json, results)
