@@ -25,7 +25,7 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 
 stage "1. GPU tests (timeout 90 s)"
 timeout -k 5 90 $PY -m pytest -q -x -p no:cacheprovider -m gpu tests/test_ddl.py 2>&1 | tail -n 25 | tee -a "$LOG"
-timeout -k 5 40 $PY -m pytest -q -p no:cacheprovider tests/test_model.py -k triton_backend 2>&1 | tail -n 5 |
+timeout -k 5 40 $PY -m pytest -q -p no:cacheprovider tests/test_model.py -k "triton_backend or bf16_state_triton" 2>&1 | tail -n 5 |
     tee -a "$LOG"
 
 stage "2. kernel micro-benchmarks (timeout 90 s)"
