@@ -478,13 +478,14 @@ def sweep_update(args, do_bench, report, dtype, dv):
         out = ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton")
         return torch.autograd.grad(out, (x, k, v, beta, w), (gx, gh))
 
-    if dv == 1:
+    if dv == 1 and dtype == torch.bfloat16:  # compiling the reference costs ~15 s: once
         ref_c = torch.compile(ddl.ddl_update_ref)
         timed(
             "d_v=1 update f+b torch.compile(ref)",
             lambda: torch.autograd.grad(ref_c(x, k, v, beta), (x, k, v, beta), gx),
             5 * S + 3 * V,
         )
+    if dv == 1:
         row_cfgs = [dict(ROWS=0, num_warps=4)]
         row_cfgs += [
             dict(ROWS=r, num_warps=nw) for r, nw in ((1, 4), (2, 4), (4, 4), (4, 8), (8, 8), (16, 8))
@@ -505,6 +506,16 @@ def sweep_update(args, do_bench, report, dtype, dv):
         dict(TOKENS=16, LOOP=2, num_warps=4),
         dict(TOKENS=32, LOOP=2, num_warps=4),
     ]
+    for tok, nw in ((1, 4), (1, 2), (2, 4), (4, 4)):  # forward: 1 token/program looked latency-bound in bf16
+        cfg = dict(TOKENS=tok, num_warps=nw)
+        ddl._CFG["update_fwd"] = cfg
+        mark = " (shipped)" if cfg == shipped["update_fwd"] else ""
+        timed(
+            f"update+cc fwd update_fwd={cfg}{mark}",
+            lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"),
+            2 * S + 2 * V,
+        )
+    ddl._CFG.update(shipped)
     for cfg in bwd_cfgs:
         ddl._CFG["update_bwd"] = cfg
         mark = " (shipped)" if cfg == shipped["update_bwd"] else ""

@@ -28,8 +28,8 @@ timeout -k 5 90 $PY -m pytest -q -x -p no:cacheprovider -m gpu tests/test_ddl.py
 timeout -k 5 40 $PY -m pytest -q -p no:cacheprovider tests/test_model.py -k "triton_backend or bf16_state_triton" 2>&1 | tail -n 5 |
     tee -a "$LOG"
 
-stage "2. kernel micro-benchmarks (timeout 90 s)"
-timeout -k 5 90 $PY bench/bench_train.py --kernels-only --kernel-sweeps --out "$OUT" 2>&1 | tee -a "$LOG"
+stage "2. kernel micro-benchmarks (timeout 100 s)"
+timeout -k 5 100 $PY bench/bench_train.py --kernels-only --kernel-sweeps --out "$OUT" 2>&1 | tee -a "$LOG"
 
 LEFT=$((385 - $(date +%s) + T0))
 stage "3. gpt2-small additive vs ddl-cc-bf16, whole-model compile, profiled (timeout $LEFT s)"
