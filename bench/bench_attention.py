@@ -83,19 +83,19 @@ def ours_u_only(kernel, **opts):
 
 # Our kernel's variants, each against the default in the same run: (name, keyword arguments of
 # deltaformer_u_triton, kernels.deltaformer.TUNING switches). Default: chunk 64, rec "split" (bf16 hi/lo
-# recurrence products), atomic polling, num_warps 4 (D 64).
+# recurrence products), no lookahead, atomic polling, num_warps 4 (D 64). Few on purpose: every variant
+# compiles 2-4 kernels per kernel type and shape specialisation (~2 s each), in a time-limited run.
+# Measured before and not repeated: chunk 32 (slower, V1), fp32/tf32 operands everywhere (V1).
 VARIANTS = [
     ("default", {}, {}),
     ("rec=lowp", {"rec": "lowp"}, {}),  # bf16 recurrence operands: the V3 speed, the V3 bf16 defect
     ("rec=tf32", {"rec": "tf32"}, {}),
-    ("C32", {"chunk": 32}, {}),
-    ("poll=ld", {}, {"poll": 1}),  # acquire loads instead of atomic RMWs while waiting
     ("look", {}, {"lookahead": 1}),  # the last awaited chunk's matrix prepared before waiting for it
-    ("look+poll=ld", {}, {"lookahead": 1, "poll": 1}),
+    ("look+poll=ld", {}, {"lookahead": 1, "poll": 1}),  # + acquire loads instead of atomic RMWs
     ("look+rec=tf32", {"rec": "tf32"}, {"lookahead": 1}),
-    ("warps=8", {}, {"num_warps": 8}),
-    ("stages=2", {}, {"num_stages": 2}),
 ]
+# More, for a later run with time to spare: ("poll=ld", {}, {"poll": 1}), ("C32", {"chunk": 32}, {}),
+# ("warps=8", {}, {"num_warps": 8}), ("stages=2", {}, {"num_stages": 2}).
 
 
 def u_and_grads(inputs, kernel, opts, grad_u):
@@ -159,7 +159,7 @@ def write_json(path, results):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", action="store_true", help="also time chunk / operand-precision variants")
-    ap.add_argument("--variant-shapes", default="0,3", help="indices into SHAPES for --variants")
+    ap.add_argument("--variant-shapes", default="0,2", help="indices into SHAPES for --variants")
     ap.add_argument("--variant-kernels", default="softmax", help="kernels for --variants, comma-separated")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernel-by-kernel times of one configuration")
