@@ -327,6 +327,20 @@ def test_triton_gpu_matches_reference(kernel, shape, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_triton_gpu_lookahead_matches_reference(kernel, monkeypatch):
+    # the lookahead switch (a speed variant, bench_attention.py --variants) on the GPU, bf16, so that
+    # phase 2 can make it the default on this evidence
+    import kernels.deltaformer as df
+
+    monkeypatch.setitem(df.TUNING, "lookahead", 1)
+    errs = check_triton_against_reference(
+        kernel, 2, 3, 1024, 64, torch.bfloat16, "cuda", chunk=64, tol=1e-2, reference="chunked"
+    )
+    print("lookahead", kernel, {n: f"{e:.1e}" for n, e in errs.items()})
+
+
+@pytest.mark.gpu
 def test_triton_gpu_repeatable():
     # a race shows up as run-to-run differences on identical inputs
     from kernels.deltaformer import deltaformer_u_triton
