@@ -184,16 +184,20 @@ def deltaformer_attention(q, k, v, w, beta, kernel="softmax", scale=None, backen
 #      may software-pipeline safely), then waits for the next one. Once all are in,
 #      u_c = X_c (v_c - beta_c * sum_{j < chunk} A_cj u_j); it publishes u_c, then computes
 #      h_c = sum_{j<i} A_ij u_j for the backward. The critical path per chunk is one block of scores and
-#      A @ u plus one product with X_c.
+#      A @ u plus one product with X_c (with TUNING["lookahead"]: one product, the rest done while waiting).
 # Each program takes a ticket from an atomic counter and maps it to (chunk, batch*head) in chunk order, so
 # a tile only waits on tiles holding smaller tickets, which are already running: no deadlock, whatever the
 # number of resident programs. Each (batch, head) has a progress counter (chunks published): a tile
 # publishes with a release after a barrier; readers spin on an acquire. A spin that never ends (a bug)
 # gives up and writes NaN.
 #
-# In-chunk inverse: N = diag(beta_c) A_cc is strictly lower triangular (nilpotent), so
-# (I + N)^-1 by forward substitution in the parallel prep kernel (see `_unit_lower_inverse` for why not
-# the Neumann series by squaring); X_c is saved for the backward (C*C per chunk).
+# In-chunk inverse: N = diag(beta_c) A_cc is strictly lower triangular (nilpotent), so (I + N)^-1 by
+# blocked forward substitution in the parallel prep kernel (`_blocked_unit_lower_inverse`; see
+# `_unit_lower_inverse` for why not the Neumann series by squaring); X_c is saved for the backward.
+#
+# Precision (half-precision inputs): products take half operands with fp32 accumulation, as in
+# FlashAttention, except the recurrence's inter-chunk products, whose rounding every later u inherits:
+# those are chosen by `rec` (`_mm_rec`; default: hi/lo split, ~16 bits). fp32 inputs: exact fp32 products.
 #
 # Backward, with M = I + diag(beta) A, U = M^-1 V, G = M^-T dU:
 #   dV = G, found anti-causally: G_j = dU_j - sum_{i>j} A_ij beta_i G_i: the same wavefront, reversed
