@@ -248,13 +248,17 @@ class RMSNorm(nn.Module):
         return y.to(x.dtype)
 
 
-def apply_rope(x, pos, base):
-    """Rotate pairs (x[..., i], x[..., i + D/2]) of x [B, H, T, D] by angle (pos + t) / base^(2i/D)."""
-    T, D = x.shape[-2], x.shape[-1]
+def rope_tables(length, D, base):
+    """cos, sin [length, D/2] of the angles t / base^(2i/D), t < length, in float64."""
+    inv_freq = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    angles = torch.arange(length, dtype=torch.float64)[:, None] * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate pairs (x[..., i], x[..., i + D/2]) of x [B, H, T, D] by the angles of cos, sin [T, D/2]."""
     dt = torch.promote_types(x.dtype, torch.float32)
-    inv_freq = base ** (-torch.arange(0, D, 2, device=x.device, dtype=dt) / D)
-    angles = torch.arange(pos, pos + T, device=x.device, dtype=dt)[:, None] * inv_freq  # [T, D/2]
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = cos.to(dt), sin.to(dt)
     x1, x2 = x.to(dt).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
@@ -297,16 +301,27 @@ class Attention(nn.Module):
             self.w_norm = RMSNorm(cfg.head_dim)
         if self.deltaformer:
             self.beta = nn.Linear(cfg.n_embd, cfg.n_head, bias=True)  # per-head gate, a bias like b_beta
+        # RoPE angles of positions 0..block_size-1, computed once: recomputed inside the compiled q/k kernels
+        # the sines cost 12% of a GPT-2 small training step (measured). Not saved in checkpoints.
+        for name, table in zip(
+            ("rope_cos", "rope_sin"), rope_tables(cfg.block_size, cfg.head_dim, cfg.rope_base)
+        ):
+            self.register_buffer(name, table, persistent=False)
+
+    def rope(self, pos, T):
+        """cos, sin [T, D/2] for positions pos..pos+T-1 (GPT.forward keeps pos + T <= block_size)."""
+        return self.rope_cos[pos : pos + T], self.rope_sin[pos : pos + T]
 
     def forward(self, c, pos=0, cache=None):
         B, T, _ = c.shape
         heads = self.c_attn(c).view(B, T, -1, self.n_head, self.head_dim)
         heads = heads.permute(2, 0, 3, 1, 4)  # [n, B, H, T, D], n = q, k, v (, w)
-        q = apply_rope(self.q_norm(heads[0]), pos, self.cfg.rope_base)
-        k = apply_rope(self.k_norm(heads[1]), pos, self.cfg.rope_base)
+        cos, sin = self.rope(pos, T)
+        q = apply_rope(self.q_norm(heads[0]), cos, sin)
+        k = apply_rope(self.k_norm(heads[1]), cos, sin)
         v = heads[2]
         if self.deltaformer:
-            y = self._deltaformer(c, q, k, v, heads, pos, cache)
+            y = self._deltaformer(c, q, k, v, heads, (cos, sin), cache)
         else:
             y = self._softmax(q, k, v, cache)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -324,14 +339,14 @@ class Attention(nn.Module):
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # query t sits at S - T + t
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
 
-    def _deltaformer(self, c, q, k, v, heads, pos, cache):
+    def _deltaformer(self, c, q, k, v, heads, rope, cache):
         cfg = self.cfg
         if cfg.deltaformer_w == "q":
             w = q
         elif cfg.deltaformer_w == "k":
             w = k
         else:
-            w = apply_rope(self.w_norm(heads[3]), pos, cfg.rope_base)
+            w = apply_rope(self.w_norm(heads[3]), *rope)
         beta = cfg.deltaformer_beta_max * torch.sigmoid(fp32_linear(c, self.beta.weight, self.beta.bias))
         beta = beta.transpose(1, 2)  # [B, H, T], fp32
         if cache is None:
