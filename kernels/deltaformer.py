@@ -664,7 +664,7 @@ def _u_fwd_op(
     prec, xprec, lowp, rec_id, launch = _triton_cfg(v, chunk, lowp, rec)
     k, v, w, beta = (x.contiguous() for x in (k, v, w, beta))
     f32 = dict(device=v.device, dtype=torch.float32)
-    u = torch.empty_like(v)
+    u = v.new_empty(v.shape)  # contiguous (v is, here), as the fake says
     store32 = rec_id != 0 or not lowp  # fp32 u for the recurrence or the dK / dW products
     u32 = torch.empty(B, H, T, D, **f32) if store32 else torch.empty(0, **f32)
     h = torch.empty(B, H, T, D, **f32)
@@ -691,8 +691,8 @@ def _(k, v, w, beta, kernel, scale, chunk, lowp, rec):
     NC = -(-T // chunk)
     f32 = dict(device=v.device, dtype=torch.float32)
     need32 = v.dtype == torch.float32 or rec != "lowp" or not lowp
-    return (
-        torch.empty_like(v),
+    return (  # contiguous, like the real outputs (empty_like would copy the strides of a permuted v)
+        v.new_empty((B, H, T, D)),
         v.new_empty((B, H, T, D) if need32 else (0,), dtype=torch.float32),
         torch.empty(B, H, T, D, **f32),
         torch.empty((B, H, T) if kernel == "softmax" else (1,), **f32),
@@ -715,8 +715,7 @@ def _u_bwd_op(
     # beta G: read by the backward recurrence (fp32 unless rec="lowp") and by dK / dW
     gb = torch.empty(B, H, T, D, device=k.device, dtype=k.dtype if rec_id == 0 else torch.float32)
     dv = torch.empty(B, H, T, D, device=k.device, dtype=k.dtype)
-    dk = torch.empty_like(k)
-    dw = torch.empty_like(w)
+    dk, dw = k.new_empty(k.shape), w.new_empty(w.shape)  # contiguous, as the fake says
     dbeta = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
     rowterm = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
     counters = torch.zeros(BH + 1, device=k.device, dtype=torch.int32)
@@ -739,7 +738,7 @@ def _u_bwd_op(
 
 @_u_bwd_op.register_fake
 def _(du, k, w, beta, u, u32, h, lse, xinv, kernel, scale, chunk, lowp, rec):
-    return torch.empty_like(k), torch.empty_like(k), torch.empty_like(w), torch.empty_like(beta)
+    return k.new_empty(k.shape), k.new_empty(k.shape), w.new_empty(w.shape), beta.new_empty(beta.shape)
 
 
 def _u_setup(ctx, inputs, output):
