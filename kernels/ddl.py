@@ -322,12 +322,22 @@ if triton is not None:
             tl.store(DWP + pid * D * DV + off2, dw, mask=md[:, None] & mv[None, :])
 
     @triton.jit
-    def _update_row_fwd_kernel(
-        X, Kd, V, BETA, XOUT, N, D, eps,
-        ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
-    ):  # fmt: skip
-        # d_v = 1: the state is a d-vector per token, so a program takes ROWS tokens as a [ROWS, d] tile
-        # (like a layer norm) instead of one [d, 1] tile per token.
+    def _chan_tile(D, KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_V: tl.constexpr):  # fmt: skip
+        # the per-channel kernels' tile: a run of tokens (program 0) x a block of d (program 1) x d_v,
+        # and the KW taps of the token convolution (padded to KP)
+        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        offs_v = tl.arange(0, BLOCK_V)
+        offs_j = tl.arange(0, KP)
+        md = offs_d < D
+        mv = offs_v < DV
+        m2 = md[:, None] & mv[None, :]
+        off2 = offs_d[:, None] * DV + offs_v[None, :]
+        return tl.program_id(0).to(tl.int64), offs_d, offs_v, offs_j, md, mv, offs_j < KW, m2, off2
+
+    @triton.jit
+    def _row_tile(X, Kd, V, BETA, N, D, eps, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, CT: tl.constexpr):
+        # d_v = 1 row kernels: ROWS tokens as a [ROWS, d] tile; the normalised k and the loaded x, v, beta
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_D)
         mr = rows < N
@@ -335,10 +345,19 @@ if triton is not None:
         off = rows[:, None] * D + cols[None, :]
         k = tl.load(Kd + off, mask=m2, other=0.0).to(CT)
         rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + eps * eps)
-        kh = k * rs[:, None]
         x = tl.load(X + off, mask=m2, other=0.0).to(CT)
         v = tl.load(V + rows, mask=mr, other=0.0).to(CT)
         b = tl.load(BETA + rows, mask=mr, other=0.0).to(CT)
+        return rows, mr, m2, off, rs, k * rs[:, None], x, v, b
+
+    @triton.jit
+    def _update_row_fwd_kernel(
+        X, Kd, V, BETA, XOUT, N, D, eps,
+        ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
+    ):  # fmt: skip
+        # d_v = 1: the state is a d-vector per token, so a program takes ROWS tokens as a [ROWS, d] tile
+        # (like a layer norm) instead of one [d, 1] tile per token.
+        rows, mr, m2, off, rs, kh, x, v, b = _row_tile(X, Kd, V, BETA, N, D, eps, ROWS, BLOCK_D, CT)
         if ERASE:
             r = v - tl.sum(kh * x, axis=1)
         else:
@@ -351,17 +370,7 @@ if triton is not None:
         ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
     ):  # fmt: skip
         # _update_bwd_token with d_v = 1 (r, gk scalars per token), ROWS tokens per program.
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, BLOCK_D)
-        mr = rows < N
-        m2 = mr[:, None] & (cols < D)[None, :]
-        off = rows[:, None] * D + cols[None, :]
-        k = tl.load(Kd + off, mask=m2, other=0.0).to(CT)
-        rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + eps * eps)
-        kh = k * rs[:, None]
-        x = tl.load(X + off, mask=m2, other=0.0).to(CT)
-        v = tl.load(V + rows, mask=mr, other=0.0).to(CT)
-        b = tl.load(BETA + rows, mask=mr, other=0.0).to(CT)
+        rows, mr, m2, off, rs, kh, x, v, b = _row_tile(X, Kd, V, BETA, N, D, eps, ROWS, BLOCK_D, CT)
         g = tl.load(G + off, mask=m2, other=0.0).to(CT)
         gk = tl.sum(kh * g, axis=1)
         if ERASE:
@@ -427,15 +436,7 @@ if triton is not None:
         TOKENS: tl.constexpr, CT: tl.constexpr,
     ):  # fmt: skip
         # h[n] = sum_j sum_v WT[j] * x[n - (KW-1) + j] within the token's sequence (WT = conv * read)
-        pid = tl.program_id(0).to(tl.int64)
-        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        offs_v = tl.arange(0, BLOCK_V)
-        offs_j = tl.arange(0, KP)
-        md = offs_d < D
-        mv = offs_v < DV
-        mj = offs_j < KW
-        m2 = md[:, None] & mv[None, :]
-        off2 = offs_d[:, None] * DV + offs_v[None, :]
+        pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
         w3 = tl.load(
             WT + offs_j[:, None, None] * D * DV + off2[None], mask=mj[:, None, None] & m2[None], other=0.0
         )
@@ -459,15 +460,7 @@ if triton is not None:
         CT: tl.constexpr,
     ):  # fmt: skip
         # dx[n] = sum_j WT[j] dh[n + KW-1 - j];  dWT[j] = sum_n dh[n + KW-1 - j] x[n]  (same sequence only)
-        pid = tl.program_id(0).to(tl.int64)
-        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        offs_v = tl.arange(0, BLOCK_V)
-        offs_j = tl.arange(0, KP)
-        md = offs_d < D
-        mv = offs_v < DV
-        mj = offs_j < KW
-        m2 = md[:, None] & mv[None, :]
-        off2 = offs_d[:, None] * DV + offs_v[None, :]
+        pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
         off3 = offs_j[:, None, None] * D * DV + off2[None]
         m3 = mj[:, None, None] & m2[None]
         w3 = tl.load(WT + off3, mask=m3, other=0.0).to(CT)
@@ -495,15 +488,7 @@ if triton is not None:
         TOKENS: tl.constexpr, CT: tl.constexpr,
     ):  # fmt: skip
         # X0[n] = sum_j WT[j] * emb[n - (KW-1) + j][:, None]
-        pid = tl.program_id(0).to(tl.int64)
-        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        offs_v = tl.arange(0, BLOCK_V)
-        offs_j = tl.arange(0, KP)
-        md = offs_d < D
-        mv = offs_v < DV
-        mj = offs_j < KW
-        m2 = md[:, None] & mv[None, :]
-        off2 = offs_d[:, None] * DV + offs_v[None, :]
+        pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
         w3 = tl.load(
             WT + offs_j[:, None, None] * D * DV + off2[None], mask=mj[:, None, None] & m2[None], other=0.0
         )
@@ -525,15 +510,7 @@ if triton is not None:
         CT: tl.constexpr,
     ):  # fmt: skip
         # demb[n] = sum_j sum_v WT[j] G[n + KW-1 - j];  dWT[j] = sum_n emb[n - (KW-1) + j][:, None] G[n]
-        pid = tl.program_id(0).to(tl.int64)
-        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        offs_v = tl.arange(0, BLOCK_V)
-        offs_j = tl.arange(0, KP)
-        md = offs_d < D
-        mv = offs_v < DV
-        mj = offs_j < KW
-        m2 = md[:, None] & mv[None, :]
-        off2 = offs_d[:, None] * DV + offs_v[None, :]
+        pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
         off3 = offs_j[:, None, None] * D * DV + off2[None]
         m3 = mj[:, None, None] & m2[None]
         w3 = tl.load(WT + off3, mask=m3, other=0.0).to(CT)
@@ -651,15 +628,7 @@ if triton is not None:
         CT: tl.constexpr,
     ):  # fmt: skip
         # dWT[j] = sum_n dh[n + KW-1 - j] x'[n], x'[n] = x + beta (k rs) r^T rebuilt per channel block
-        pid = tl.program_id(0).to(tl.int64)
-        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        offs_v = tl.arange(0, BLOCK_V)
-        offs_j = tl.arange(0, KP)
-        md = offs_d < D
-        mv = offs_v < DV
-        mj = offs_j < KW
-        m2 = md[:, None] & mv[None, :]
-        off2 = offs_d[:, None] * DV + offs_v[None, :]
+        pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
         acc = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
         for tt in range(TOKENS):
             n = pid * TOKENS + tt
