@@ -136,7 +136,8 @@ def test_torch_path_bf16():
 
 # ---------------------------------------------------------------------------------------------------
 # Triton path. On CPU it runs through TRITON_INTERPRET=1 (set by conftest.py) at small shapes; the
-# interpreter computes bf16 matrix products wrongly, so CPU covers fp32 and fp16 and bf16 runs on the GPU.
+# interpreter computes bf16 matrix products wrongly (and tf32 as fp32), so CPU covers fp32 and fp16, and
+# bf16 only with the `gpu_like_bf16_interpreter` fixture (reflection regime below); the rest on the GPU.
 # Inputs keep the recurrence bounded: relu/linear kernels grow u exponentially when beta * row sums of
 # kappa exceed ~1, so their beta shrinks with T (each case still changes u by 10-50%, see u_change).
 
@@ -162,10 +163,17 @@ def check_triton_against_reference(
 
     if reference == "loop":
         ref_fn = lambda *x: deltaformer_reference(*x, kernel=kernel)
-    else:  # the chunked float64 path, itself checked against the loop above (faster at T ~ 1000)
+    elif reference == "chunked":  # the float64 chunked path, checked against the loop above (faster)
         ref_fn = lambda q, k, v, w, beta: torch.nn.functional.scaled_dot_product_attention(
             q, k, deltaformer_u_torch(k, v, w, beta, kernel=kernel), is_causal=True
         )
+    else:  # "same_stage2": float64 stage 1, then the very stage 2 ours runs (SDPA on dtype q, k, u)
+        ref_fn = lambda q, k, v, w, beta: torch.nn.functional.scaled_dot_product_attention(
+            q.to(dtype),
+            k.to(dtype),
+            deltaformer_u_torch(k, v, w, beta, kernel=kernel).to(dtype),
+            is_causal=True,
+        ).double()
     # the reference sees the same (rounded) inputs as ours: we check the function, not the rounding
     low = [x.to(dtype) for x in inputs]
     out_ref, g_ref = grads_of(ref_fn, [x.double() for x in low], grad_out.to(dtype).double())
@@ -257,6 +265,100 @@ def test_blocked_inverse_against_torch():
     assert rel_err(u, u_ref) < 1e-5
 
 
+@pytest.fixture
+def gpu_like_bf16_interpreter(monkeypatch):
+    """The CPU interpreter with tl.dot and bf16 casts as on an H100/H200 (bf16 operands decoded, fp32
+    operands truncated to tf32 for "tf32", round-to-nearest-even casts): unpatched, Triton 3.9's
+    interpreter multiplies bf16 bit patterns as integers. Undone after the test."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter only")
+    from bench.bf16_error_attribution import patch_interpreter_dots
+
+    patch_interpreter_dots(monkeypatch.setattr)
+
+
+def test_gpu_like_interpreter_dots(gpu_like_bf16_interpreter):
+    # the patch itself: bf16 dots exact (fp32 accumulation), tf32 dots of fp32 operands ~1e-3 off, tf32x3
+    # and ieee ~fp32; the cast to bf16 rounds to nearest (a truncating cast is ~2x further off on average)
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dot_kernel(A, B, O, R, P: tl.constexpr):
+        r = tl.arange(0, 16)
+        tile = r[:, None] * 16 + r[None, :]
+        a, b = tl.load(A + tile), tl.load(B + tile)
+        tl.store(O + tile, tl.dot(a, b, input_precision=P))
+        tl.store(R + tile, a.to(tl.float32).to(tl.bfloat16))
+
+    a, b = torch.randn(16, 16), torch.randn(16, 16)
+    out, rounded = torch.empty(16, 16), torch.empty(16, 16, dtype=torch.bfloat16)
+    for dtype, prec, lo, hi in [
+        (torch.bfloat16, "tf32", 0.0, 1e-6),
+        (torch.float32, "tf32", 1e-4, 3e-3),
+        (torch.float32, "tf32x3", 0.0, 1e-6),
+        (torch.float32, "ieee", 0.0, 1e-6),
+    ]:
+        x, y = a.to(dtype), b.to(dtype)
+        dot_kernel[(1,)](x, y, out, rounded, P=prec)
+        assert lo <= rel_err(out, x.double() @ y.double()) < hi, (dtype, prec)
+    assert torch.equal(rounded, a.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("lowp", [True, False])
+def test_triton_bf16_u_stage_reflection(kernel, lowp, gpu_like_bf16_interpreter, request):
+    # bf16 u-stage alone (its own outputs u, dk, dv, dw, dbeta; du given) in the reflection regime, on the
+    # CPU with GPU-like dots; bench/bf16_error_attribution.py --triton gives the same numbers as its float64
+    # emulation of the kernel. The defect: bf16 operands in dA = -(beta G) u^T and in dK = s dS^T W,
+    # dW = s dS K (lowp=True, the default) cost relu/linear 1.7e-2 here (T = 512), softmax 9.4e-3; with
+    # tf32 operands (lowp=False) all are <= 3.1e-3.
+    from kernels.deltaformer import deltaformer_u_triton
+
+    if lowp:  # softmax sits at the bound (9.4e-3 here, 9.9e-3..1.1e-2 in the emulation): not a pass either
+        request.applymarker(pytest.mark.xfail(reason="known defect: bf16 dK/dW operands (issue 5)"))
+    q, k, v, w, beta = reflection_inputs(1, 1, 512, 64, kernel)
+    k, v, w, beta = (x.to(torch.bfloat16).double() for x in (k, v, w, beta))
+    du = torch.randn_like(v).to(torch.bfloat16)
+    assert rel_err(deltaformer_u_torch(k, v, w, beta, kernel=kernel), v) > 0.3
+    u_ref, g_ref = grads_of(lambda *x: deltaformer_u_torch(*x, kernel=kernel), [k, v, w, beta], du.double())
+    fn = lambda *x: deltaformer_u_triton(*x, kernel=kernel, chunk=64, lowp=lowp)  # noqa: E731
+    u, g = grads_of(fn, [x.to(torch.bfloat16) for x in (k, v, w, beta)], du)
+    errs = {"u": rel_err(u, u_ref)}
+    errs.update({name: rel_err(a, b) for name, a, b in zip("k v w beta".split(), g, g_ref)})
+    print("bf16 u-stage reflection", kernel, lowp, {n: f"{e:.1e}" for n, e in errs.items()})
+    assert all(e < 1e-2 for e in errs.values()), errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("lowp", [True, False])
+def test_triton_gpu_reflection_same_stage2(kernel, lowp, request):
+    # bf16 in the reflection regime against a reference with a float64 stage 1 and the *same* bf16 stage 2
+    # (SDPA on bf16 q, k, u): what our u-stage adds. The float64 comparison above cannot reach 1e-2 here
+    # with any SDPA stage 2 (bf16 u and du, FlashAttention's bf16 dS: 1.7e-2 for relu/linear at T = 1024 in
+    # bench/bf16_error_attribution.py). Predicted by that emulation: lowp=True (default) dw 2.0e-2 for
+    # relu/linear, 9.9e-3 for softmax (bf16 dA/dS operands, the known defect), lowp=False <= 5.4e-3.
+    if lowp:  # softmax sits at the bound (9.4e-3 here, 9.9e-3..1.1e-2 in the emulation): not a pass either
+        request.applymarker(pytest.mark.xfail(reason="known defect: bf16 dK/dW operands (issue 5)"))
+    inputs = reflection_inputs(2, 3, 1024, 64, kernel, "cuda")
+    errs = check_triton_against_reference(
+        kernel, 2, 3, 1024, 64, torch.bfloat16, "cuda", chunk=64, tol=1e-2, reference="same_stage2",
+        lowp=lowp, inputs=inputs,
+    )  # fmt: skip
+    print("reflection same-stage2", kernel, lowp, {n: f"{e:.1e}" for n, e in errs.items()})
+
+
+def test_triton_bf16_reflection_same_stage2_cpu(gpu_like_bf16_interpreter):
+    # the GPU test above on the CPU (its reference path; PyTorch's CPU SDPA in bf16 as stage 2 on both
+    # sides), lowp=False: ~3e-3 at T = 512 (lowp=True: dw ~1.4e-2, the defect)
+    inputs = reflection_inputs(1, 1, 512, 64, "relu")
+    check_triton_against_reference(
+        "relu", 1, 1, 512, 64, torch.bfloat16, "cpu", chunk=64, tol=1e-2, reference="same_stage2",
+        lowp=False, inputs=inputs,
+    )  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -264,6 +366,9 @@ def test_triton_gpu_reflection_regime(kernel, dtype, request):
     # bf16 relu/linear failed here at 1.4e-2..2.4e-2 with bf16 operands in the recurrence (rec="lowp");
     # the default rec ("split") keeps them in (near) fp32 and still fails (H200, this session):
     # softmax o 3.9e-3 with a gradient above 1e-2, relu/linear 1.0e-2..1.7e-2. Open defect (issue 5).
+    # bench/bf16_error_attribution.py: not the recurrence but (1) a floor of ~1.7e-2 at T = 1024 for
+    # relu/linear that any bf16 SDPA stage 2 has (bf16 u, du, dS; above the 1e-2 bound, so this comparison
+    # cannot pass with SDPA), plus (2) the bf16 dK/dW operands (test_triton_gpu_reflection_same_stage2).
     if dtype == "bf16":  # still runs and prints its errors
         request.applymarker(pytest.mark.xfail(reason="known defect: bf16 reflection regime > 1e-2 (issue 5)"))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
