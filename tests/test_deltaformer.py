@@ -315,7 +315,9 @@ def test_triton_bf16_u_stage_reflection(kernel, lowp, gpu_like_bf16_interpreter,
     # tf32 operands (lowp=False) all are <= 3.1e-3.
     from kernels.deltaformer import deltaformer_u_triton
 
-    if lowp:  # softmax sits at the bound (9.4e-3 here, 9.9e-3..1.1e-2 in the emulation): not a pass either
+    if (
+        lowp and kernel != "softmax"
+    ):  # softmax passes here, close to the bound (9.4e-3; emulation 9.9e-3..1.1e-2)
         request.applymarker(pytest.mark.xfail(reason="known defect: bf16 dK/dW operands (issue 5)"))
     q, k, v, w, beta = reflection_inputs(1, 1, 512, 64, kernel)
     k, v, w, beta = (x.to(torch.bfloat16).double() for x in (k, v, w, beta))
