@@ -130,7 +130,8 @@ def read_run(args, variant, stage):
         records = [json.loads(line) for line in f if line.strip()]
     train = sorted((r for r in records if "train_loss" in r), key=lambda r: r["iter"])
     rates = sorted(r["tok_per_s"] for r in train if r["iter"] >= args.skip)
-    text = open(os.path.join(out_dir, "stdout.txt")).read()
+    with open(os.path.join(out_dir, "stdout.txt")) as f:
+        text = f.read()
     peak = re.findall(r"peak memory ([0-9.]+) GiB", text)
     ranks = re.findall(r"(\d+) rank\(s\) on", text)
     with open(os.path.join(out_dir, "command.txt")) as f:
@@ -183,8 +184,9 @@ def report(args):
         "|---|---|---|---:|---:|---:|---|",
     ]
     summary, commands = {}, []
+    every = {(v, s): read_run(args, v, s) for v in args.variants for s in STAGES}
     for variant in args.variants:
-        runs = {s: read_run(args, variant, s) for s in STAGES}
+        runs = {s: every[variant, s] for s in STAGES}
         base = runs["single"]
         for stage, r in runs.items():
             if r is None:
@@ -216,15 +218,16 @@ def report(args):
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_ddp.md.tmp"), "w") as f:
-            f.write(text + "\n")
-        os.replace(os.path.join(args.out, "bench_ddp.md.tmp"), os.path.join(args.out, "bench_ddp.md"))
-        losses = {
-            f"{v}-{s}": (read_run(args, v, s) or {}).get("losses") for v in args.variants for s in STAGES
-        }
-        with open(os.path.join(args.out, "bench_ddp_losses.json"), "w") as f:
-            json.dump(losses, f)
+        atomic_write(os.path.join(args.out, "bench_ddp.md"), text + "\n")
+        losses = {f"{v}-{s}": (r or {}).get("losses") for (v, s), r in every.items()}
+        atomic_write(os.path.join(args.out, "bench_ddp_losses.json"), json.dumps(losses))
     return summary
+
+
+def atomic_write(path, text):
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
 def main():
