@@ -301,8 +301,8 @@ class Attention(nn.Module):
             self.w_norm = RMSNorm(cfg.head_dim)
         if self.deltaformer:
             self.beta = nn.Linear(cfg.n_embd, cfg.n_head, bias=True)  # per-head gate, a bias like b_beta
-        # RoPE angles of positions 0..block_size-1, computed once: recomputed inside the compiled q/k kernels
-        # the sines cost 12% of a GPT-2 small training step (measured). Not saved in checkpoints.
+        # RoPE angles of positions 0..block_size-1, computed once (recomputing the sines inside the compiled
+        # q/k kernels cost 12% of a GPT-2 small training step, measured). Not saved in checkpoints.
         for name, table in zip(
             ("rope_cos", "rope_sin"), rope_tables(cfg.block_size, cfg.head_dim, cfg.rope_base)
         ):
