@@ -20,6 +20,7 @@ Reproducibility contract:
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -480,6 +481,7 @@ def write_log(record):
 
 
 peak = peak_flops()
+flops_per_token = functools.cache(raw_model.flops_per_token)  # per training length (it counts parameters)
 log(
     f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {model_args['residual']} residual, "
     f"{model_args['attention']} attention"
@@ -530,7 +532,7 @@ while True:
     # state tracking trains at the curriculum's length, not block_size
     length = train_loader.length if dataset == "state_tracking" else block_size
     tok_per_s = global_rows * length / dt
-    mfu = raw_model.flops_per_token(length) * tok_per_s / (peak * world_size) if peak else None
+    mfu = flops_per_token(length) * tok_per_s / (peak * world_size) if peak else None
     write_log(
         {
             "iter": iter_num,

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
+from common import atomic_write  # noqa: E402  (bench/common.py, this script's folder)
 from triton.testing import do_bench  # noqa: E402
 
 import kernels.deltaformer as df  # noqa: E402
@@ -154,9 +155,7 @@ def fla_fn():
 
 def write_json(path, results):
     if path:
-        with open(path + ".tmp", "w") as f:
-            json.dump(results, f, indent=1)
-        os.replace(path + ".tmp", path)
+        atomic_write(path, json.dumps(results, indent=1))
 
 
 def main():

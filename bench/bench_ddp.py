@@ -21,11 +21,12 @@ kept in --work (one out_dir each, with stdout.txt), so a stage can be rerun alon
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
 import time
+
+from common import atomic_write, versions  # bench/common.py (this script's folder)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("single", "multi", "yardstick")
@@ -154,23 +155,6 @@ def max_difference(a, b, n):
     return diffs[i], i
 
 
-def versions():
-    import torch
-
-    try:
-        import triton
-
-        tv = triton.__version__
-    except ImportError:
-        tv = "none"
-    gpu = (
-        f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-        if torch.cuda.is_available()
-        else "none"
-    )
-    return f"GPU {gpu}; torch {torch.__version__}; triton {tv}; Python {platform.python_version()}"
-
-
 def report(args):
     lines = [
         f"Global batch {args.batch_size * args.grad_accum} rows (of 1024 tokens unless --extra sets "
@@ -222,12 +206,6 @@ def report(args):
         losses = {f"{v}-{s}": (r or {}).get("losses") for (v, s), r in every.items()}
         atomic_write(os.path.join(args.out, "bench_ddp_losses.json"), json.dumps(losses))
     return summary
-
-
-def atomic_write(path, text):
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
 
 
 def main():

@@ -30,7 +30,6 @@ this machine with --merge (rows are keyed by model and variant; a later run repl
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+from common import atomic_write, versions  # noqa: E402  (bench/common.py, this script's folder)
 
 PEAK_FLOPS = 989e12  # H100/H200 dense bf16
 BF16 = dict(ddl_state_dtype="bfloat16")  # the "-bf16" rows: the DDL state stored in bf16
@@ -305,14 +305,6 @@ def run_table(args):
 # Output
 
 
-def versions():
-    import triton
-
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    py = platform.python_version()
-    return f"GPU {gpu}; torch {torch.__version__}; triton {triton.__version__}; Python {py}"
-
-
 def table(rows):
     """Markdown table; ratios against additive + softmax of the same model size (peak memory only
     where both ran at the same micro-batch)."""
@@ -387,10 +379,8 @@ def runs_in_results(path):
 def save(args, rows):
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        tmp = os.path.join(args.out, "bench_train.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(dict(command=args.command, versions=versions(), rows=rows), f, indent=1)
-        os.replace(tmp, os.path.join(args.out, "bench_train.json"))
+        run = dict(command=args.command, versions=versions(), rows=rows)
+        atomic_write(os.path.join(args.out, "bench_train.json"), json.dumps(run, indent=1))
 
 
 def write_results_section(path, text):
@@ -404,10 +394,7 @@ def write_results_section(path, text):
         new = before + text.rstrip() + "\n" + ("\n" + after if after else "")
     else:
         new = (old.rstrip() + "\n\n" if old.strip() else "# Benchmark results\n\n") + text.rstrip() + "\n"
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(new)
-    os.replace(tmp, path)
+    atomic_write(path, new)
 
 
 # ---------------------------------------------------------------------------------------------------------

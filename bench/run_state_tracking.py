@@ -24,13 +24,14 @@ log.jsonl record, tagged with its config), stdout.txt (every run's console outpu
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from common import atomic_write, versions  # noqa: E402  (bench/common.py, this script's folder)
 
 CONFIGS = [  # (name, overrides of configs/state_tracking.py)
     ("df-softmax-k", ["--attention=deltaformer", "--deltaformer_kernel=softmax", "--deltaformer_w=k"]),
@@ -94,20 +95,6 @@ def check_triton(timeout):
     return False, f"PyTorch stage 1 (Triton check failed: {out[-1] if out else 'no output'})"
 
 
-def versions():
-    import torch
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)"
-    python = platform.python_version()
-    return f"GPU: {gpu}; torch {torch.__version__}; triton {triton_version}; python {python}"
-
-
 def read_log(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -153,12 +140,6 @@ def table(rows):
     lines += ["", "Commands (from the repository root):", ""]
     lines += [f"- {r['config']}: `{r['command']}`" for r in rows]
     return "\n".join(lines)
-
-
-def atomic_write(path, text):
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
 
 
 def main():
