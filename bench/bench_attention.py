@@ -102,6 +102,87 @@ VARIANTS = [
 # ("warps=8", {}, {"num_warps": 8}), ("stages=2", {}, {"num_stages": 2}).
 
 
+# Launch and diagnosis settings for --kernel-profile (kernel-by-kernel times of each, same run): which
+# setting helps which kernel, and what the prep kernel's time is made of (prep_inverse=0 skips the inverse).
+PROFILE_VARIANTS = [
+    ("default", {}, {}),
+    ("warps=8", {}, {"num_warps": 8}),
+    ("stages=2", {}, {"num_stages": 2}),
+    ("stages=4", {}, {"num_stages": 4}),
+    ("warps=8 stages=2", {}, {"num_warps": 8, "num_stages": 2}),
+    ("prep_inverse=0", {}, {"prep_inverse": 0}),
+    ("C=32", {"chunk": 32}, {}),
+    ("C=128", {"chunk": 128}, {}),
+    ("poll=ld", {}, {"poll": 1}),
+    ("lowp=False", {"lowp": False}, {}),
+    ("rec=lowp", {"rec": "lowp"}, {}),
+]
+
+
+def kernel_times(fn, inputs, iters=10):
+    """{kernel name: GPU microseconds per call} over `iters` forward+backward calls (torch.profiler)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    grad_out = torch.randn_like(fn(*inputs))
+    for _ in range(3):
+        fn(*inputs).backward(grad_out)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn(*inputs).backward(grad_out)
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        if getattr(e, "device_type", None) != DeviceType.CUDA:
+            continue
+        us = getattr(e, "self_device_time_total", None)
+        us = getattr(e, "self_cuda_time_total", 0.0) if us is None else us
+        out[e.key] = out.get(e.key, 0.0) + us / iters
+    return out
+
+
+def kernel_profile(shape, kernels, results):
+    """Per-kernel times (us per f+b) of every PROFILE_VARIANTS entry; one table per first-stage kernel."""
+    torch.manual_seed(0)
+    inputs = make(*shape)
+    for kernel in kernels:
+        table = {}
+        for name, opts, tuning in PROFILE_VARIANTS:
+            saved = dict(df.TUNING)
+            df.TUNING.update(tuning)
+            try:
+                times = kernel_times(ours(kernel, **opts), inputs)
+                times["(f+b ms, do_bench)"] = 1e3 * time_fn(ours(kernel, **opts), inputs, True)
+                table[name] = times
+            except Exception as e:  # noqa: BLE001
+                print(
+                    f"profile variant {kernel} {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True
+                )
+            finally:
+                df.TUNING.clear()
+                df.TUNING.update(saved)
+            print(
+                f"  {kernel} {name}: "
+                + ", ".join(f"{k[:40]} {v:.0f}" for k, v in table.get(name, {}).items() if v >= 5),
+                flush=True,
+            )
+        results.setdefault("kernel_profile", {})[f"{','.join(map(str, shape))} {kernel}"] = table
+        names = sorted(
+            {k for t in table.values() for k in t}, key=lambda k: -table.get("default", {}).get(k, 0)
+        )
+        print(f"\nper-kernel us per f+b, {kernel}, {shape} (columns: variants)")
+        print("| kernel | " + " | ".join(table) + " |")
+        print("|---" * (len(table) + 1) + "|")
+        for k in names:
+            if max(t.get(k, 0) for t in table.values()) < 3:
+                continue
+            print(
+                f"| {k[:60]} | " + " | ".join(f"{t.get(k, float('nan')):.0f}" for t in table.values()) + " |"
+            )
+        print("", flush=True)
+
+
 def u_and_grads(inputs, kernel, opts, grad_u):
     """u and the gradients of <u, grad_u> in k, v, w, beta, flattened into one fp32 vector each."""
     q, k, v, w, beta = (x.detach().requires_grad_(True) for x in inputs)
@@ -166,6 +247,12 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernel-by-kernel times of one configuration")
     ap.add_argument("--json", default="", help="write all numbers to this file")
+    ap.add_argument(
+        "--kernel-profile",
+        default="",
+        help="first-stage kernels for the per-kernel profile of "
+        "PROFILE_VARIANTS at the first shape (comma-separated), then exit",
+    )
     args = ap.parse_args()
 
     print("command:", " ".join([sys.executable] + sys.argv))
@@ -174,6 +261,10 @@ def main():
     print(f"measured ceilings: bf16 matmul {tflops:.0f} TFLOP/s, device copy {gbs:.0f} GB/s")
     fla = None if args.no_fla else fla_fn()
     rows, results = [], {"tflops": tflops, "gbs": gbs, "shapes": {}}
+    if args.kernel_profile:
+        kernel_profile(SHAPES[0], args.kernel_profile.split(","), results)
+        write_json(args.json, results)
+        return
 
     variant_shapes = {SHAPES[int(i)] for i in args.variant_shapes.split(",")}
     for B, H, T, D in SHAPES:

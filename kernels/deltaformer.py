@@ -346,6 +346,7 @@ if _HAS_TRITON:
     def _prep_kernel(
         W, K, Beta, LSE, Xinv, scale, T, NC,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
+        INVERSE: tl.constexpr,
     ):  # fmt: skip
         c = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
@@ -372,7 +373,9 @@ if _HAS_TRITON:
             lse = m + tl.log(tl.where(l > 0, l, 1.0))  # row 0 of the sequence has no j < i
             tl.store(LSE + bh * T + rows, lse, mask=rmask)
         a_cc = _kappa(s_cc, lower, lse, KERNEL)
-        if C <= 16:
+        if INVERSE == 0:  # timing probe (TUNING["prep_inverse"]): X = I
+            x = tl.where(offs_c[:, None] == offs_c[None, :], 1.0, 0.0) + 0.0 * a_cc
+        elif C <= 16:
             x = _unit_lower_inverse(b[:, None] * a_cc, C)
         else:
             x = _blocked_unit_lower_inverse(b[:, None] * a_cc, C, 16, XPREC)
@@ -630,7 +633,8 @@ def _triton_cfg(x, chunk, lowp, rec):
 # poll: 0 atomic / 1 acquire-load polling (`_read_progress`); lookahead: 1 = the wavefronts prepare the
 # last awaited chunk's matrix before waiting for it (LOOK in `_fwd_kernel`); num_warps / num_stages:
 # None = the defaults.
-TUNING = {"poll": 0, "lookahead": 0, "num_warps": None, "num_stages": None}
+# prep_inverse: 0 = the prep kernel skips the in-chunk inverse (X = I: wrong results, a timing probe only).
+TUNING = {"poll": 0, "lookahead": 0, "num_warps": None, "num_stages": None, "prep_inverse": 1}
 
 
 def _launch(D, chunk, lowp):
@@ -674,7 +678,7 @@ def _u_fwd_op(
     with _device_guard(v):
         _prep_kernel[(NC, BH)](
             w, k, beta, lse, xinv, scale, T, NC, KERNEL=kid, D=D, C=C, PREC=prec, XPREC=xprec,
-            **launch,
+            INVERSE=TUNING["prep_inverse"], **launch,
         )  # fmt: skip
         counters = torch.zeros(BH + 1, device=v.device, dtype=torch.int32)  # progress per (b, h); ticket
         _fwd_kernel[(BH * NC,)](
