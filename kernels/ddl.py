@@ -177,15 +177,30 @@ except ImportError:  # pragma: no cover - triton is a requirement on Linux
     triton = None
 
 # Launch shapes (tokens per program, warps, channel block for the per-channel kernels); tuned on an H200
-# by `python bench/bench_train.py --kernels`; tests shrink TOKENS to exercise partial sums and tails.
+# by `python bench/bench_train.py --kernels` / `--kernel-sweeps`; tests shrink TOKENS to exercise partial
+# sums and tails. An entry may hold a whole launch shape for one state dtype under that dtype's name
+# ("bfloat16"), used instead of the entry's own for that dtype (read through _cfg). The session-2 H200
+# sweep (N 32768, d 768, forward + backward): fused update + CC d_v 4, bf16 state 797 us at TOKENS 16 +
+# pipelined loop vs 1087 us at the fp32 best (TOKENS 32, plain loop: 812 us in fp32); d_v = 1 rows, bf16
+# 679 us at ROWS 4 / 8 warps vs 963 us at 4 warps, fp32 752 us at ROWS 2 / 4 warps vs 1076 us at ROWS 4.
 _CFG = {
     "update_fwd": dict(TOKENS=1, num_warps=4),
-    "update_bwd": dict(TOKENS=32, LOOP=0, num_warps=4),  # LOOP: see _update_bwd_kernel
-    "update_row": dict(ROWS=4, num_warps=4),  # d_v = 1 without a fused read-out; ROWS=0: the general kernel
+    "update_bwd": dict(  # LOOP: see _update_bwd_kernel
+        TOKENS=32, LOOP=0, num_warps=4, bfloat16=dict(TOKENS=16, LOOP=2, num_warps=4)
+    ),
+    "update_row": dict(  # d_v = 1 without a fused read-out; ROWS=0: the general kernel
+        ROWS=2, num_warps=4, bfloat16=dict(ROWS=4, num_warps=8)
+    ),
     "chan_fwd": dict(TOKENS=4, BLOCK_D=256, num_warps=4),
     "chan_bwd": dict(TOKENS=64, BLOCK_D=256, num_warps=4),
 }
 _POISON = False  # tests set True: outputs start as NaN so an unwritten element cannot pass
+
+
+def _cfg(key, dtype):
+    """The launch shape _CFG[key] holds for a state of this dtype (its per-dtype entry, else its own)."""
+    cfg = _CFG[key]
+    return cfg.get(str(dtype).removeprefix("torch."), cfg)
 
 
 def _new(shape, like, dtype=None):
@@ -660,11 +675,11 @@ def _pow2(n):
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def _use_rows(DV, weight):
+def _use_rows(DV, weight, dtype):
     """d_v = 1 and no fused read-out: the [tokens, d] row kernels (unless _CFG turns them off)."""
-    rows = _CFG["update_row"]["ROWS"]
+    rows = _cfg("update_row", dtype)["ROWS"]
     if rows and rows != _pow2(rows):
-        raise ValueError(f"_CFG['update_row']['ROWS'] must be 0 or a power of two, got {rows}")
+        raise ValueError(f"_CFG['update_row'] ROWS for {dtype} must be 0 or a power of two, got {rows}")
     return DV == 1 and weight is None and rows > 0
 
 
@@ -680,8 +695,8 @@ def _update_op(
     N, D, DV = x.shape
     x_new = _new((N, D, DV), x)
     h = _new((N, D) if weight is not None else (0,), x)
-    if _use_rows(DV, weight):
-        cfg = _CFG["update_row"]
+    if _use_rows(DV, weight, x.dtype):
+        cfg = _cfg("update_row", x.dtype)
         _update_row_fwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
             x, k, v, beta, x_new, N, D, eps, ROWS=cfg["ROWS"], BLOCK_D=_pow2(D), ERASE=erase,
             CT=_ct(x, k, v, beta), num_warps=cfg["num_warps"],
@@ -708,11 +723,11 @@ def _update_bwd_op(
     g: torch.Tensor, dh: torch.Tensor | None, eps: float, erase: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     N, D, DV = x.shape
-    cfg = _CFG["update_bwd"]
+    cfg = _cfg("update_bwd", x.dtype)
     nprog = triton.cdiv(N, cfg["TOKENS"])
     dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
-    if _use_rows(DV, weight):
-        rcfg = _CFG["update_row"]
+    if _use_rows(DV, weight, x.dtype):
+        rcfg = _cfg("update_row", x.dtype)
         _update_row_bwd_kernel[(triton.cdiv(N, rcfg["ROWS"]),)](
             x, k, v, beta, g, dx, dk, dv, dbeta, N, D, eps, ROWS=rcfg["ROWS"], BLOCK_D=_pow2(D),
             ERASE=erase, CT=_ct(x, k, v, beta, g), num_warps=rcfg["num_warps"],

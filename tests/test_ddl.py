@@ -276,6 +276,42 @@ def test_triton_update_default_launch_shapes(dv, monkeypatch):
     compare(lambda *a: ddl_update(*a, backend="triton"), ddl_update_ref, (x, k, v, beta))
 
 
+def test_launch_shape_per_state_dtype(monkeypatch):
+    """_cfg reads an entry's per-dtype launch shape for that dtype only, and the ops launch with the one of
+    the state's dtype (a bad ROWS stored for float64 alone must fail float64 and nothing else)."""
+    bf16 = ddl._CFG["update_bwd"]["bfloat16"]
+    assert ddl._cfg("update_bwd", torch.bfloat16) is bf16
+    assert ddl._cfg("update_bwd", torch.float32) is ddl._CFG["update_bwd"]
+    assert ddl._cfg("update_fwd", torch.bfloat16) is ddl._CFG["update_fwd"]  # no per-dtype entry
+    monkeypatch.setitem(ddl._CFG, "update_row", dict(ROWS=4, num_warps=4, float64=dict(ROWS=3, num_warps=4)))
+    x, k, v, beta = rand_update_args(lead=(2, 5), d=20, dv=1)
+    with pytest.raises(ValueError, match="float64 must be 0 or a power of two, got 3"):
+        ddl_update(x, k, v, beta, backend="triton")
+    x32, k32, v32, beta32 = (t.float() for t in (x, k, v, beta))
+    torch.testing.assert_close(
+        ddl_update(x32, k32, v32, beta32, backend="triton"), ddl_update_ref(x32, k32, v32, beta32)
+    )
+
+
+@pytest.mark.parametrize("dv", [1, 4])
+def test_triton_update_bf16_launch_shapes_exact(dv, monkeypatch):
+    """The launch shapes shipped for a bf16 state, run on float64 inputs (exact comparison): 42 tokens
+    give several programs of the pipelined 16-token backward and a ragged last one."""
+    monkeypatch.setattr(ddl, "_POISON", True)
+    for key in ("update_bwd", "update_row"):
+        entry = ddl._CFG[key]
+        monkeypatch.setitem(ddl._CFG, key, {**entry, "float64": entry["bfloat16"]})
+    assert ddl._cfg("update_bwd", F64) == dict(TOKENS=16, LOOP=2, num_warps=4)
+    x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(2, 21), d=20, dv=dv))
+    w = torch.randn(20, dv, dtype=F64, requires_grad=True)
+    compare(
+        lambda *a: ddl.ddl_update_compress_cc(*a, backend="triton"),
+        ddl.ddl_update_compress_cc_ref,
+        (x, k, v, beta, w),
+    )
+    compare(lambda *a: ddl_update(*a, backend="triton"), ddl_update_ref, (x, k, v, beta))
+
+
 @pytest.mark.parametrize("loop", [0, 1, 2])
 @pytest.mark.parametrize("fused", [False, True])
 def test_triton_update_backward_loop_kinds(triton_small, monkeypatch, loop, fused):
