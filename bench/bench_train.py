@@ -1,7 +1,9 @@
-"""End-to-end training throughput of every residual x attention variant on one GPU, and micro-benchmarks
-of the DDL kernels.
+"""End-to-end training throughput of every residual x attention variant (one GPU per job, one or several
+GPUs per run), and micro-benchmarks of the DDL kernels.
 
-    python bench/bench_train.py                       # the table: gpt2-small and gpt2-medium, 6 variants
+    python bench/bench_train.py                       # the table: gpt2-small and gpt2-medium, every variant
+    python bench/bench_train.py --gpus 0,1 --batches "gpt2-small=64,32;gpt2-medium=32,16"
+                                                      # the same on two GPUs at once (one job per GPU)
     python bench/bench_train.py --kernels-only        # DDL kernel timings and bytes moved
     python bench/bench_train.py --models gpt2-small --variants additive,ddl-cc --out /tmp/b
     python bench/bench_train.py --merge /tmp/b/bench_train.json   # into bench/RESULTS.md (no GPU)
@@ -11,7 +13,7 @@ of the DDL kernels.
 Variants: additive, ddl (d_v = 1), ddl-tc, ddl-cc (EC on), each with softmax attention, and additive /
 ddl-cc with Deltaformer; a "-bf16" suffix (ddl-bf16, ddl-tc-bf16, ddl-cc-bf16, ddl-cc-bf16+deltaformer)
 is the same model with the DDL state stored in bf16 (GPTConfig.ddl_state_dtype="bfloat16").
-The GPU is whichever CUDA_VISIBLE_DEVICES the caller gives (device 0 of the process).
+Without --gpus a job runs on whichever CUDA_VISIBLE_DEVICES the caller gives (device 0 of the process).
 
 For each (model, variant): bf16 autocast, torch.compile, fused AdamW, seq 1024, the largest micro-batch of
 --batches that fits (OOM is caught and the next smaller one tried); tokens/s, step time (median of the
@@ -20,11 +22,13 @@ MFU = tokens/s * (6 N + 12 L H Q T) / 989e12 (N: the variant's parameters,
 H heads of width Q), and ratios to additive + softmax of the same size (peak memory only where both ran
 at the same micro-batch; pass --batches 32 to force one).
 
-Each (model, variant) runs in its own fresh process, one after another, compiled with static shapes at
-the batch it is timed at (a smaller batch after an OOM compiles again). Compiling dominates the run time
-(~1-2 min per row on the H200 machine's 16 cores), so the whole table takes longer than one 10-minute
-device call: run it in parts (--models / --variants) and merge the parts' JSON into bench/RESULTS.md on
-this machine with --merge (rows are keyed by model and variant; a later run replaces a row).
+Each (model, variant) runs in its own fresh process, compiled with static shapes at the batch it is timed
+at (a smaller batch after an OOM compiles again): one after another, or with --gpus 0,1 one process per
+GPU at a time, from one queue that starts the longest jobs first (job_order); each row records its GPU,
+the table keeps the model/variant order. Compiling dominates the run time (~30-50 s per gpt2-small row
+on the H200 machines), so a 10-minute device call holds ~8 rows per GPU: run the rest in parts
+(--models / --variants) and merge the parts' JSON into bench/RESULTS.md on this machine with --merge
+(rows are keyed by model and variant; a later run replaces a row).
 """
 
 import argparse
@@ -208,7 +212,7 @@ def kernel_kind(name):
 
 def worker(job, results):
     """One (model, variant) in a fresh process: static shapes, compiled at the batch it is timed at."""
-    name, size, overrides, args = job["name"], job["size"], job["overrides"], job["args"]
+    name, size, overrides, args = job["variant"], job["model"], job["overrides"], job["args"]
     row = dict(model=size, variant=name)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -223,7 +227,7 @@ def worker(job, results):
         torch.manual_seed(0)
         model = GPT(cfg).to(args.device)
         row["params_M"] = model.num_params() / 1e6
-        for B in args.batches:
+        for B in job["batches"]:
             compiled = model
             if args.compile and args.compile_scope == "model":
                 compiled = torch.compile(model, dynamic=False)
@@ -255,50 +259,112 @@ def worker(job, results):
             torch._dynamo.reset()
             empty_cache()
         else:
-            raise RuntimeError(f"no micro-batch of {args.batches} fits")
+            raise RuntimeError(f"no micro-batch of {job['batches']} fits")
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"[:400]
         traceback.print_exc()
     results.put(row)
 
 
-def run_table(args):
-    """Each (model, variant) in its own process, one after another (the GPU and the CPU to itself)."""
+def job_order(models, variants):
+    """The queue: the issue's rows before the extra "-bf16" ones, and within each, the longest jobs first
+    (medium before small; Deltaformer, then the TC/CC read-outs, then the rest), so that the last jobs to
+    start on several GPUs are short ones."""
+
+    def key(job):
+        model, variant = job
+        kind = 2 if "deltaformer" in variant else 1 if ("-tc" in variant or "-cc" in variant) else 0
+        return ("-bf16" in variant, "medium" not in model, -kind)
+
+    return sorted(((m, v) for m in models for v in variants), key=key)
+
+
+def run_jobs(jobs, gpus, start, time_limit, job_timeout, report=print, min_left=30, ctx=None, poll_s=0.2):
+    """Run jobs (dicts with model, variant; in queue order) in fresh processes, one per GPU of `gpus` at a
+    time, each GPU taking the next job when its last one has ended. start(job, queue) is the process
+    target and must put exactly one row (a dict) on the queue. A job starts only while >= min_left s of
+    time_limit remain, and is killed after min(job_timeout, what was left when it started) s, so the
+    whole run ends within time_limit (+ a few s to reap). Returns one row per job, in the jobs' order;
+    report(row) is called as each finishes. The GPU (a CUDA_VISIBLE_DEVICES value; None: the caller's
+    own device) is set in the environment the child is spawned with, before it can initialise CUDA."""
     import multiprocessing as mp
     import queue
 
-    ctx = mp.get_context("spawn")
-    rows = []
-    t0 = time.time()
-    for m in args.models:
-        for v in args.variants:
-            left = args.time_limit - (time.time() - t0)
-            if left < 30:
-                rows.append(dict(model=m, variant=v, error="not run: --time-limit reached"))
+    ctx = ctx or mp.get_context("spawn")
+    t0, todo, running, rows = time.time(), list(jobs), {}, {}
+
+    def finish(gpu, row):
+        job = running[gpu]["job"]
+        row.update(model=job["model"], variant=job["variant"], gpu=gpu, t_done_s=round(time.time() - t0, 1))
+        rows[id(job)] = row
+        report(row)
+        running[gpu]["row_at"] = time.time()  # the process gets a few s to exit and free the GPU
+
+    while todo or running:
+        for gpu in gpus:
+            if gpu in running or not todo or time_limit - (time.time() - t0) < min_left:
                 continue
-            results = ctx.Queue()
-            p = ctx.Process(
-                target=worker, args=(dict(name=v, size=m, overrides=VARIANTS[v], args=args), results)
-            )
-            p.start()
-            budget, t_job, row = min(left, args.job_timeout), time.time(), None
-            while row is None:
+            job, q = todo.pop(0), ctx.Queue()
+            p = ctx.Process(target=start, args=(job, q))
+            old = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if gpu is not None:
+                os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+            try:
+                p.start()
+            finally:
+                if old is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = old
+            left = time_limit - (time.time() - t0)
+            running[gpu] = dict(job=job, p=p, q=q, t=time.time(), budget=min(left, job_timeout), row_at=None)
+        if not running:  # the time limit leaves no room for another job
+            for job in todo:
+                rows[id(job)] = dict(
+                    model=job["model"], variant=job["variant"], error="not run: --time-limit reached"
+                )
+            break
+        time.sleep(poll_s)
+        for gpu, r in list(running.items()):
+            p = r["p"]
+            if r["row_at"] is None:
                 try:
-                    row = results.get(timeout=2)
+                    finish(gpu, r["q"].get(timeout=0.01 if p.is_alive() else 1.0))
                 except queue.Empty:
                     if not p.is_alive():  # died without a row (crash, killed for memory, ...)
-                        error = f"worker exited with code {p.exitcode}, no result"
-                        row = dict(model=m, variant=v, error=error)
-                    elif time.time() - t_job > budget:
-                        row = dict(model=m, variant=v, error=f"no result within {budget:.0f} s (killed)")
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-            row["t_done_s"] = round(time.time() - t0, 1)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            save(args, rows)
-    return rows
+                        finish(gpu, dict(error=f"worker exited with code {p.exitcode}, no result"))
+                    elif time.time() - r["t"] > r["budget"]:
+                        p.kill()
+                        finish(gpu, dict(error=f"no result within {r['budget']:.0f} s (killed)"))
+            if r["row_at"] is not None and (not p.is_alive() or time.time() - r["row_at"] > 10):
+                if p.is_alive():
+                    p.kill()
+                p.join()
+                del running[gpu]
+    return [rows[id(job)] for job in jobs]
+
+
+def run_table(args):
+    """Every (model, variant) in its own process: one after another on the caller's GPU, or with --gpus
+    one at a time on each listed GPU, from one queue (job_order). Rows come back in the table's order."""
+    order = job_order(args.models, args.variants)
+    jobs = [
+        dict(model=m, variant=v, overrides=VARIANTS[v], batches=args.batches[m], args=args) for m, v in order
+    ]
+    done = []
+
+    def report(row):
+        print(json.dumps(row), flush=True)
+        done.append(row)
+        save(args, table_order(done, args))
+
+    rows = run_jobs(jobs, args.gpus, worker, args.time_limit, args.job_timeout, report)
+    return table_order(rows, args)
+
+
+def table_order(rows, args):
+    pos = {(m, v): i for i, (m, v) in enumerate((m, v) for m in args.models for v in args.variants)}
+    return sorted(rows, key=lambda r: pos[(r["model"], r["variant"])])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -441,6 +507,10 @@ def sweep_update(args, do_bench, report, dtype, dv):
 
     N, d = args.kernel_tokens, 768
     shipped = {key: dict(val) for key, val in ddl._CFG.items()}
+    # what ships for this state dtype (an entry's per-dtype shape, else its own, without the sub-entries)
+    ship = {
+        key: {n: c for n, c in ddl._cfg(key, dtype).items() if not isinstance(c, dict)} for key in shipped
+    }
     es = torch.finfo(dtype).bits // 8
     tag = f"{str(dtype).replace('torch.', '')}, N={N}"
     x = torch.randn(N // 1024, 1024, d, dv, device="cuda", dtype=dtype, requires_grad=True)
@@ -479,7 +549,7 @@ def sweep_update(args, do_bench, report, dtype, dv):
         ]
         for cfg in row_cfgs:
             ddl._CFG["update_row"] = cfg
-            mark = " (shipped)" if cfg == shipped["update_row"] else ""
+            mark = " (shipped)" if cfg == ship["update_row"] else ""
             timed(f"d_v=1 update f+b update_row={cfg}{mark}", upd, 5 * S + 3 * V)
         ddl._CFG.update(shipped)
         return
@@ -496,7 +566,7 @@ def sweep_update(args, do_bench, report, dtype, dv):
     for tok, nw in ((1, 4), (1, 2), (2, 4), (4, 4)):  # forward: 1 token/program looked latency-bound in bf16
         cfg = dict(TOKENS=tok, num_warps=nw)
         ddl._CFG["update_fwd"] = cfg
-        mark = " (shipped)" if cfg == shipped["update_fwd"] else ""
+        mark = " (shipped)" if cfg == ship["update_fwd"] else ""
         timed(
             f"update+cc fwd update_fwd={cfg}{mark}",
             lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"),
@@ -505,7 +575,7 @@ def sweep_update(args, do_bench, report, dtype, dv):
     ddl._CFG.update(shipped)
     for cfg in bwd_cfgs:
         ddl._CFG["update_bwd"] = cfg
-        mark = " (shipped)" if cfg == shipped["update_bwd"] else ""
+        mark = " (shipped)" if cfg == ship["update_bwd"] else ""
         timed(f"update f+b update_bwd={cfg}{mark}", upd, 5 * S + 3 * V)
         timed(f"update+cc f+b update_bwd={cfg}{mark}", fused, 5 * S + 5 * V)
     ddl._CFG.update(shipped)
@@ -651,11 +721,50 @@ def bench_kernels_dtype(args, dtype, do_bench, report):
     ddl._CFG.update(saved)
 
 
+def parse_batches(text, models):
+    """--batches: '64,32' (every model) or 'gpt2-small=64,32;gpt2-medium=32,16' (an entry without a model
+    name serves the models not named) -> {model: sizes, largest first}."""
+    default, per_model = None, {}
+    for part in (p.strip() for p in text.split(";")):
+        if not part:
+            continue
+        model, _, sizes = part.rpartition("=")
+        try:
+            batch = sorted({int(b) for b in sizes.split(",") if b.strip()}, reverse=True)
+        except ValueError:
+            batch = []
+        if not batch or batch[-1] < 1:
+            raise SystemExit(f"--batches: {part!r}: expected positive integers like 64,32 (or model=64,32)")
+        if model:
+            per_model[model.strip()] = batch
+        else:
+            default = batch
+    out = {}
+    for m in models:
+        if m not in per_model and default is None:
+            raise SystemExit(
+                f"--batches {text!r}: no micro-batch sizes for {m} (add {m}=... or a plain list)"
+            )
+        out[m] = per_model.get(m, default)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="gpt2-small,gpt2-medium")
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--batches", default="64,32,16,8", help="micro-batch sizes to try, largest first")
+    p.add_argument(
+        "--batches",
+        default="64,32,16,8",
+        help="micro-batch sizes to try, largest first: '64,32' for every model, or per model "
+        "'gpt2-small=64,32;gpt2-medium=32,16'",
+    )
+    p.add_argument(
+        "--gpus",
+        default="",
+        help="e.g. 0,1: run the jobs on these GPUs at once (CUDA_VISIBLE_DEVICES of each worker), one job "
+        "per GPU at a time from one queue; default: one job at a time on the caller's GPU",
+    )
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
@@ -700,7 +809,10 @@ def main():
     for v in args.variants:
         if v not in VARIANTS:
             raise SystemExit(f"--variants: unknown variant {v!r}; allowed: {', '.join(VARIANTS)}")
-    args.batches = sorted({int(b) for b in args.batches.split(",")}, reverse=True)
+    args.batches = parse_batches(args.batches, args.models)
+    args.gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] or [None]
+    if len(set(args.gpus)) != len(args.gpus):
+        raise SystemExit(f"--gpus: a GPU is listed twice in {args.gpus}")
     args.model_overrides = {
         key: (int(val) if val.isdigit() else val)
         for key, val in (kv.split("=", 1) for kv in args.model_overrides.split(",") if kv)
