@@ -92,19 +92,20 @@ def split_mm(a, b):
     return a_hi @ b_hi + a_hi @ b_lo + a_lo @ b_hi
 
 
-def blocked_inverse_tf32(n, S=16):
-    """(I + n)^-1 as the prep kernel's `_blocked_unit_lower_inverse` with tf32 products: exact inverses
-    of the diagonal [S, S] blocks, then X_b -= D^-1 (N_b X) block row by block row, operands in tf32."""
+def blocked_inverse_tf32(n):
+    """(I + n)^-1 as the prep kernel's `_unit_lower_inverse` with tf32 products: the block size doubles,
+    Y_2b = Y_b - Y_b E_b Y_b (E_b: n in the lower-left quarter of every [2b, 2b] block), operands in tf32."""
     C = n.shape[-1]
-    eye = torch.eye(C, dtype=n.dtype)
-    blk = torch.arange(C) // S
-    diag = torch.where(blk[:, None] == blk[None, :], n, 0.0)
-    dinv = torch.linalg.solve_triangular(eye + diag, eye.expand_as(n), upper=False, unitriangular=True)
-    x = dinv
-    for b in range(1, C // S):
-        e_b = torch.where((blk[:, None] == b) & (torch.arange(C)[None, :] < b * S), n, 0.0)
-        x = x - tf32(dinv) @ tf32(tf32(e_b) @ tf32(x))
-    return x
+    idx = torch.arange(C)
+    r, c = idx[:, None], idx[None, :]
+    y = torch.eye(C, dtype=n.dtype).expand_as(n).clone()
+    b = 1
+    while b < C:
+        quarter = (r // (2 * b) == c // (2 * b)) & ((r // b) % 2 == 1) & ((c // b) % 2 == 0)
+        e = torch.where(quarter, n, 0.0)
+        y = y - tf32(y) @ tf32(tf32(e) @ tf32(y))
+        b *= 2
+    return y
 
 
 def emulate(q, k, v, w, beta, do, kernel, pts, chunk=64, u_stage_only=False):

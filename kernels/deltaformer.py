@@ -192,8 +192,8 @@ def deltaformer_attention(q, k, v, w, beta, kernel="softmax", scale=None, backen
 # gives up and writes NaN.
 #
 # In-chunk inverse: N = diag(beta_c) A_cc is strictly lower triangular (nilpotent), so (I + N)^-1 by
-# blocked forward substitution in the parallel prep kernel (`_blocked_unit_lower_inverse`; see
-# `_unit_lower_inverse` for why not the Neumann series by squaring); X_c is saved for the backward.
+# doubling the block size in the parallel prep kernel (`_unit_lower_inverse`, which says why not the Neumann
+# series by squaring nor forward substitution); X_c is saved for the backward.
 #
 # Precision (half-precision inputs): products take half operands with fp32 accumulation, as in
 # FlashAttention, except the recurrence's inter-chunk products, whose rounding every later u inherits:
@@ -296,51 +296,28 @@ if _HAS_TRITON:
             return tl.where(valid, da, 0.0)
 
     @triton.jit
-    def _unit_lower_inverse(n, C: tl.constexpr):
-        """(I + n)^-1 for strictly lower triangular n [C, C], by forward substitution, row by row:
-        x_r = e_r - sum_{j<r} n_rj x_j. Not the Neumann series by squaring ((I - n)(I + n^2)(I + n^4)...):
-        that is exact in exact arithmetic, but where beta * kappa ~ 1-2 (a token's update is a reflection,
-        the regime state tracking needs) the powers of n grow huge and cancel, and fp32 lost up to 7e-2 of
-        u at C = 64 (tests/test_deltaformer.py, reflection regime). Substitution is as accurate as the
-        solve itself. Used as is only for C = 16; larger chunks go through `_blocked_unit_lower_inverse`."""
+    def _unit_lower_inverse(n, C: tl.constexpr, PREC: tl.constexpr):
+        """(I + n)^-1 for strictly lower triangular n [C, C] (C a power of two), by doubling the block size:
+        let Y_b be the inverse of the block-diagonal part of I + n in [b, b] blocks (Y_1 = I). A [2b, 2b]
+        block is [[A, 0], [E, B]], with inverse [[A^-1, 0], [-B^-1 E A^-1, B^-1]], so Y_2b = Y_b - Y_b E_b Y_b
+        with E_b the entries of n in the lower-left quarter of every [2b, 2b] block: log2(C) steps of two
+        [C, C] products (tensor cores). Like forward substitution, it only multiplies by final entries of
+        the inverse; not the Neumann series by squaring ((I - n)(I + n^2)(I + n^4)...), exact in exact
+        arithmetic but where beta * kappa ~ 1-2 (a token's update is a reflection, the regime state
+        tracking needs) the powers of n grow huge and cancel: fp32 lost up to 7e-2 of u at C = 64
+        (tests/test_deltaformer.py, reflection regime). Forward substitution row by row (V3) and by 16-row
+        blocks (V4) were as accurate but slow: C - 1 or 15 dependent steps of cross-warp reductions, 123 of
+        the prep kernel's 179 us at 8,12,1024,64 (bench/NOTES_deltaformer.md, V6)."""
         offs = tl.arange(0, C)
-        x = tl.where(offs[:, None] == offs[None, :], 1.0, 0.0)
-        for r in range(1, C):
-            is_row = offs[:, None] == r
-            n_r = tl.sum(tl.where(is_row, n, 0.0), axis=0)  # row r of n, indexed by j (zero for j >= r)
-            x_r = tl.sum(n_r[:, None] * x, axis=0)  # sum_{j<r} n_rj x_j: rows j < r are final already
-            x = tl.where(is_row, x - x_r[None, :], x)
-        return x
-
-    @triton.jit
-    def _blocked_unit_lower_inverse(n, C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr):
-        """(I + n)^-1 as above, blocked, with the same accuracy: substitution's C - 1 dependent steps, two
-        cross-warp reductions each over the whole [C, C] tile, cost ~0.2 ms per forward (V3 in
-        bench/NOTES_deltaformer.md). Here:
-        1. the C/S diagonal [S, S] blocks by forward substitution, all at once as one [C/S, S, S] tensor
-           (S - 1 steps on a quarter of the elements);
-        2. the blocks below the diagonal by block forward substitution, one block row at a time:
-           X_b = D_b^-1 (I_b - sum_{k<b} N_bk X_k), two [C, C] products per block row (tensor cores).
-        Like substitution, it only ever multiplies by final entries of the inverse (no cancelling powers)."""
-        NB: tl.constexpr = C // S
-        offs = tl.arange(0, C)
-        blk = tl.arange(0, NB)
-        r = tl.arange(0, S)
-        same = blk[:, None, None, None] == blk[None, None, :, None]  # [NB, 1, NB, 1]: a diagonal block
-        n3 = tl.sum(tl.where(same, tl.reshape(n, (NB, S, NB, S)), 0.0), axis=2)  # [NB, S, S]
-        x3 = tl.where((r[None, :, None] == r[None, None, :]) & (blk[:, None, None] >= 0), 1.0, 0.0)
-        for i in range(1, S):
-            is_row = r[None, :, None] == i
-            n_i = tl.sum(tl.where(is_row, n3, 0.0), axis=1)  # [NB, S]: row i of every block
-            x_i = tl.sum(n_i[:, :, None] * x3, axis=1)  # [NB, S]: sum_{j<i} n_ij x_j
-            x3 = tl.where(is_row, x3 - x_i[:, None, :], x3)
-        dinv = tl.reshape(tl.where(same, x3[:, :, None, :], 0.0), (C, C))  # block diagonal [C, C]
-        x = dinv
-        for b in range(1, NB):
-            # rows of block b, columns of the blocks before it (final in x already)
-            e_b = tl.where(((offs[:, None] // S) == b) & (offs[None, :] < b * S), n, 0.0)
-            x = x - tl.dot(dinv, tl.dot(e_b, x, input_precision=PREC), input_precision=PREC)
-        return x
+        r, c = offs[:, None], offs[None, :]
+        y = tl.where(r == c, 1.0, 0.0)
+        for level in tl.static_range(7):  # C <= 128
+            b: tl.constexpr = 1 << level
+            if b < C:
+                quarter = (r // (2 * b) == c // (2 * b)) & ((r // b) % 2 == 1) & ((c // b) % 2 == 0)
+                e = tl.where(quarter, n, 0.0)
+                y = y - tl.dot(y, tl.dot(e, y, input_precision=PREC), input_precision=PREC)
+        return y
 
     @triton.jit
     def _prep_kernel(
@@ -375,10 +352,8 @@ if _HAS_TRITON:
         a_cc = _kappa(s_cc, lower, lse, KERNEL)
         if INVERSE == 0:  # timing probe (TUNING["prep_inverse"]): X = I
             x = tl.where(offs_c[:, None] == offs_c[None, :], 1.0, 0.0) + 0.0 * a_cc
-        elif C <= 16:
-            x = _unit_lower_inverse(b[:, None] * a_cc, C)
         else:
-            x = _blocked_unit_lower_inverse(b[:, None] * a_cc, C, 16, XPREC)
+            x = _unit_lower_inverse(b[:, None] * a_cc, C, XPREC)
         tl.store(Xinv + (bh * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :], x)
 
     @triton.jit
@@ -638,6 +613,8 @@ TUNING = {"poll": 0, "lookahead": 0, "num_warps": None, "num_stages": None, "pre
 
 
 def _launch(D, chunk, lowp):
+    """Launch options of every kernel (the dK kernel defaults to num_stages=2: 131 -> 104 us at 8,12,1024,64,
+    where two stages cost the wavefronts 4%; bench_attention.py --kernel-profile, V6)."""
     launch = dict(num_warps=4 if D <= 64 and chunk <= 64 else 8)
     if D == 128 or not lowp:
         launch["num_stages"] = 2  # fp32 or D = 128 tiles: three stages overflow shared memory
@@ -731,7 +708,7 @@ def _u_bwd_op(
         )  # fmt: skip
         _dk_kernel[(NC, BH)](
             w, k, u_op, gb, lse, rowterm, dk, scale, T, NC,
-            KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, **launch,
+            KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, **{"num_stages": 2, **launch},
         )  # fmt: skip
         _dw_kernel[(NC, BH)](
             w, k, u_op, gb, lse, rowterm, dw, scale, T,

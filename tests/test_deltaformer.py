@@ -249,11 +249,11 @@ def check_reflection(kernel, B, H, T, D, C, dtype, device, tol, reference):
 @pytest.mark.parametrize("kernel,C", [(kernel, 32) for kernel in KERNELS] + [("linear", 64), ("relu", 16)])
 def test_triton_reflection_regime(kernel, C):
     # A Neumann-series in-chunk inverse lost up to 7e-2 of u in fp32 here while the random inputs passed.
-    # C = 32, 64: the blocked inverse (2 and 4 diagonal blocks); C = 16: plain substitution.
+    # C = 16, 32, 64: 4, 5, 6 doublings of the block size in the in-chunk inverse.
     check_reflection(kernel, 1, 2, 96, 16, C, torch.float32, "cpu", tol=1e-5, reference="loop")
 
 
-def test_blocked_inverse_against_torch():
+def test_in_chunk_inverse_against_torch():
     # the in-chunk inverse itself, through the forward at T = C = 64 (one chunk: u = X v exactly), in the
     # reflection regime where entries of the inverse reach ~1e2: compared with float64 solve_triangular
     from kernels.deltaformer import deltaformer_u_triton
