@@ -184,7 +184,7 @@ def deltaformer_attention(q, k, v, w, beta, kernel="softmax", scale=None, backen
 #      may software-pipeline safely), then waits for the next one. Once all are in,
 #      u_c = X_c (v_c - beta_c * sum_{j < chunk} A_cj u_j); it publishes u_c, then computes
 #      h_c = sum_{j<i} A_ij u_j for the backward. The critical path per chunk is one block of scores and
-#      A @ u plus one product with X_c (with TUNING["lookahead"]: one product, the rest done while waiting).
+#      A @ u plus one product with X_c.
 # Each program takes a ticket from an atomic counter and maps it to (chunk, batch*head) in chunk order, so
 # a tile only waits on tiles holding smaller tickets, which are already running: no deadlock, whatever the
 # number of resident programs. Each (batch, head) has a progress counter (chunks published): a tile
@@ -256,24 +256,42 @@ if _HAS_TRITON:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
 
     @triton.jit
-    def _mm_rec(a, b, like, REC: tl.constexpr, PREC: tl.constexpr):
+    def _mm_rec(a, b_hi, b_lo, like, REC: tl.constexpr, PREC: tl.constexpr):
         """a @ b for the recurrence's inter-chunk products (A @ u forward, A^T (beta G) backward), fp32
-        accumulation. Their rounding errors are fed back into every later u (or G), and where updates are
-        near reflections |u| grows and the errors with it, hence a choice (bench/NOTES_deltaformer.md, V4):
-        REC 0: operands rounded to the inputs' half dtype (cheapest; bf16 missed 1e-2 there);
-        REC 1: fp32 operands at PREC (tf32 for half inputs: 3 more mantissa bits than bf16; exact for fp32);
-        REC 2: each operand split into hi + lo halves of the inputs' dtype and three half-precision
-        products, a_hi b_hi + a_hi b_lo + a_lo b_hi (~16 mantissa bits at tensor-core half speed)."""
+        accumulation; a is fp32 (kappa values), b comes as the halves its producer stored (`_store_split`).
+        Their rounding errors are fed back into every later u (or G), and where updates are near reflections
+        |u| grows and the errors with it (bench/NOTES_deltaformer.md, V4-V5), hence a choice:
+        REC 0 ("lowp"): half operands a_hi b_hi (cheapest; bf16 misses 1e-2 there);
+        REC 1: fp32 operands at PREC (fp32 inputs: b_hi is fp32);
+        REC 2 ("split", default): a_hi b_hi + a_hi b_lo + a_lo b_hi with hi + lo halves of each operand in
+        the inputs' half dtype (~16 mantissa bits at half-precision tensor-core speed). b's halves are
+        split once by its producer, not again by every consumer."""
         if REC == 0:
-            return tl.dot(a.to(like.dtype.element_ty), b.to(like.dtype.element_ty))
+            return tl.dot(a.to(like.dtype.element_ty), b_hi)
         elif REC == 1:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+            return tl.dot(a.to(tl.float32), b_hi.to(tl.float32), input_precision=PREC)
         else:
-            a32, b32 = a.to(tl.float32), b.to(tl.float32)
-            a_hi, b_hi = a32.to(like.dtype.element_ty), b32.to(like.dtype.element_ty)
-            a_lo = (a32 - a_hi.to(tl.float32)).to(like.dtype.element_ty)
-            b_lo = (b32 - b_hi.to(tl.float32)).to(like.dtype.element_ty)
+            a_hi = a.to(like.dtype.element_ty)
+            a_lo = (a - a_hi.to(tl.float32)).to(like.dtype.element_ty)
             return tl.dot(a_hi, b_hi, tl.dot(a_lo, b_hi, tl.dot(a_hi, b_lo)))
+
+    @triton.jit
+    def _store_split(HI, LO, offs, x, mask, STORE_LO: tl.constexpr):
+        """fp32 x stored as hi = x in HI's dtype and, with STORE_LO, lo = (x - hi) in LO's: for half dtypes
+        hi + lo keeps ~16 mantissa bits, read by `_mm_rec` (split) and by fp32 operands (`_load_value`)."""
+        hi = x.to(HI.dtype.element_ty)
+        tl.store(HI + offs, hi, mask=mask)
+        if STORE_LO:
+            tl.store(LO + offs, (x - hi.to(tl.float32)).to(LO.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _load_value(HI, LO, offs, mask, LOWP: tl.constexpr, HAS_LO: tl.constexpr):
+        """A value operand of dK / dW (u or beta G) as stored by `_store_split`: hi for half operands (LOWP),
+        else fp32 hi + lo."""
+        hi = tl.load(HI + offs, mask=mask, other=0.0)
+        if LOWP or not HAS_LO:
+            return hi
+        return hi.to(tl.float32) + tl.load(LO + offs, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
     def _kappa(s, valid, lse, KERNEL: tl.constexpr):
@@ -358,10 +376,9 @@ if _HAS_TRITON:
 
     @triton.jit
     def _fwd_kernel(
-        W, K, V, Beta, U, U32, Hs, LSE, Xinv, Prog, Ticket, scale, T, NC, BH,
-        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
-        REC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr, STORE32: tl.constexpr,
-        SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr, LOOK: tl.constexpr,
+        W, K, V, Beta, U, ULO, Hs, LSE, Xinv, Prog, Ticket, scale, T, NC, BH,
+        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, REC: tl.constexpr, PREC: tl.constexpr,
+        XPREC: tl.constexpr, STORE_LO: tl.constexpr, SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr,
     ):  # fmt: skip
         ticket = tl.atomic_add(Ticket, 1)
         c = ticket // BH
@@ -383,52 +400,28 @@ if _HAS_TRITON:
         acc = tl.zeros((C, D), dtype=tl.float32)
         done = ticket * 0  # earlier chunks consumed
         ok = done + 1
-        free = c - LOOK  # chunks consumed as they are published (LOOK: all but the last, see below)
-        while done < free:
+        while done < c:  # consume chunks as they are published
             seen = _wait_progress(Prog + bh, done + 1, SPIN_LIMIT, POLL)
             ok = ok & (seen > done).to(tl.int32)
-            ready = tl.where(seen > done, tl.minimum(seen, free), free)
+            ready = tl.where(seen > done, tl.minimum(seen, c), c)
             for cp in range(done, ready):
                 prev = bh64 * T * D + (cp * C + offs_c)[:, None] * D + offs_d[None, :]
                 k_p = tl.load(K + prev)
                 s = tl.dot(w, tl.trans(k_p), input_precision=PREC) * scale
                 p = _kappa(s, everything, lse, KERNEL)
-                if REC == 0:
-                    u_p = tl.load(U + prev, cache_modifier=".cg")
-                else:
-                    u_p = tl.load(U32 + prev, cache_modifier=".cg")
-                acc += _mm_rec(p, u_p, W, REC, PREC)
+                # .cg: written by other programs during this launch, so not through the (incoherent) L1
+                u_hi = tl.load(U + prev, cache_modifier=".cg")
+                u_lo = u_hi
+                if REC == 2:
+                    u_lo = tl.load(ULO + prev, cache_modifier=".cg")
+                acc += _mm_rec(p, u_hi, u_lo, W, REC, PREC)
             done = ready
-        if LOOK:
-            # Chunk c - 1 is published last. Its scores and X diag(b) A_{c,c-1} only need w and k, so they
-            # are computed while waiting for it, and one product follows its publication:
-            # u_c = X (v - b acc) - (X diag(b) A_{c,c-1}) u_{c-1}. (Chunk 0: nothing to wait for, A = 0.)
-            lrows = (c - 1) * C + offs_c
-            has = lrows >= 0
-            lprev = bh64 * T * D + lrows[:, None] * D + offs_d[None, :]
-            k_l = tl.load(K + lprev, mask=has[:, None], other=0.0)
-            s_l = tl.dot(w, tl.trans(k_l), input_precision=PREC) * scale
-            p_l = _kappa(s_l, everything & has[None, :], lse, KERNEL)
-            rhs = tl.dot(x, v - b[:, None] * acc, input_precision=XPREC)
-            xp = tl.dot(x, b[:, None] * p_l, input_precision=XPREC)
-            seen = _wait_progress(Prog + bh, c, SPIN_LIMIT, POLL)
-            ok = ok & (seen >= c).to(tl.int32)
-            if REC == 0:
-                u_l = tl.load(U + lprev, mask=has[:, None], other=0.0, cache_modifier=".cg")
-            else:
-                u_l = tl.load(U32 + lprev, mask=has[:, None], other=0.0, cache_modifier=".cg")
-            u = rhs - _mm_rec(xp, u_l, W, REC, PREC)
-        else:
-            u = tl.dot(x, v - b[:, None] * acc, input_precision=XPREC)
+        u = tl.dot(x, v - b[:, None] * acc, input_precision=XPREC)
         u = tl.where(ok != 0, u, float("nan"))
-        tl.store(U + tile, u.to(U.dtype.element_ty), mask=rmask[:, None])
-        if STORE32:
-            tl.store(U32 + tile, u, mask=rmask[:, None])
+        _store_split(U, ULO, tile, u, rmask[:, None], STORE_LO)
         tl.debug_barrier()  # every thread's stores precede the release below
         tl.atomic_xchg(Prog + bh, c + 1, sem="release")
         # off the critical path: h = sum_{j<i} A_ij u_j, for the backward
-        if LOOK:
-            acc += tl.dot(p_l, u_l.to(tl.float32), input_precision=PREC)
         k_c = tl.load(K + tile, mask=rmask[:, None], other=0.0)
         s_cc = tl.dot(w, tl.trans(k_c), input_precision=PREC) * scale
         a_cc = _kappa(s_cc, offs_c[:, None] > offs_c[None, :], lse, KERNEL)
@@ -437,10 +430,9 @@ if _HAS_TRITON:
 
     @triton.jit
     def _bwd_g_kernel(
-        W, K, DU, Beta, Hs, LSE, Xinv, GB, DV, DBeta, RT, Prog, Ticket, scale, T, NC, BH,
-        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
-        REC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr, SPIN_LIMIT: tl.constexpr,
-        POLL: tl.constexpr, LOOK: tl.constexpr,
+        W, K, DU, Beta, Hs, LSE, Xinv, GB, GBLO, DV, DBeta, RT, Prog, Ticket, scale, T, NC, BH,
+        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, REC: tl.constexpr, PREC: tl.constexpr,
+        XPREC: tl.constexpr, STORE_LO: tl.constexpr, SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr,
     ):  # fmt: skip
         ticket = tl.atomic_add(Ticket, 1)
         c = NC - 1 - ticket // BH  # last chunk first
@@ -458,46 +450,30 @@ if _HAS_TRITON:
         acc = tl.zeros((C, D), dtype=tl.float32)  # sum_{i in later chunks} A_ij beta_i G_i
         done = ticket * 0  # later chunks consumed, counted from the end
         ok = done + 1
-        free = NC - 1 - c - LOOK  # as in the forward: LOOK handles the last one (chunk c + 1) below
-        while done < free:
+        while done < NC - 1 - c:
             seen = _wait_progress(Prog + bh, done + 1, SPIN_LIMIT, POLL)
             ok = ok & (seen > done).to(tl.int32)
-            ready = tl.where(seen > done, tl.minimum(seen, free), free)
+            ready = tl.where(seen > done, tl.minimum(seen, NC - 1 - c), NC - 1 - c)
             for it in range(done, ready):
                 rows = (NC - 1 - it) * C + offs_c  # a later chunk, in the order they were published
                 rmask = rows < T
                 later = bh64 * T * D + rows[:, None] * D + offs_d[None, :]
                 w_r = tl.load(W + later, mask=rmask[:, None], other=0.0)
-                gb_r = tl.load(GB + later, mask=rmask[:, None], other=0.0, cache_modifier=".cg")
+                gb_hi = tl.load(GB + later, mask=rmask[:, None], other=0.0, cache_modifier=".cg")
+                gb_lo = gb_hi
+                if REC == 2:
+                    gb_lo = tl.load(GBLO + later, mask=rmask[:, None], other=0.0, cache_modifier=".cg")
                 lse_r = tl.zeros((C,), dtype=tl.float32)
                 if KERNEL == 0:
                     lse_r = tl.load(LSE + bh64 * T + rows, mask=rmask, other=0.0)
                 s = tl.dot(w_r, tl.trans(k_c), input_precision=PREC) * scale  # [rows i, cols j]
                 a = _kappa(s, rmask[:, None], lse_r, KERNEL)
-                acc += _mm_rec(tl.trans(a), gb_r, W, REC, PREC)
+                acc += _mm_rec(tl.trans(a), gb_hi, gb_lo, W, REC, PREC)
             done = ready
-        if LOOK:
-            # G_c = X^T (dU_c - acc) - (X^T A_{c+1,c}^T) (beta G)_{c+1}, the matrix ready before the wait
-            lrows = (c + 1) * C + offs_c
-            lmask = lrows < T  # none for the last chunk
-            later = bh64 * T * D + lrows[:, None] * D + offs_d[None, :]
-            w_l = tl.load(W + later, mask=lmask[:, None], other=0.0)
-            lse_l = tl.zeros((C,), dtype=tl.float32)
-            if KERNEL == 0:
-                lse_l = tl.load(LSE + bh64 * T + lrows, mask=lmask, other=0.0)
-            s_l = tl.dot(w_l, tl.trans(k_c), input_precision=PREC) * scale
-            a_l = _kappa(s_l, lmask[:, None], lse_l, KERNEL)
-            rhs = tl.dot(tl.trans(x), du_c - acc, input_precision=XPREC)
-            xa = tl.dot(tl.trans(x), tl.trans(a_l), input_precision=XPREC)
-            seen = _wait_progress(Prog + bh, NC - 1 - c, SPIN_LIMIT, POLL)
-            ok = ok & (seen >= NC - 1 - c).to(tl.int32)
-            gb_l = tl.load(GB + later, mask=lmask[:, None], other=0.0, cache_modifier=".cg")
-            g_c = rhs - _mm_rec(xa, gb_l, W, REC, PREC)
-        else:
-            g_c = tl.dot(tl.trans(x), du_c - acc, input_precision=XPREC)
+        g_c = tl.dot(tl.trans(x), du_c - acc, input_precision=XPREC)
         g_c = tl.where(ok != 0, g_c, float("nan"))
         gb_c = g_c * b_c[:, None]
-        tl.store(GB + tile, gb_c.to(GB.dtype.element_ty), mask=cmask[:, None])
+        _store_split(GB, GBLO, tile, gb_c, cmask[:, None], STORE_LO)
         tl.debug_barrier()
         tl.atomic_xchg(Prog + bh, NC - c, sem="release")
         # off the critical path
@@ -507,12 +483,15 @@ if _HAS_TRITON:
         tl.store(RT + bh64 * T + cols, tl.sum(gb_c * h_c, axis=1), mask=cmask)
 
     @triton.jit
-    def _load_rows(W, GB, LSE, RT, bh, T, rows, D: tl.constexpr, C: tl.constexpr, KERNEL: tl.constexpr):
+    def _load_rows(
+        W, GB, GBLO, LSE, RT, bh, T, rows,
+        D: tl.constexpr, C: tl.constexpr, KERNEL: tl.constexpr, LOWP: tl.constexpr, HAS_LO: tl.constexpr,
+    ):  # fmt: skip
         """What dS needs of a block of rows i: w_i, beta_i G_i and, for softmax, lse_i and the row term."""
         rmask = rows < T
         tile = bh * T * D + rows[:, None] * D + tl.arange(0, D)[None, :]
         w = tl.load(W + tile, mask=rmask[:, None], other=0.0)
-        gb = tl.load(GB + tile, mask=rmask[:, None], other=0.0)
+        gb = _load_value(GB, GBLO, tile, rmask[:, None], LOWP, HAS_LO)
         lse = tl.zeros((C,), dtype=tl.float32)
         rt = tl.zeros((C,), dtype=tl.float32)
         if KERNEL == 0:
@@ -521,11 +500,11 @@ if _HAS_TRITON:
         return w, gb, lse, rt
 
     @triton.jit
-    def _load_cols(K, Uop, bh, T, cols, D: tl.constexpr):
+    def _load_cols(K, U, ULO, bh, T, cols, D: tl.constexpr, LOWP: tl.constexpr, HAS_LO: tl.constexpr):
         """What dS needs of a block of columns j: k_j and u_j."""
         tile = bh * T * D + cols[:, None] * D + tl.arange(0, D)[None, :]
         cmask = (cols < T)[:, None]
-        return tl.load(K + tile, mask=cmask, other=0.0), tl.load(Uop + tile, mask=cmask, other=0.0)
+        return tl.load(K + tile, mask=cmask, other=0.0), _load_value(U, ULO, tile, cmask, LOWP, HAS_LO)
 
     @triton.jit
     def _dscores_block(
@@ -542,18 +521,19 @@ if _HAS_TRITON:
 
     @triton.jit
     def _dk_kernel(
-        W, K, Uop, GB, LSE, RT, DK, scale, T, NC,
+        W, K, U, ULO, GB, GBLO, LSE, RT, DK, scale, T, NC,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+        HAS_LO: tl.constexpr,
     ):  # fmt: skip
         """dK_j = s sum_{i > j} dS_ij w_i for one block of columns j, over the row blocks from its own on."""
         c = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         cols = c * C + tl.arange(0, C)
-        k_c, u_c = _load_cols(K, Uop, bh, T, cols, D)
+        k_c, u_c = _load_cols(K, U, ULO, bh, T, cols, D, LOWP, HAS_LO)
         dk = tl.zeros((C, D), dtype=tl.float32)
         for cp in range(c, NC):
             rows = cp * C + tl.arange(0, C)
-            w_r, gb_r, lse_r, rt_r = _load_rows(W, GB, LSE, RT, bh, T, rows, D, C, KERNEL)
+            w_r, gb_r, lse_r, rt_r = _load_rows(W, GB, GBLO, LSE, RT, bh, T, rows, D, C, KERNEL, LOWP, HAS_LO)
             ds = _dscores_block(w_r, gb_r, lse_r, rt_r, rows, k_c, u_c, cols, T, scale, W, KERNEL, LOWP, PREC)
             dk += _mm(tl.trans(ds), w_r, W, LOWP, PREC)
         tile = bh * T * D + cols[:, None] * D + tl.arange(0, D)[None, :]
@@ -561,30 +541,31 @@ if _HAS_TRITON:
 
     @triton.jit
     def _dw_kernel(
-        W, K, Uop, GB, LSE, RT, DW, scale, T,
+        W, K, U, ULO, GB, GBLO, LSE, RT, DW, scale, T,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+        HAS_LO: tl.constexpr,
     ):  # fmt: skip
         """dW_i = s sum_{j < i} dS_ij k_j for one block of rows i, over the column blocks up to its own."""
         c = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         rows = c * C + tl.arange(0, C)
-        w_c, gb_c, lse_c, rt_c = _load_rows(W, GB, LSE, RT, bh, T, rows, D, C, KERNEL)
+        w_c, gb_c, lse_c, rt_c = _load_rows(W, GB, GBLO, LSE, RT, bh, T, rows, D, C, KERNEL, LOWP, HAS_LO)
         dw = tl.zeros((C, D), dtype=tl.float32)
         for cp in range(0, c + 1):
             cols = cp * C + tl.arange(0, C)
-            k_p, u_p = _load_cols(K, Uop, bh, T, cols, D)
+            k_p, u_p = _load_cols(K, U, ULO, bh, T, cols, D, LOWP, HAS_LO)
             ds = _dscores_block(w_c, gb_c, lse_c, rt_c, rows, k_p, u_p, cols, T, scale, W, KERNEL, LOWP, PREC)
             dw += _mm(ds, k_p, W, LOWP, PREC)
         tile = bh * T * D + rows[:, None] * D + tl.arange(0, D)[None, :]
         tl.store(DW + tile, (dw * scale).to(DW.dtype.element_ty), mask=(rows < T)[:, None])
 
 
-RECS = ("lowp", "tf32", "split")  # precision of the recurrence's inter-chunk products (see `_mm_rec`)
-DEFAULT_REC = "split"  # half-precision inputs; fp32 inputs always get exact fp32 products
+RECS = ("lowp", "split")  # precision of the recurrence's inter-chunk products for half inputs (`_mm_rec`)
+DEFAULT_REC = "split"  # fp32 inputs always get exact fp32 products
 
 
 def _triton_cfg(x, chunk, lowp, rec):
-    """Validated settings: (prec, xprec, lowp, rec id, launch options)."""
+    """Validated settings: (prec, xprec, lowp, rec id, store_lo, launch options)."""
     D = x.shape[-1]
     if D not in (16, 32, 64, 128):
         raise ValueError(f"deltaformer (triton): head dim D must be 16, 32, 64 or 128, got {D}")
@@ -595,21 +576,20 @@ def _triton_cfg(x, chunk, lowp, rec):
     if rec not in RECS:
         raise ValueError(f"deltaformer (triton): rec must be one of {RECS}, got {rec!r}")
     # fp32 inputs: every product in exact fp32. Half-precision inputs: fp32 accumulation; half operands in
-    # the non-recurrent O(T^2) products (dK, dW) as FlashAttention (unless lowp=False: tf32); the
-    # recurrence's products as `rec` says; the in-chunk inverse and its products in tf32, or in 3-pass
-    # tf32 (~fp32) with rec="split", so that they do not undo its accuracy.
+    # the non-recurrent O(T^2) products (dK, dW) as FlashAttention (unless lowp=False: tf32 operands from
+    # the stored hi + lo halves); the recurrence's products as `rec` says; the in-chunk inverse and its
+    # products in tf32, or in 3-pass tf32 (~fp32) with rec="split", so that they do not undo its accuracy.
     if x.dtype == torch.float32:
-        return "ieee", "ieee", False, 1, _launch(D, chunk, lowp=False)
+        return "ieee", "ieee", False, 1, False, _launch(D, chunk, lowp=False)
     xprec = "tf32x3" if rec == "split" else "tf32"
-    return "tf32", xprec, lowp, RECS.index(rec), _launch(D, chunk, lowp)
+    store_lo = rec == "split" or not lowp  # u and beta G stored as hi + lo halves (`_store_split`)
+    return "tf32", xprec, lowp, RECS.index(rec) * 2, store_lo, _launch(D, chunk, lowp)
 
 
 # Benchmark switches (bench/bench_attention.py --variants sets them; read at launch time, not traced):
-# poll: 0 atomic / 1 acquire-load polling (`_read_progress`); lookahead: 1 = the wavefronts prepare the
-# last awaited chunk's matrix before waiting for it (LOOK in `_fwd_kernel`); num_warps / num_stages:
-# None = the defaults.
+# poll: 0 atomic / 1 acquire-load polling (`_read_progress`); num_warps / num_stages: None = the defaults;
 # prep_inverse: 0 = the prep kernel skips the in-chunk inverse (X = I: wrong results, a timing probe only).
-TUNING = {"poll": 0, "lookahead": 0, "num_warps": None, "num_stages": None, "prep_inverse": 1}
+TUNING = {"poll": 0, "num_warps": None, "num_stages": None, "prep_inverse": 1}
 
 
 def _launch(D, chunk, lowp):
@@ -632,7 +612,11 @@ def _device_guard(x):
 # The kernels are wrapped as torch.library custom ops (forward and backward each one op, the autograd
 # formula registered on the forward) so that torch.compile treats them as opaque calls with known output
 # shapes (register_fake) instead of tracing into the Triton launches, which broke Inductor before.
-# u32 (the fp32 copy of u the recurrence reads) is empty when the recurrence reads the half u.
+# u_lo (the low half of u, `_store_split`) is empty unless rec="split" or lowp=False with half inputs.
+
+
+def _has_lo(dtype, rec, lowp):
+    return dtype != torch.float32 and (rec == "split" or not lowp)
 
 
 @torch.library.custom_op("deltaformer::u_fwd", mutates_args=())
@@ -642,12 +626,11 @@ def _u_fwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     B, H, T, D = v.shape
     BH, NC, C = B * H, triton.cdiv(T, chunk), chunk
-    prec, xprec, lowp, rec_id, launch = _triton_cfg(v, chunk, lowp, rec)
+    prec, xprec, lowp, rec_id, store_lo, launch = _triton_cfg(v, chunk, lowp, rec)
     k, v, w, beta = (x.contiguous() for x in (k, v, w, beta))
     f32 = dict(device=v.device, dtype=torch.float32)
     u = v.new_empty(v.shape)  # contiguous (v is, here), as the fake says
-    store32 = rec_id != 0 or not lowp  # fp32 u for the recurrence or the dK / dW products
-    u32 = torch.empty(B, H, T, D, **f32) if store32 else torch.empty(0, **f32)
+    u_lo = v.new_empty(v.shape) if store_lo else v.new_empty(0)
     h = torch.empty(B, H, T, D, **f32)
     lse = torch.empty(B, H, T, **f32) if kernel == "softmax" else torch.zeros(1, **f32)  # placeholder
     xinv = torch.empty(BH, NC, C, C, **f32)
@@ -659,11 +642,11 @@ def _u_fwd_op(
         )  # fmt: skip
         counters = torch.zeros(BH + 1, device=v.device, dtype=torch.int32)  # progress per (b, h); ticket
         _fwd_kernel[(BH * NC,)](
-            w, k, v, beta, u, u32 if store32 else u, h, lse, xinv, counters, counters[BH:],
-            scale, T, NC, BH, KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE32=store32,
-            SPIN_LIMIT=_SPIN_LIMIT, POLL=TUNING["poll"], LOOK=TUNING["lookahead"], **launch,
+            w, k, v, beta, u, u_lo if store_lo else u, h, lse, xinv, counters, counters[BH:],
+            scale, T, NC, BH, KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE_LO=store_lo,
+            SPIN_LIMIT=_SPIN_LIMIT, POLL=TUNING["poll"], **launch,
         )  # fmt: skip
-    return u, u32, h, lse, xinv
+    return u, u_lo, h, lse, xinv
 
 
 @_u_fwd_op.register_fake
@@ -671,10 +654,9 @@ def _(k, v, w, beta, kernel, scale, chunk, lowp, rec):
     B, H, T, D = v.shape
     NC = -(-T // chunk)
     f32 = dict(device=v.device, dtype=torch.float32)
-    need32 = v.dtype == torch.float32 or rec != "lowp" or not lowp
     return (  # contiguous, like the real outputs (empty_like would copy the strides of a permuted v)
         v.new_empty((B, H, T, D)),
-        v.new_empty((B, H, T, D) if need32 else (0,), dtype=torch.float32),
+        v.new_empty((B, H, T, D) if _has_lo(v.dtype, rec, lowp) else (0,)),
         torch.empty(B, H, T, D, **f32),
         torch.empty((B, H, T) if kernel == "softmax" else (1,), **f32),
         torch.empty(B * H, NC, chunk, chunk, **f32),
@@ -684,17 +666,17 @@ def _(k, v, w, beta, kernel, scale, chunk, lowp, rec):
 @torch.library.custom_op("deltaformer::u_bwd", mutates_args=())
 def _u_bwd_op(
     du: torch.Tensor, k: torch.Tensor, w: torch.Tensor, beta: torch.Tensor, u: torch.Tensor,
-    u32: torch.Tensor, h: torch.Tensor, lse: torch.Tensor, xinv: torch.Tensor,
+    u_lo: torch.Tensor, h: torch.Tensor, lse: torch.Tensor, xinv: torch.Tensor,
     kernel: str, scale: float, chunk: int, lowp: bool, rec: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     B, H, T, D = k.shape
     BH, NC, C = B * H, triton.cdiv(T, chunk), chunk
-    prec, xprec, lowp, rec_id, launch = _triton_cfg(k, chunk, lowp, rec)
+    prec, xprec, lowp, rec_id, store_lo, launch = _triton_cfg(k, chunk, lowp, rec)
     kid = _KERNEL_IDS[kernel]
     k, w, beta, du = (x.contiguous() for x in (k, w, beta, du))
-    u_op = u if lowp else u32  # the dK / dW products read half u only with half operands
-    # beta G: read by the backward recurrence (fp32 unless rec="lowp") and by dK / dW
-    gb = torch.empty(B, H, T, D, device=k.device, dtype=k.dtype if rec_id == 0 else torch.float32)
+    gb = k.new_empty(k.shape)  # beta G, read by the backward recurrence and by dK / dW (+ its low half)
+    gb_lo = k.new_empty(k.shape) if store_lo else gb
+    u_lo = u_lo if store_lo else u
     dv = torch.empty(B, H, T, D, device=k.device, dtype=k.dtype)
     dk, dw = k.new_empty(k.shape), w.new_empty(w.shape)  # contiguous, as the fake says
     dbeta = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
@@ -702,36 +684,36 @@ def _u_bwd_op(
     counters = torch.zeros(BH + 1, device=k.device, dtype=torch.int32)
     with _device_guard(k):
         _bwd_g_kernel[(BH * NC,)](
-            w, k, du, beta, h, lse, xinv, gb, dv, dbeta, rowterm, counters, counters[BH:], scale, T, NC, BH,
-            KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, SPIN_LIMIT=_SPIN_LIMIT,
-            POLL=TUNING["poll"], LOOK=TUNING["lookahead"], **launch,
+            w, k, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], scale, T,
+            NC, BH, KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE_LO=store_lo,
+            SPIN_LIMIT=_SPIN_LIMIT, POLL=TUNING["poll"], **launch,
         )  # fmt: skip
         _dk_kernel[(NC, BH)](
-            w, k, u_op, gb, lse, rowterm, dk, scale, T, NC,
-            KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, **{"num_stages": 2, **launch},
+            w, k, u, u_lo, gb, gb_lo, lse, rowterm, dk, scale, T, NC,
+            KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, HAS_LO=store_lo, **{"num_stages": 2, **launch},
         )  # fmt: skip
         _dw_kernel[(NC, BH)](
-            w, k, u_op, gb, lse, rowterm, dw, scale, T,
-            KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, **launch,
+            w, k, u, u_lo, gb, gb_lo, lse, rowterm, dw, scale, T,
+            KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, HAS_LO=store_lo, **launch,
         )  # fmt: skip
     return dk, dv, dw, dbeta.to(beta.dtype)
 
 
 @_u_bwd_op.register_fake
-def _(du, k, w, beta, u, u32, h, lse, xinv, kernel, scale, chunk, lowp, rec):
+def _(du, k, w, beta, u, u_lo, h, lse, xinv, kernel, scale, chunk, lowp, rec):
     return k.new_empty(k.shape), k.new_empty(k.shape), w.new_empty(w.shape), beta.new_empty(beta.shape)
 
 
 def _u_setup(ctx, inputs, output):
     k, v, w, beta, kernel, scale, chunk, lowp, rec = inputs
-    u, u32, h, lse, xinv = output
-    ctx.save_for_backward(k, w, beta, u, u32, h, lse, xinv)
+    u, u_lo, h, lse, xinv = output
+    ctx.save_for_backward(k, w, beta, u, u_lo, h, lse, xinv)
     ctx.cfg = (kernel, scale, chunk, lowp, rec)
 
 
-def _u_backward(ctx, du, *_unused):  # u32, h, lse, xinv are saved state, not differentiated
-    k, w, beta, u, u32, h, lse, xinv = ctx.saved_tensors
-    dk, dv, dw, dbeta = _u_bwd_op(du, k, w, beta, u, u32, h, lse, xinv, *ctx.cfg)
+def _u_backward(ctx, du, *_unused):  # u_lo, h, lse, xinv are saved state, not differentiated
+    k, w, beta, u, u_lo, h, lse, xinv = ctx.saved_tensors
+    dk, dv, dw, dbeta = _u_bwd_op(du, k, w, beta, u, u_lo, h, lse, xinv, *ctx.cfg)
     return dk, dv, dw, dbeta, None, None, None, None, None
 
 
@@ -755,9 +737,9 @@ def deltaformer_u_triton(k, v, w, beta, kernel="softmax", scale=None, chunk=64, 
         raise ValueError(
             f"deltaformer (triton): k, v, w must share a dtype, got {k.dtype}, {v.dtype}, {w.dtype}"
         )
-    _triton_cfg(v, chunk, lowp, DEFAULT_REC if rec is None else rec)  # clear errors before any launch
+    rec = DEFAULT_REC if rec is None else rec
+    _triton_cfg(v, chunk, lowp, rec)  # clear errors before any launch
     s = 1.0 / math.sqrt(k.shape[-1]) if scale is None else float(scale)
     half = v.dtype != torch.float32
     lowp = half if lowp is None else bool(lowp) and half
-    rec = (DEFAULT_REC if rec is None else rec) if half else "tf32"
     return _u_fwd_op(k, v, w, beta, kernel, s, chunk, lowp, rec)[0]
