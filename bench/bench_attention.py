@@ -106,17 +106,14 @@ VARIANTS = [
 # setting helps which kernel, and what the prep kernel's time is made of (prep_inverse=0 skips the inverse).
 PROFILE_VARIANTS = [
     ("default", {}, {}),
-    ("warps=8", {}, {"num_warps": 8}),
     ("stages=2", {}, {"num_stages": 2}),
-    ("stages=4", {}, {"num_stages": 4}),
-    ("warps=8 stages=2", {}, {"num_warps": 8, "num_stages": 2}),
-    ("prep_inverse=0", {}, {"prep_inverse": 0}),
-    ("C=32", {"chunk": 32}, {}),
-    ("C=128", {"chunk": 128}, {}),
+    ("late_loads", {}, {"late_loads": 1}),
     ("poll=ld", {}, {"poll": 1}),
     ("lowp=False", {"lowp": False}, {}),
     ("rec=lowp", {"rec": "lowp"}, {}),
 ]
+# Profiled in session 3 (V6) and dropped: num_warps=8 (1.3-2.5x slower in every kernel), num_stages=4
+# (backward recurrence 194 -> 292 us), chunk 32 and 128 (slower; prep 823 us at 128).
 
 
 def kernel_times(fn, inputs, iters=10):
@@ -142,13 +139,16 @@ def kernel_times(fn, inputs, iters=10):
     return out
 
 
-def kernel_profile(shape, kernels, results):
-    """Per-kernel times (us per f+b) of every PROFILE_VARIANTS entry; one table per first-stage kernel."""
+def kernel_profile(shape, kernels, results, variants):
+    """Per-kernel times (us per f+b) of the PROFILE_VARIANTS named in `variants` (all if empty); one table
+    per first-stage kernel."""
     torch.manual_seed(0)
     inputs = make(*shape)
     for kernel in kernels:
         table = {}
         for name, opts, tuning in PROFILE_VARIANTS:
+            if variants and name not in variants:
+                continue
             saved = dict(df.TUNING)
             df.TUNING.update(tuning)
             try:
@@ -262,7 +262,8 @@ def main():
     fla = None if args.no_fla else fla_fn()
     rows, results = [], {"tflops": tflops, "gbs": gbs, "shapes": {}}
     if args.kernel_profile:
-        kernel_profile(SHAPES[0], args.kernel_profile.split(","), results)
+        variants = [v for v in args.profile_variants.split(",") if v]
+        kernel_profile(SHAPES[args.profile_shape], args.kernel_profile.split(","), results, variants)
         write_json(args.json, results)
         return
 

@@ -379,6 +379,7 @@ if _HAS_TRITON:
         W, K, V, Beta, U, ULO, Hs, LSE, Xinv, Prog, Ticket, scale, T, NC, BH,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, REC: tl.constexpr, PREC: tl.constexpr,
         XPREC: tl.constexpr, STORE_LO: tl.constexpr, SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr,
+        LATE: tl.constexpr,
     ):  # fmt: skip
         ticket = tl.atomic_add(Ticket, 1)
         c = ticket // BH
@@ -394,9 +395,11 @@ if _HAS_TRITON:
         if KERNEL == 0:
             lse = tl.load(LSE + bh64 * T + rows, mask=rmask, other=0.0)
         everything = offs_c[:, None] >= 0  # earlier chunks: every j < i
-        b = tl.load(Beta + bh64 * T + rows, mask=rmask, other=0.0).to(tl.float32)
-        v = tl.load(V + tile, mask=rmask[:, None], other=0.0).to(tl.float32)
-        x = tl.load(Xinv + (bh64 * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :])
+        xt = Xinv + (bh64 * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :]
+        if not LATE:  # loaded before the waits (off the critical path, but live in registers through them)
+            b = tl.load(Beta + bh64 * T + rows, mask=rmask, other=0.0).to(tl.float32)
+            v = tl.load(V + tile, mask=rmask[:, None], other=0.0).to(tl.float32)
+            x = tl.load(xt)
         acc = tl.zeros((C, D), dtype=tl.float32)
         done = ticket * 0  # earlier chunks consumed
         ok = done + 1
@@ -416,6 +419,10 @@ if _HAS_TRITON:
                     u_lo = tl.load(ULO + prev, cache_modifier=".cg")
                 acc += _mm_rec(p, u_hi, u_lo, W, REC, PREC)
             done = ready
+        if LATE:
+            b = tl.load(Beta + bh64 * T + rows, mask=rmask, other=0.0).to(tl.float32)
+            v = tl.load(V + tile, mask=rmask[:, None], other=0.0).to(tl.float32)
+            x = tl.load(xt)
         u = tl.dot(x, v - b[:, None] * acc, input_precision=XPREC)
         u = tl.where(ok != 0, u, float("nan"))
         _store_split(U, ULO, tile, u, rmask[:, None], STORE_LO)
@@ -433,6 +440,7 @@ if _HAS_TRITON:
         W, K, DU, Beta, Hs, LSE, Xinv, GB, GBLO, DV, DBeta, RT, Prog, Ticket, scale, T, NC, BH,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, REC: tl.constexpr, PREC: tl.constexpr,
         XPREC: tl.constexpr, STORE_LO: tl.constexpr, SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr,
+        LATE: tl.constexpr,
     ):  # fmt: skip
         ticket = tl.atomic_add(Ticket, 1)
         c = NC - 1 - ticket // BH  # last chunk first
@@ -444,9 +452,11 @@ if _HAS_TRITON:
         cmask = cols < T
         tile = bh64 * T * D + cols[:, None] * D + offs_d[None, :]
         k_c = tl.load(K + tile, mask=cmask[:, None], other=0.0)
-        x = tl.load(Xinv + (bh64 * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :])
-        du_c = tl.load(DU + tile, mask=cmask[:, None], other=0.0).to(tl.float32)
-        b_c = tl.load(Beta + bh64 * T + cols, mask=cmask, other=0.0).to(tl.float32)
+        xt = Xinv + (bh64 * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :]
+        if not LATE:
+            x = tl.load(xt)
+            du_c = tl.load(DU + tile, mask=cmask[:, None], other=0.0).to(tl.float32)
+            b_c = tl.load(Beta + bh64 * T + cols, mask=cmask, other=0.0).to(tl.float32)
         acc = tl.zeros((C, D), dtype=tl.float32)  # sum_{i in later chunks} A_ij beta_i G_i
         done = ticket * 0  # later chunks consumed, counted from the end
         ok = done + 1
@@ -470,6 +480,10 @@ if _HAS_TRITON:
                 a = _kappa(s, rmask[:, None], lse_r, KERNEL)
                 acc += _mm_rec(tl.trans(a), gb_hi, gb_lo, W, REC, PREC)
             done = ready
+        if LATE:
+            x = tl.load(xt)
+            du_c = tl.load(DU + tile, mask=cmask[:, None], other=0.0).to(tl.float32)
+            b_c = tl.load(Beta + bh64 * T + cols, mask=cmask, other=0.0).to(tl.float32)
         g_c = tl.dot(tl.trans(x), du_c - acc, input_precision=XPREC)
         g_c = tl.where(ok != 0, g_c, float("nan"))
         gb_c = g_c * b_c[:, None]
@@ -588,8 +602,10 @@ def _triton_cfg(x, chunk, lowp, rec):
 
 # Benchmark switches (bench/bench_attention.py --variants sets them; read at launch time, not traced):
 # poll: 0 atomic / 1 acquire-load polling (`_read_progress`); num_warps / num_stages: None = the defaults;
-# prep_inverse: 0 = the prep kernel skips the in-chunk inverse (X = I: wrong results, a timing probe only).
-TUNING = {"poll": 0, "num_warps": None, "num_stages": None, "prep_inverse": 1}
+# prep_inverse: 0 = the prep kernel skips the in-chunk inverse (X = I: wrong results, a timing probe only);
+# late_loads: 1 = the wavefronts load their own chunk's X, v / dU, beta after the waits (fewer registers
+# held through the consumption loop, one more load latency on the critical path).
+TUNING = {"poll": 0, "num_warps": None, "num_stages": None, "prep_inverse": 1, "late_loads": 0}
 
 
 def _launch(D, chunk, lowp):
@@ -644,7 +660,7 @@ def _u_fwd_op(
         _fwd_kernel[(BH * NC,)](
             w, k, v, beta, u, u_lo if store_lo else u, h, lse, xinv, counters, counters[BH:],
             scale, T, NC, BH, KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE_LO=store_lo,
-            SPIN_LIMIT=_SPIN_LIMIT, POLL=TUNING["poll"], **launch,
+            SPIN_LIMIT=_SPIN_LIMIT, POLL=TUNING["poll"], LATE=TUNING["late_loads"], **launch,
         )  # fmt: skip
     return u, u_lo, h, lse, xinv
 
@@ -686,7 +702,7 @@ def _u_bwd_op(
         _bwd_g_kernel[(BH * NC,)](
             w, k, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], scale, T,
             NC, BH, KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE_LO=store_lo,
-            SPIN_LIMIT=_SPIN_LIMIT, POLL=TUNING["poll"], **launch,
+            SPIN_LIMIT=_SPIN_LIMIT, POLL=TUNING["poll"], LATE=TUNING["late_loads"], **launch,
         )  # fmt: skip
         _dk_kernel[(NC, BH)](
             w, k, u, u_lo, gb, gb_lo, lse, rowterm, dk, scale, T, NC,

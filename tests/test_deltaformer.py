@@ -217,6 +217,16 @@ def test_triton_fp16_recurrence_precisions(rec):
     print(rec, {n: f"{e:.1e}" for n, e in errs.items()})
 
 
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+def test_triton_speed_switches(kernel, monkeypatch):
+    # the benchmark-only switches that change the kernels' code (TUNING): same values and gradients
+    import kernels.deltaformer as df
+
+    monkeypatch.setitem(df.TUNING, "late_loads", 1)
+    check_triton_against_reference(kernel, 1, 2, 45, 16, torch.float32, "cpu", chunk=16, tol=1e-5)
+    check_triton_against_reference(kernel, 1, 1, 45, 16, torch.float16, "cpu", chunk=32, tol=1e-2)
+
+
 def reflection_inputs(B, H, T, D, kernel, device="cpu"):
     """Model-like inputs where one token's update is (nearly) a reflection: RMS-normed keys of a few token
     types, w = k, beta ~ 2 / (s |k|^2) (softmax rows sum to 1: beta ~ 2). Swap tracking lives here."""
