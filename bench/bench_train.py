@@ -267,14 +267,15 @@ def worker(job, results):
 
 
 def job_order(models, variants):
-    """The queue: the issue's rows before the extra "-bf16" ones, and within each, the longest jobs first
-    (medium before small; Deltaformer, then the TC/CC read-outs, then the rest), so that the last jobs to
-    start on several GPUs are short ones."""
+    """The queue: the issue's rows before the extra "-bf16" ones, and within each, medium before small,
+    each model's additive baseline first (every ratio needs it, so a run cut short must not lose it), then
+    the longest jobs (Deltaformer, then the TC/CC read-outs, then the rest), so that the last jobs to start
+    on several GPUs are short ones."""
 
     def key(job):
         model, variant = job
         kind = 2 if "deltaformer" in variant else 1 if ("-tc" in variant or "-cc" in variant) else 0
-        return ("-bf16" in variant, "medium" not in model, -kind)
+        return ("-bf16" in variant, "medium" not in model, variant != "additive", -kind)
 
     return sorted(((m, v) for m in models for v in variants), key=key)
 
