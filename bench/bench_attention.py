@@ -139,6 +139,24 @@ def kernel_times(fn, inputs, iters=10):
     return out
 
 
+def compile_variants(shape, kernels, variants):
+    """One forward+backward of each variant: fills Triton's on-disk cache (another process, e.g. on another
+    GPU, compiles while this one times)."""
+    inputs = make(*shape)
+    for kernel in kernels:
+        for name, opts, tuning in PROFILE_VARIANTS:
+            if variants and name not in variants:
+                continue
+            saved = dict(df.TUNING)
+            df.TUNING.update(tuning)
+            try:
+                ours(kernel, **opts)(*inputs).sum().backward()
+                torch.cuda.synchronize()
+            finally:
+                df.TUNING.clear()
+                df.TUNING.update(saved)
+
+
 def kernel_profile(shape, kernels, results, variants):
     """Per-kernel times (us per f+b) of the PROFILE_VARIANTS named in `variants` (all if empty); one table
     per first-stage kernel."""
@@ -250,9 +268,11 @@ def main():
     ap.add_argument(
         "--kernel-profile",
         default="",
-        help="first-stage kernels for the per-kernel profile of "
-        "PROFILE_VARIANTS at the first shape (comma-separated), then exit",
+        help="first-stage kernels (comma-separated) to profile PROFILE_VARIANTS kernel by kernel, then exit",
     )
+    ap.add_argument("--profile-shape", type=int, default=0, help="index into SHAPES for --kernel-profile")
+    ap.add_argument("--profile-variants", default="", help="names from PROFILE_VARIANTS (default: all)")
+    ap.add_argument("--compile-only", action="store_true", help="with --kernel-profile: compile, do not time")
     args = ap.parse_args()
 
     print("command:", " ".join([sys.executable] + sys.argv))
@@ -263,6 +283,8 @@ def main():
     rows, results = [], {"tflops": tflops, "gbs": gbs, "shapes": {}}
     if args.kernel_profile:
         variants = [v for v in args.profile_variants.split(",") if v]
+        if args.compile_only:
+            return compile_variants(SHAPES[args.profile_shape], args.kernel_profile.split(","), variants)
         kernel_profile(SHAPES[args.profile_shape], args.kernel_profile.split(","), results, variants)
         write_json(args.json, results)
         return
