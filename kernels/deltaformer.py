@@ -288,10 +288,10 @@ if _HAS_TRITON:
     def _load_value(HI, LO, offs, mask, LOWP: tl.constexpr, HAS_LO: tl.constexpr):
         """A value operand of dK / dW (u or beta G) as stored by `_store_split`: hi for half operands (LOWP),
         else fp32 hi + lo."""
-        hi = tl.load(HI + offs, mask=mask, other=0.0)
-        if LOWP or not HAS_LO:
-            return hi
-        return hi.to(tl.float32) + tl.load(LO + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(HI + offs, mask=mask, other=0.0)
+        if HAS_LO and not LOWP:  # (one return statement: Triton 3.6 rejects returns of two dtypes)
+            x = x.to(tl.float32) + tl.load(LO + offs, mask=mask, other=0.0).to(tl.float32)
+        return x
 
     @triton.jit
     def _kappa(s, valid, lse, KERNEL: tl.constexpr):
@@ -329,10 +329,10 @@ if _HAS_TRITON:
         offs = tl.arange(0, C)
         r, c = offs[:, None], offs[None, :]
         y = tl.where(r == c, 1.0, 0.0)
-        for level in tl.static_range(7):  # C <= 128
-            b: tl.constexpr = 1 << level
-            if b < C:
-                quarter = (r // (2 * b) == c // (2 * b)) & ((r // b) % 2 == 1) & ((c // b) % 2 == 0)
+        for level in tl.static_range(7):  # block size b = 2^level; C <= 128
+            if (1 << level) < C:
+                same = r >> (level + 1) == c >> (level + 1)  # in the same [2b, 2b] block
+                quarter = same & ((r >> level) % 2 == 1) & ((c >> level) % 2 == 0)
                 e = tl.where(quarter, n, 0.0)
                 y = y - tl.dot(y, tl.dot(e, y, input_precision=PREC), input_precision=PREC)
         return y
