@@ -16,6 +16,8 @@ tf32 is modelled as truncation of fp32 to 10 explicit mantissa bits (the tensor 
 registers fed to a tf32 MMA; it reproduces the H200's rec="tf32" errors to two digits, round-to-nearest,
 --tf32-round, does not); fp32 accumulation errors (~1e-7) are ignored: products are float64.
 --triton: the Triton u-stage itself in the interpreter, patched to GPU-like dots (patch_interpreter_dots).
+--key-noise 0.02: keys of one type no longer identical (which of a two-product split's halves matters
+depends on it: rec_split_a / rec_split_b, NOTES_deltaformer.md V6). --digits 3: more digits.
 """
 
 import argparse
@@ -47,6 +49,8 @@ ROUNDINGS = {
     "rec_lowp": "recurrence products A @ u, A^T (beta G): bf16 operands (rec='lowp')",
     "rec_tf32": "recurrence products: tf32 operands (rec='tf32')",
     "rec_split": "recurrence products: hi/lo bf16 split, 3 products (rec='split', the default)",
+    "rec_split_b": "recurrence products: A bf16, value operand (u, beta G) split: a_hi b_hi + a_hi b_lo",
+    "rec_split_a": "recurrence products: A split, value operand bf16: a_hi b_hi + a_lo b_hi",
     "x_tf32": "in-chunk products X @ rhs, X^T @ rhs with tf32 operands (rec lowp / tf32)",
     "xinv_tf32": "the blocked in-chunk inverse's block products in tf32 (prep kernel; rec lowp / tf32)",
     "h_tf32": "h = sum_j<i A_ij u_j: in-chunk part with tf32 operands (h feeds dbeta and softmax dS)",
@@ -66,6 +70,9 @@ KERNEL_POINTS = {  # what the Triton path does for bf16 inputs, per `rec` (lowp=
     "split": SDPA_POINTS + ("rec_split", "h_tf32") + STAGE1_BWD,
     "tf32": SDPA_POINTS + ("rec_tf32", "x_tf32", "xinv_tf32", "h_tf32") + STAGE1_BWD,
     "lowp": SDPA_POINTS + ("rec_lowp", "x_tf32", "xinv_tf32", "h_tf32") + STAGE1_BWD,
+    # two-product splits (no kernel yet): as split (tf32x3 in-chunk products), one product fewer
+    "split_b": SDPA_POINTS + ("rec_split_b", "h_tf32") + STAGE1_BWD,
+    "split_a": SDPA_POINTS + ("rec_split_a", "h_tf32") + STAGE1_BWD,
 }
 
 
@@ -90,6 +97,16 @@ def split_mm(a, b):
     a_hi, b_hi = bf16(a), bf16(b)
     a_lo, b_lo = bf16(a - a_hi), bf16(b - b_hi)
     return a_hi @ b_hi + a_hi @ b_lo + a_lo @ b_hi
+
+
+def split2_mm(a, b, half):
+    """a @ b with two bf16 products: half "b" splits b only (a_hi b_hi + a_hi b_lo), "a" a only
+    (a_hi b_hi + a_lo b_hi); the other operand is rounded to bf16 once (fp32 a, b)."""
+    a, b = a.float().double(), b.float().double()
+    a_hi, b_hi = bf16(a), bf16(b)
+    if half == "b":
+        return a_hi @ b_hi + a_hi @ bf16(b - b_hi)
+    return a_hi @ b_hi + bf16(a - a_hi) @ b_hi
 
 
 def blocked_inverse_tf32(n):
@@ -126,6 +143,9 @@ def emulate(q, k, v, w, beta, do, kernel, pts, chunk=64, u_stage_only=False):
         rec_mm, rec_store = (lambda a, b: tf32(a) @ tf32(b)), (lambda x: x.float().double())
     elif "rec_split" in pts:
         rec_mm, rec_store = split_mm, (lambda x: x.float().double())
+    elif "rec_split_b" in pts or "rec_split_a" in pts:  # the value operand read as fp32 (u32, beta G)
+        half = "b" if "rec_split_b" in pts else "a"  # and rounded in the product (= reading bf16 u)
+        rec_mm, rec_store = (lambda a, b: split2_mm(a, b, half)), (lambda x: x.float().double())
     else:
         rec_mm, rec_store = (lambda a, b: a @ b), (lambda x: x)
     xmm = (lambda a, b: tf32(a) @ tf32(b)) if "x_tf32" in pts else (lambda a, b: a @ b)
@@ -281,9 +301,11 @@ def reference(q, k, v, w, beta, do, kernel):
     return o.detach(), [x.grad for x in leaves]
 
 
-def reflection_inputs(B, H, T, D, kernel, gen):
+def reflection_inputs(B, H, T, D, kernel, gen, key_noise=0.0):
     """As tests/test_deltaformer.py's reflection_inputs (RMS-normed keys of 10 types, w = k, beta ~ 2 /
-    (s |k|^2)), from a given generator; returned already rounded to bf16 (as float64)."""
+    (s |k|^2)), from a given generator; returned already rounded to bf16 (as float64). key_noise > 0 adds
+    key_noise * N(0, 1) to every key before the norm (drawn last: the other inputs stay the same), so that
+    keys of one type, and the kernel values between them, are no longer identical."""
     rms = lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))  # noqa: E731
     types = torch.randn(10, D, dtype=torch.float64, generator=gen)
     k = rms(types[torch.randint(0, 10, (B, H, T), generator=gen)])
@@ -292,7 +314,16 @@ def reflection_inputs(B, H, T, D, kernel, gen):
     center = 2.0 if kernel == "softmax" else 2 / D**0.5
     beta = center * (0.9 + 0.2 * torch.rand(B, H, T, dtype=torch.float64, generator=gen))
     do = torch.randn(k.shape, dtype=torch.float64, generator=gen)
+    if key_noise > 0:
+        k = rms(k + key_noise * torch.randn(k.shape, dtype=torch.float64, generator=gen))
     return [bf16(x) for x in (q, k, v, k.clone(), beta, do)]
+
+
+DIGITS = {"n": 2}  # significant digits printed (--digits)
+
+
+def fmt(e):
+    return f"{e:.{DIGITS['n'] - 1}e}"
 
 
 def rel(a, b):
@@ -312,6 +343,8 @@ FP32_DKDW = SDPA_POINTS + ("rec_split", "h_tf32")  # kernel split with fp32 oper
 def kernel_rows():
     rows = [(f"kernel rec={rec}", pts) for rec, pts in KERNEL_POINTS.items()]
     rows.append(("kernel split, dA/dS in tf32 (lowp=False)", FP32_DKDW + ("ds1_tf32",)))
+    for rec in ("split_b", "split_a"):  # the two-product splits with lowp=False
+        rows.append((f"kernel {rec}, lowp=False", SDPA_POINTS + (f"rec_{rec}", "h_tf32", "ds1_tf32")))
     rows.append(("kernel split, dA/dS in fp32", FP32_DKDW))
     # stage 2 in fp32 (SDPA on fp32 q, k, u32; o and the gradients still returned in bf16)
     rows.append(
@@ -349,7 +382,7 @@ TRITON_VARIANTS = {  # (rec, lowp) -> the rounding points of the emulation that 
 def triton_u_stage(k, v, w, beta, du, kernel, chunk):
     """The u-stage alone, against float64 autograd of the chunked path with the same (bf16) du: the
     Triton kernels in the patched interpreter, and the emulation of each with its rounding points."""
-    from kernels.deltaformer import deltaformer_u_triton
+    from kernels.deltaformer import RECS, deltaformer_u_triton
 
     leaves = [x.detach().clone().requires_grad_(True) for x in (k, v, w, beta)]
     u_ref = deltaformer_u_torch(*leaves, kernel=kernel)
@@ -358,13 +391,15 @@ def triton_u_stage(k, v, w, beta, du, kernel, chunk):
     print("| u-stage (rec, lowp) | " + " | ".join(U_NAMES) + " | max |")
     print("|---" * (len(U_NAMES) + 2) + "|")
     for (rec, lowp), pts in TRITON_VARIANTS.items():
+        if rec not in RECS:  # rec="tf32" was removed from the kernel (session 3); its emulation stays
+            continue
         low = [x.detach().to(torch.bfloat16).requires_grad_(True) for x in (k, v, w, beta)]
         u = deltaformer_u_triton(*low, kernel=kernel, chunk=chunk, rec=rec, lowp=lowp)
         u.backward(du.to(torch.bfloat16))
         ours = errors((u.detach().double(), [x.grad.double() for x in low]), ref)
         emul = errors(emulate(k, k, v, w, beta, du, kernel, pts, chunk, u_stage_only=True), ref)
         for label, errs in ((f"Triton {rec}, {lowp}", ours), (f"emulation {rec}, {lowp}", emul)):
-            print(f"| {label} | " + " | ".join(f"{e:.1e}" for e in errs) + f" | {max(errs):.1e} |")
+            print(f"| {label} | " + " | ".join(fmt(e) for e in errs) + f" | {fmt(max(errs))} |")
 
 
 def main():
@@ -382,9 +417,12 @@ def main():
         action="store_true",
         help="the Triton u-stage in the interpreter (bf16 dots fixed) instead",
     )
+    ap.add_argument("--key-noise", type=float, default=0.0, help="noise added to the keys' types")
+    ap.add_argument("--digits", type=int, default=2, help="significant digits printed")
     ap.add_argument("--tf32-round", action="store_true", help="tf32 as round-to-nearest, not truncation")
     args = ap.parse_args()
     TF32_MODE["round"] = args.tf32_round
+    DIGITS["n"] = args.digits
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     if args.triton:
         patch_interpreter_dots()
@@ -395,7 +433,7 @@ def main():
     for kernel in args.kernels.split(","):
         for T in (int(t) for t in args.T.split(",")):
             gen = torch.Generator().manual_seed(args.seed)
-            q, k, v, w, beta, do = reflection_inputs(args.B, args.H, T, args.D, kernel, gen)
+            q, k, v, w, beta, do = reflection_inputs(args.B, args.H, T, args.D, kernel, gen, args.key_noise)
             t0 = time.time()
             if args.triton:
                 print(f"\n### {kernel}, T = {T} (B,H,D = {args.B},{args.H},{args.D}, C = {args.chunk})\n")
@@ -412,7 +450,7 @@ def main():
             print("|---" * (len(NAMES) + 2) + "|")
             for label, pts in rows:
                 errs = errors(emulate(q, k, v, w, beta, do, kernel, pts, args.chunk), ref)
-                print(f"| {label} | " + " | ".join(f"{e:.1e}" for e in errs) + f" | {max(errs):.1e} |")
+                print(f"| {label} | " + " | ".join(fmt(e) for e in errs) + f" | {fmt(max(errs))} |")
             # against a reference that has the same bf16 stage 2 (SDPA) and a float64 stage 1: roundings at
             # the same points of (nearly) the same values coincide, so this shows what the u-stage adds
             ref2 = emulate(q, k, v, w, beta, do, kernel, SAME_SDPA_REF, args.chunk)
@@ -421,7 +459,7 @@ def main():
             print("|---" * (len(NAMES) + 2) + "|")
             for label, pts in kernel_rows():
                 errs = errors(emulate(q, k, v, w, beta, do, kernel, pts, args.chunk), ref2)
-                print(f"| {label} | " + " | ".join(f"{e:.1e}" for e in errs) + f" | {max(errs):.1e} |")
+                print(f"| {label} | " + " | ".join(fmt(e) for e in errs) + f" | {fmt(max(errs))} |")
             print(f"\n({time.time() - t0:.0f} s)")
 
 
