@@ -320,7 +320,9 @@ if _HAS_TRITON:
         block is [[A, 0], [E, B]], with inverse [[A^-1, 0], [-B^-1 E A^-1, B^-1]], so Y_2b = Y_b - Y_b E_b Y_b
         with E_b the entries of n in the lower-left quarter of every [2b, 2b] block: log2(C) steps of two
         [C, C] products (tensor cores). Like forward substitution, it only multiplies by final entries of
-        the inverse; not the Neumann series by squaring ((I - n)(I + n^2)(I + n^4)...), exact in exact
+        the inverse (with fp32 or 3-pass tf32 products, the default, as accurate in the tests; with plain
+        tf32 products, rec="lowp", the emulation's inverse error is ~2x substitution's: V6 in the notes);
+        not the Neumann series by squaring ((I - n)(I + n^2)(I + n^4)...), exact in exact
         arithmetic but where beta * kappa ~ 1-2 (a token's update is a reflection, the regime state
         tracking needs) the powers of n grow huge and cancel: fp32 lost up to 7e-2 of u at C = 64
         (tests/test_deltaformer.py, reflection regime). Forward substitution row by row (V3) and by 16-row
