@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Deltaformer attention on one GPU (issue 5): the GPU tests of tests/test_deltaformer.py, then
-# bench/bench_attention.py (five shapes, per-kernel profile, kernel variants), without FLA.
+# bench/bench_attention.py (five shapes; per-kernel profile of the variants), without FLA.
 #
 #   CUDA_VISIBLE_DEVICES=1 OUT=/some/dir bash bench/device_attention.sh
 #
 # Needs only torch, triton, numpy, pytest. Writes under $OUT (default out_device_attention/): tests.log,
-# bench.log, bench.json. At most ~390 s: tests 180 s, bench 205 s, each cut by `timeout` (the bench
-# writes its JSON after every shape and variant group, so a cut run keeps what it measured).
+# bench.log, bench.json, profile_softmax.json, profile_relu.json. At most ~460 s: tests 180 s, table 90 s,
+# profiles 190 s, each cut by `timeout` (the table writes its JSON after every shape). Nothing else may
+# run on the GPU meanwhile (the timings), nor on the CPUs (Python launch overhead is in the f+b walls).
+# Before a device call: PYTHONPATH=<triton 3.6 wheel> python bench/compile_check.py (NOTES V6).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -36,7 +38,12 @@ echo "summary: $(grep -h -E '[0-9]+ (passed|failed|skipped|error).* in [0-9.]+s'
     | tee -a "$OUT/tests.log"
 rm -rf "$TMP"
 
-# (b) speed: main table, profile, then variants (softmax, then relu, at 8,12,1024,64 and 4,12,2048,64)
-timeout 205 python bench/bench_attention.py --no-fla --profile --variants --variant-shapes 0,2 \
-    --variant-kernels softmax,relu --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+# (b) speed: the five-shape table (softmax, relu, SDPA), then the per-kernel profile at 8,12,1024,64 of
+# the open launch/precision variants (bench_attention.py PROFILE_VARIANTS), softmax, then relu's default
+timeout 90 python bench/bench_attention.py --no-fla --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 echo "bench exit: $?" | tee -a "$OUT/bench.log"
+timeout 150 python bench/bench_attention.py --no-fla --kernel-profile softmax --json "$OUT/profile_softmax.json" \
+    2>&1 | tee -a "$OUT/bench.log"
+timeout 40 python bench/bench_attention.py --no-fla --kernel-profile relu --profile-variants default \
+    --json "$OUT/profile_relu.json" 2>&1 | tee -a "$OUT/bench.log"
+echo "profile exit: $?" | tee -a "$OUT/bench.log"
