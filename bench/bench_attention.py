@@ -12,6 +12,7 @@ bf16 matrix rate, and the minimal bytes (inputs read once, outputs written once)
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -139,22 +140,32 @@ def kernel_times(fn, inputs, iters=10):
     return out
 
 
+@contextlib.contextmanager
+def tuned(switches):
+    """kernels.deltaformer.TUNING with `switches` set, restored afterwards."""
+    saved = dict(df.TUNING)
+    df.TUNING.update(switches)
+    try:
+        yield
+    finally:
+        df.TUNING.clear()
+        df.TUNING.update(saved)
+
+
+def selected(names):
+    """The PROFILE_VARIANTS entries named in `names` (all if empty)."""
+    return [entry for entry in PROFILE_VARIANTS if not names or entry[0] in names]
+
+
 def compile_variants(shape, kernels, variants):
     """One forward+backward of each variant: fills Triton's on-disk cache (another process, e.g. on another
     GPU, compiles while this one times)."""
     inputs = make(*shape)
     for kernel in kernels:
-        for name, opts, tuning in PROFILE_VARIANTS:
-            if variants and name not in variants:
-                continue
-            saved = dict(df.TUNING)
-            df.TUNING.update(tuning)
-            try:
+        for _, opts, switches in selected(variants):
+            with tuned(switches):
                 ours(kernel, **opts)(*inputs).sum().backward()
                 torch.cuda.synchronize()
-            finally:
-                df.TUNING.clear()
-                df.TUNING.update(saved)
 
 
 def kernel_profile(shape, kernels, results, variants):
@@ -164,22 +175,16 @@ def kernel_profile(shape, kernels, results, variants):
     inputs = make(*shape)
     for kernel in kernels:
         table = {}
-        for name, opts, tuning in PROFILE_VARIANTS:
-            if variants and name not in variants:
-                continue
-            saved = dict(df.TUNING)
-            df.TUNING.update(tuning)
+        for name, opts, switches in selected(variants):
             try:
-                times = kernel_times(ours(kernel, **opts), inputs)
-                times["(f+b ms, do_bench)"] = 1e3 * time_fn(ours(kernel, **opts), inputs, True)
+                with tuned(switches):
+                    times = kernel_times(ours(kernel, **opts), inputs)
+                    times["(f+b ms, do_bench)"] = 1e3 * time_fn(ours(kernel, **opts), inputs, True)
                 table[name] = times
             except Exception as e:  # noqa: BLE001
                 print(
                     f"profile variant {kernel} {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True
                 )
-            finally:
-                df.TUNING.clear()
-                df.TUNING.update(saved)
             print(
                 f"  {kernel} {name}: "
                 + ", ".join(f"{k[:40]} {v:.0f}" for k, v in table.get(name, {}).items() if v >= 5),
@@ -217,21 +222,17 @@ def time_variants(inputs, kernel, res):
     """Times of every variant (u-stage alone and with SDPA); its u and gradients against the default's."""
     grad_u = torch.randn_like(inputs[2])
     u_default, g_default = u_and_grads(inputs, kernel, {}, grad_u)
-    for name, opts, tuning in VARIANTS:
-        saved = dict(df.TUNING)
-        df.TUNING.update(tuning)
+    for name, opts, switches in VARIANTS:
         tag = f"{kernel} {name}"
         try:
-            u, g = u_and_grads(inputs, kernel, opts, grad_u)
-            res[f"{tag} u-diff"], res[f"{tag} grad-diff"] = rel(u, u_default), rel(g, g_default)
-            for mode in ("fwd", "f+b"):
-                res[f"{tag} u-only {mode}"] = time_fn(ours_u_only(kernel, **opts), inputs, mode == "f+b")
-                res[f"{tag} {mode}"] = time_fn(ours(kernel, **opts), inputs, mode == "f+b")
+            with tuned(switches):
+                u, g = u_and_grads(inputs, kernel, opts, grad_u)
+                res[f"{tag} u-diff"], res[f"{tag} grad-diff"] = rel(u, u_default), rel(g, g_default)
+                for mode in ("fwd", "f+b"):
+                    res[f"{tag} u-only {mode}"] = time_fn(ours_u_only(kernel, **opts), inputs, mode == "f+b")
+                    res[f"{tag} {mode}"] = time_fn(ours(kernel, **opts), inputs, mode == "f+b")
         except Exception as e:  # noqa: BLE001  (a variant that does not compile must not end the run)
             print(f"variant {tag} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        finally:
-            df.TUNING.clear()
-            df.TUNING.update(saved)
         mine = [(key[len(tag) + 1 :], val) for key, val in res.items() if key.startswith(tag + " ")]
         print(f"  {tag}: " + ", ".join(f"{key} {val:.3g}" for key, val in mine), flush=True)
 

@@ -266,8 +266,13 @@ def test_triton_update_matches_reference(triton_small, dv, erase):
 def test_triton_update_default_launch_shapes(dv, monkeypatch):
     # the shipped launch configuration: many tokens per tile for small tiles, ragged last tile
     monkeypatch.setattr(ddl, "_POISON", True)
-    x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=dv))
-    w = torch.randn(20, dv, dtype=F64, requires_grad=True)
+    check_update_and_cc(lead=(2, 5), dv=dv)
+
+
+def check_update_and_cc(lead, dv, d=20):
+    """ddl_update and the fused update + CC read-out (Triton) against the references, values and grads."""
+    x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=lead, d=d, dv=dv))
+    w = torch.randn(d, dv, dtype=F64, requires_grad=True)
     compare(
         lambda *a: ddl.ddl_update_compress_cc(*a, backend="triton"),
         ddl.ddl_update_compress_cc_ref,
@@ -302,14 +307,7 @@ def test_triton_update_bf16_launch_shapes_exact(dv, monkeypatch):
         entry = ddl._CFG[key]
         monkeypatch.setitem(ddl._CFG, key, {**entry, "float64": entry["bfloat16"]})
     assert ddl._cfg("update_bwd", F64) == dict(TOKENS=16, LOOP=2, num_warps=4)
-    x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(2, 21), d=20, dv=dv))
-    w = torch.randn(20, dv, dtype=F64, requires_grad=True)
-    compare(
-        lambda *a: ddl.ddl_update_compress_cc(*a, backend="triton"),
-        ddl.ddl_update_compress_cc_ref,
-        (x, k, v, beta, w),
-    )
-    compare(lambda *a: ddl_update(*a, backend="triton"), ddl_update_ref, (x, k, v, beta))
+    check_update_and_cc(lead=(2, 21), dv=dv)
 
 
 @pytest.mark.parametrize("loop", [0, 1, 2])
