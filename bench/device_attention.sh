@@ -24,7 +24,7 @@ mkdir -p "$OUT"
 # slicing, which cannot deadlock a wavefront: all of a kernel's programs belong to one process).
 TMP=$(mktemp -d)
 GROUPS_K=("reflection" "matches_reference and softmax" "matches_reference and relu"
-    "(matches_reference and linear) or repeatable")
+    "(matches_reference and linear) or repeatable or speed_switches")
 for i in "${!GROUPS_K[@]}"; do
     timeout 180 python -m pytest -q -s -rfE -m gpu tests/test_deltaformer.py -k "${GROUPS_K[$i]}" \
         >"$TMP/group$i.log" 2>&1 &

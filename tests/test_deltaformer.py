@@ -442,6 +442,21 @@ def test_triton_gpu_matches_reference(kernel, shape, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("switch", [("late_loads", 1), ("poll", 1)])
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+def test_triton_gpu_speed_switches(kernel, switch, monkeypatch):
+    # the benchmark switches that change the wavefronts' code, at full size on the GPU (bf16), so that a
+    # faster one can become the default on this evidence
+    import kernels.deltaformer as df
+
+    monkeypatch.setitem(df.TUNING, *switch)
+    errs = check_triton_against_reference(
+        kernel, 2, 3, 1024, 64, torch.bfloat16, "cuda", chunk=64, tol=1e-2, reference="chunked"
+    )
+    print("switch", switch, kernel, {n: f"{e:.1e}" for n, e in errs.items()})
+
+
+@pytest.mark.gpu
 def test_triton_gpu_repeatable():
     # a race shows up as run-to-run differences on identical inputs
     from kernels.deltaformer import deltaformer_u_triton
