@@ -65,11 +65,11 @@ def main():
             tag = f"D{D} {dt[1:]} rec={rec_id} lowp={lowp}"
             base = dict(KERNEL=0, D=D, C=64, PREC=prec)
             compile_one(df._prep_kernel, dt, base | dict(XPREC=xprec, INVERSE=1), f"prep {tag}", launch)
-            for late in (0, 1):
-                wave = base | dict(REC=rec_id, XPREC=xprec, STORE_LO=store_lo, POLL=0, LATE=late)
+            for late, poll in ((0, 0), (1, 0), (0, 1)):
+                wave = base | dict(REC=rec_id, XPREC=xprec, STORE_LO=store_lo, POLL=poll, LATE=late)
                 wave["SPIN_LIMIT"] = df._SPIN_LIMIT
-                compile_one(df._fwd_kernel, dt, wave, f"fwd {tag} late={late}", launch)
-                compile_one(df._bwd_g_kernel, dt, wave, f"bwd_g {tag} late={late}", launch)
+                compile_one(df._fwd_kernel, dt, wave, f"fwd {tag} late={late} poll={poll}", launch)
+                compile_one(df._bwd_g_kernel, dt, wave, f"bwd_g {tag} late={late} poll={poll}", launch)
             grads = base | dict(LOWP=lowp, HAS_LO=store_lo)
             compile_one(df._dk_kernel, dt, grads, f"dk {tag}", {"num_stages": 2, **launch})
             compile_one(df._dw_kernel, dt, grads, f"dw {tag}", launch)
