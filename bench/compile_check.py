@@ -1,79 +1,131 @@
-"""Compile every Triton kernel of kernels/deltaformer.py for an H100/H200 (sm_90) on a machine without a
-GPU, with whatever Triton is importable: frontend errors of an older Triton (the device has 3.6; CI and
-this machine 3.9, whose interpreter accepts more) show up here, not in a device call.
+"""Compile every Triton launch of this repo's kernels for an H100/H200 (sm_90) on a machine without a GPU,
+with whatever Triton is importable: frontend errors of an older Triton (the device has 3.6; CI and this
+machine 3.9, whose interpreter accepts more) show up here, not in a device call.
 
     PYTHONPATH=/path/to/triton-3.6 python bench/compile_check.py
 
-Prints per kernel and configuration: ok with its shared memory, or the error. Exit 1 if any failed.
-(ptxas comes with the triton wheel; a triton 3.6 wheel unpacked anywhere works through PYTHONPATH.)"""
+How: every `kernel[grid](...)` launch is intercepted and compiled for sm_90 with the argument types and
+constexprs it was launched with, instead of run (outputs stay uninitialised: values mean nothing here).
+What launches: a forward and backward of every model variant at the gpt2-small width on a few tokens (the
+shipped launch shapes, fp32 and bf16 DDL state), and the Deltaformer u-stage with every `rec` / `lowp`
+and speed switch (`TUNING`). Prints each distinct compile (ok with its shared memory, or the error);
+exit 1 if any failed. ptxas comes with the triton wheel (a 3.6 wheel unzipped anywhere works)."""
 
 import os
 import sys
 
-os.environ.pop("TRITON_INTERPRET", None)
+os.environ.pop("TRITON_INTERPRET", None)  # compile, not interpret
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-
-import kernels.deltaformer as df  # noqa: E402
+from triton.runtime.jit import KernelInterface  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-SCALARS = {"scale": "fp32", "T": "i32", "NC": "i32", "BH": "i32"}
-FP32_PTRS = {"Hs", "LSE", "Xinv", "DBeta", "RT"}  # always fp32 buffers; Prog, Ticket: int32
-FAILED = []
+TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32"}
+TYPES[torch.float64] = "*fp64"
+SEEN, FAILED = {}, []
 
 
-def compile_one(fn, dt, consts, label, launch):
-    """fn's non-constexpr arguments typed by name (inputs and their halves in dt), consts by name."""
-    sig = {}
-    for name in fn.arg_names:
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in SCALARS:
-            sig[name] = SCALARS[name]
+def compile_launch(fn, args, kwargs):
+    """Compile fn for TARGET with the types of this launch's arguments (once per distinct signature)."""
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    bound = dict(zip(fn.arg_names, args)) | kwargs
+    sig, consts = {}, {}
+    for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
+        value = bound[name]
+        if param.is_constexpr:
+            sig[name], consts[(i,)] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            sig[name] = TYPES[value.dtype]
+        elif isinstance(value, bool):
+            sig[name] = "i1"
+        elif isinstance(value, int):
+            sig[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
         else:
-            sig[name] = "*i32" if name in ("Prog", "Ticket") else "*fp32" if name in FP32_PTRS else dt
-    cx = {(fn.arg_names.index(k),): v for k, v in consts.items()}
+            sig[name] = "fp32"
+    key = (fn.__name__, tuple(sig.items()), tuple((k, str(v)) for k, v in consts.items()), str(options))
+    if key in SEEN:
+        return
+    label = f"{fn.__name__} " + " ".join(f"{n}={bound[n]}" for n, p in zip(fn.arg_names, fn.params)
+                                        if p.is_constexpr and n not in ("SPIN_LIMIT",))  # fmt: skip
+    label += f" {options}" if options else ""
     try:
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=TARGET, options=launch)
-        print(f"ok   {label}: shared memory {k.metadata.shared} B", flush=True)
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET, options=options)
+        SEEN[key] = f"ok   {label}: shared memory {k.metadata.shared} B"
     except Exception as e:  # noqa: BLE001
         while e.__cause__ is not None:
             e = e.__cause__
+        SEEN[key] = f"FAIL {label}: {type(e).__name__}: {str(e)[-600:]}"
         FAILED.append(label)
-        print(f"FAIL {label}: {type(e).__name__}: {str(e)[-600:]}", flush=True)
+    print(SEEN[key], flush=True)
 
 
-class _Like:
-    """What `_triton_cfg` reads of a tensor: shape[-1] and dtype."""
+def intercepted(self, grid):
+    return lambda *args, **kwargs: compile_launch(self, args, kwargs)
 
-    def __init__(self, D, dtype):
-        self.shape, self.dtype = (1, 1, 1, D), dtype
+
+def run_model_variants():
+    from kernels import ddl
+    from model import GPT, GPTConfig
+
+    ddl.set_auto_backend("triton")
+    # kernels/ddl.py accepts CPU tensors for backend="triton" only under the interpreter; its kernels were
+    # decorated (compiled, not interpreted) at import, so this only passes that check
+    os.environ["TRITON_INTERPRET"] = "1"
+    variants = [
+        dict(residual="additive", attention="deltaformer"),
+        dict(residual="ddl"),
+        dict(residual="ddl-cc"),
+        dict(residual="ddl-tc"),
+        dict(residual="ddl-cc", ddl_ec=False),
+    ]
+    for overrides in variants:
+        for state in ("float32", "bfloat16"):
+            if overrides["residual"] == "additive" and state == "bfloat16":
+                continue
+            print(f"--- model {overrides} ddl_state_dtype={state}", flush=True)
+            extra = {} if overrides["residual"] == "additive" else dict(ddl_state_dtype=state)
+            cfg = GPTConfig.preset(
+                "gpt2-small", n_layer=1, block_size=64, backend="triton", **overrides, **extra
+            )
+            model = GPT(cfg)
+            idx = torch.randint(0, cfg.vocab_size, (1, 64))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = model(idx, idx)
+            loss.backward()
+
+
+def run_deltaformer_variants():
+    import kernels.deltaformer as df
+
+    for D, dtype in ((64, torch.bfloat16), (128, torch.bfloat16), (64, torch.float32), (64, torch.float16)):
+        k, v, w = (torch.randn(1, 2, 70, D, dtype=dtype, requires_grad=True) for _ in range(3))
+        beta = torch.rand(1, 2, 70, dtype=dtype, requires_grad=True)
+        for kernel in df.KERNELS:
+            configs = [(rec, lowp, {}) for rec in df.RECS for lowp in (True, False)]
+            if (D, dtype) == (64, torch.bfloat16):  # the speed switches (TUNING), with the defaults
+                configs += [("split", True, {"late_loads": 1}), ("split", True, {"poll": 1})]
+            for rec, lowp, switches in configs:
+                saved = dict(df.TUNING)
+                df.TUNING.update(switches)
+                try:
+                    u = df.deltaformer_u_triton(k, v, w, beta, kernel=kernel, lowp=lowp, rec=rec)
+                    u.float().sum().backward()
+                finally:
+                    df.TUNING.clear()
+                    df.TUNING.update(saved)
 
 
 def main():
     print("triton", triton.__version__, "from", os.path.dirname(triton.__file__))
-    bf16, fp32 = torch.bfloat16, torch.float32
-    configs = [(bf16, "lowp", True), (bf16, "split", True), (bf16, "split", False), (fp32, "split", False)]
-    for D in (64, 128):
-        for dtype, rec, lowp in configs:
-            prec, xprec, lowp, rec_id, store_lo, launch = df._triton_cfg(_Like(D, dtype), 64, lowp, rec)
-            dt = "*bf16" if dtype == torch.bfloat16 else "*fp32"
-            tag = f"D{D} {dt[1:]} rec={rec_id} lowp={lowp}"
-            base = dict(KERNEL=0, D=D, C=64, PREC=prec)
-            compile_one(df._prep_kernel, dt, base | dict(XPREC=xprec, INVERSE=1), f"prep {tag}", launch)
-            for late, poll in ((0, 0), (1, 0), (0, 1)):
-                wave = base | dict(REC=rec_id, XPREC=xprec, STORE_LO=store_lo, POLL=poll, LATE=late)
-                wave["SPIN_LIMIT"] = df._SPIN_LIMIT
-                compile_one(df._fwd_kernel, dt, wave, f"fwd {tag} late={late} poll={poll}", launch)
-                compile_one(df._bwd_g_kernel, dt, wave, f"bwd_g {tag} late={late} poll={poll}", launch)
-            grads = base | dict(LOWP=lowp, HAS_LO=store_lo)
-            compile_one(df._dk_kernel, dt, grads, f"dk {tag}", {"num_stages": 2, **launch})
-            compile_one(df._dw_kernel, dt, grads, f"dw {tag}", launch)
-    print("failed:", FAILED or "none")
+    KernelInterface.__getitem__ = intercepted
+    torch.manual_seed(0)
+    run_deltaformer_variants()
+    run_model_variants()
+    print(f"{len(SEEN)} distinct compiles; failed: {FAILED or 'none'}")
     sys.exit(1 if FAILED else 0)
 
 
