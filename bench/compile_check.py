@@ -81,6 +81,8 @@ def run_model_variants():
         dict(residual="ddl-cc"),
         dict(residual="ddl-tc"),
         dict(residual="ddl-cc", ddl_ec=False),
+        dict(residual="ddl", ddl_erase=False),  # the write-only control
+        dict(residual="ddl-tc", ddl_erase=False),
     ]
     for overrides in variants:
         for state in ("float32", "bfloat16"):

@@ -217,6 +217,28 @@ def _ct(*tensors):
 if triton is not None:
 
     @triton.jit
+    def _update_token_inputs(
+        n, X, Kd, V, BETA, N, D, eps, offs_d, offs_v, md, mv, off2,
+        DV: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
+    ):  # fmt: skip
+        """What the update of token n reads, forward and backward: its masks, rs = 1 / sqrt(|k|^2 + eps^2)
+        and khat = k rs, the state x, beta, and r = v - khat^T x (r = v without the erase)."""
+        ok = n < N
+        okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+        m2 = (md & okd)[:, None] & mv[None, :]
+        k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
+        rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
+        kh = k * rs
+        x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+        v = tl.load(V + n * DV + offs_v, mask=mv & (offs_v * 0 + n < N), other=0.0).to(CT)
+        b = tl.load(BETA + n, mask=ok, other=0.0).to(CT)
+        if ERASE:
+            r = v - tl.sum(kh[:, None] * x, axis=0)  # v^T - khat^T x
+        else:
+            r = v
+        return ok, okd, m2, rs, kh, x, b, r
+
+    @triton.jit
     def _update_fwd_kernel(
         X, Kd, V, BETA, W, XOUT, H, N, D, eps,
         DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TOKENS: tl.constexpr,
@@ -232,19 +254,9 @@ if triton is not None:
             w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
         for tt in tl.static_range(TOKENS):
             n = pid * TOKENS + tt
-            ok = n < N
-            okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
-            m2 = (md & okd)[:, None] & mv[None, :]
-            k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
-            rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
-            kh = k * rs
-            x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-            v = tl.load(V + n * DV + offs_v, mask=mv & (offs_v * 0 + n < N), other=0.0).to(CT)
-            b = tl.load(BETA + n, mask=ok, other=0.0).to(CT)
-            if ERASE:
-                r = v - tl.sum(kh[:, None] * x, axis=0)  # v^T - khat^T x
-            else:
-                r = v
+            _, okd, m2, _, kh, x, b, r = _update_token_inputs(
+                n, X, Kd, V, BETA, N, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
+            )
             xn = (x + b * kh[:, None] * r[None, :]).to(XOUT.dtype.element_ty)
             tl.store(XOUT + n * D * DV + off2, xn, mask=m2)
             if COMPRESS:  # the next sublayer's CC read-out of the state just written (as stored)
@@ -260,20 +272,10 @@ if triton is not None:
         # x' = x + b khat r^T, r = v - x^T khat.  With G = dL/dx' (+ dh w^T from the fused read-out):
         # dx = G - b khat (khat^T G);  dv = b G^T khat;  dbeta = r . (G^T khat);
         # dkhat = b (G r - x G^T khat);  dk = (dkhat - khat (khat . dkhat)) / sqrt(|k|^2 + eps^2).
-        ok = n < N
-        okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
-        m2 = (md & okd)[:, None] & mv[None, :]
-        k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
-        rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
-        kh = k * rs
-        x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-        v = tl.load(V + n * DV + offs_v, mask=mv & (offs_v * 0 + n < N), other=0.0).to(CT)
-        b = tl.load(BETA + n, mask=ok, other=0.0).to(CT)
+        ok, okd, m2, rs, kh, x, b, r = _update_token_inputs(
+            n, X, Kd, V, BETA, N, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
+        )
         g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-        if ERASE:
-            r = v - tl.sum(kh[:, None] * x, axis=0)
-        else:
-            r = v
         dw = w * 0.0
         if COMPRESS:
             dh = tl.load(DH + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
