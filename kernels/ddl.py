@@ -353,6 +353,23 @@ if triton is not None:
         return tl.program_id(0).to(tl.int64), offs_d, offs_v, offs_j, md, mv, offs_j < KW, m2, off2
 
     @triton.jit
+    def _taps(WT, offs_j, off2, mj, m2, D, DV: tl.constexpr, CT: tl.constexpr):
+        # the KW conv taps of the tile, [KP, BLOCK_D, BLOCK_V], with their offsets and mask
+        off3 = offs_j[:, None, None] * D * DV + off2[None]
+        m3 = mj[:, None, None] & m2[None]
+        return off3, m3, tl.load(WT + off3, mask=m3, other=0.0).to(CT)
+
+    @triton.jit
+    def _window(n, T, N, offs_j, mj, KW: tl.constexpr, PAST: tl.constexpr):
+        # the tokens tap j connects to token n within its sequence of T (rows of N): PAST, the inputs of
+        # the causal conv, n - (KW-1) + j; else the outputs that read token n, n + (KW-1) - j
+        t = n % T
+        if PAST:
+            return n - (KW - 1) + offs_j, mj & (t - (KW - 1) + offs_j >= 0) & (offs_j * 0 + n < N)
+        else:
+            return n + (KW - 1) - offs_j, mj & (t + (KW - 1) - offs_j < T) & (offs_j * 0 + n < N)
+
+    @triton.jit
     def _row_tile(X, Kd, V, BETA, N, D, eps, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, CT: tl.constexpr):
         # d_v = 1 row kernels: ROWS tokens as a [ROWS, d] tile; the normalised k and the loaded x, v, beta
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -454,16 +471,11 @@ if triton is not None:
     ):  # fmt: skip
         # h[n] = sum_j sum_v WT[j] * x[n - (KW-1) + j] within the token's sequence (WT = conv * read)
         pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
-        w3 = tl.load(
-            WT + offs_j[:, None, None] * D * DV + off2[None], mask=mj[:, None, None] & m2[None], other=0.0
-        )
-        w3 = w3.to(CT)
+        _, _, w3 = _taps(WT, offs_j, off2, mj, m2, D, DV, CT)
         for tt in tl.static_range(TOKENS):
             n = pid * TOKENS + tt
             okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
-            t = n % T
-            src = n - (KW - 1) + offs_j
-            valid = mj & (t - (KW - 1) + offs_j >= 0) & (offs_j * 0 + n < N)
+            src, valid = _window(n, T, N, offs_j, mj, KW, True)
             x3 = tl.load(
                 X + src[:, None, None] * D * DV + off2[None], mask=valid[:, None, None] & m2[None], other=0.0
             )
@@ -478,16 +490,12 @@ if triton is not None:
     ):  # fmt: skip
         # dx[n] = sum_j WT[j] dh[n + KW-1 - j];  dWT[j] = sum_n dh[n + KW-1 - j] x[n]  (same sequence only)
         pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
-        off3 = offs_j[:, None, None] * D * DV + off2[None]
-        m3 = mj[:, None, None] & m2[None]
-        w3 = tl.load(WT + off3, mask=m3, other=0.0).to(CT)
+        off3, m3, w3 = _taps(WT, offs_j, off2, mj, m2, D, DV, CT)
         acc = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
         for tt in range(TOKENS):
             n = pid * TOKENS + tt
             okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
-            t = n % T
-            dst = n + (KW - 1) - offs_j
-            valid = mj & (t + (KW - 1) - offs_j < T) & (offs_j * 0 + n < N)
+            dst, valid = _window(n, T, N, offs_j, mj, KW, False)
             dh2 = tl.load(
                 DH + dst[:, None] * D + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0
             )
@@ -506,16 +514,11 @@ if triton is not None:
     ):  # fmt: skip
         # X0[n] = sum_j WT[j] * emb[n - (KW-1) + j][:, None]
         pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
-        w3 = tl.load(
-            WT + offs_j[:, None, None] * D * DV + off2[None], mask=mj[:, None, None] & m2[None], other=0.0
-        )
-        w3 = w3.to(CT)
+        _, _, w3 = _taps(WT, offs_j, off2, mj, m2, D, DV, CT)
         for tt in tl.static_range(TOKENS):
             n = pid * TOKENS + tt
             okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
-            t = n % T
-            src = n - (KW - 1) + offs_j
-            valid = mj & (t - (KW - 1) + offs_j >= 0) & (offs_j * 0 + n < N)
+            src, valid = _window(n, T, N, offs_j, mj, KW, True)
             e2 = tl.load(E + src[:, None] * D + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
             out = tl.sum(w3 * e2.to(CT)[:, :, None], axis=0)
             tl.store(X0 + n * D * DV + off2, out.to(X0.dtype.element_ty), mask=m2 & okd[:, None])
@@ -528,23 +531,18 @@ if triton is not None:
     ):  # fmt: skip
         # demb[n] = sum_j sum_v WT[j] G[n + KW-1 - j];  dWT[j] = sum_n emb[n - (KW-1) + j][:, None] G[n]
         pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
-        off3 = offs_j[:, None, None] * D * DV + off2[None]
-        m3 = mj[:, None, None] & m2[None]
-        w3 = tl.load(WT + off3, mask=m3, other=0.0).to(CT)
+        off3, m3, w3 = _taps(WT, offs_j, off2, mj, m2, D, DV, CT)
         acc = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
         for tt in range(TOKENS):
             n = pid * TOKENS + tt
             okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
-            t = n % T
-            dst = n + (KW - 1) - offs_j
-            vf = mj & (t + (KW - 1) - offs_j < T) & (offs_j * 0 + n < N)
+            dst, vf = _window(n, T, N, offs_j, mj, KW, False)
             g3 = tl.load(
                 G + dst[:, None, None] * D * DV + off2[None], mask=vf[:, None, None] & m2[None], other=0.0
             )
             de = tl.sum(tl.sum(w3 * g3.to(CT), axis=0), axis=1)
             tl.store(DE + n * D + offs_d, de.to(DE.dtype.element_ty), mask=md & okd)
-            src = n - (KW - 1) + offs_j
-            vp = mj & (t - (KW - 1) + offs_j >= 0) & (offs_j * 0 + n < N)
+            src, vp = _window(n, T, N, offs_j, mj, KW, True)
             e2 = tl.load(E + src[:, None] * D + offs_d[None, :], mask=vp[:, None] & md[None, :], other=0.0)
             g = tl.load(G + n * D * DV + off2, mask=m2 & okd[:, None], other=0.0).to(CT)
             acc += e2.to(CT)[:, :, None] * g[None, :, :]
@@ -651,9 +649,7 @@ if triton is not None:
             n = pid * TOKENS + tt
             okd = offs_d * 0 + n < N
             okv = offs_v * 0 + n < N
-            t = n % T
-            dst = n + (KW - 1) - offs_j
-            valid = mj & (t + (KW - 1) - offs_j < T) & (offs_j * 0 + n < N)
+            dst, valid = _window(n, T, N, offs_j, mj, KW, False)
             dh2 = tl.load(
                 DH + dst[:, None] * D + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0
             )
