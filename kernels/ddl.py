@@ -239,6 +239,21 @@ if triton is not None:
         return ok, okd, m2, rs, kh, x, b, r
 
     @triton.jit
+    def _update_grads(g, x, kh, rs, b, r, ERASE: tl.constexpr):
+        """The update's backward for one token, given G = dL/dx' (formulas in `_update_bwd_token`):
+        dx, dk, dv, dbeta."""
+        gk = tl.sum(kh[:, None] * g, axis=0)  # khat^T G  [d_v]
+        gr = tl.sum(g * r[None, :], axis=1)  # G r  [d]
+        if ERASE:
+            dx = g - b * kh[:, None] * gk[None, :]
+            dkh = b * (gr - tl.sum(x * gk[None, :], axis=1))
+        else:
+            dx = g
+            dkh = b * gr
+        dk = rs * (dkh - kh * tl.sum(kh * dkh, axis=0))
+        return dx, dk, b * gk, tl.sum(gk * r, axis=0)
+
+    @triton.jit
     def _update_fwd_kernel(
         X, Kd, V, BETA, W, XOUT, H, N, D, eps,
         DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TOKENS: tl.constexpr,
@@ -282,19 +297,11 @@ if triton is not None:
             xn = (x + b * kh[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)
             dw = dh[:, None] * xn
             g = g + dh[:, None] * w
-        gk = tl.sum(kh[:, None] * g, axis=0)  # khat^T G  [d_v]
-        gr = tl.sum(g * r[None, :], axis=1)  # G r  [d]
-        if ERASE:
-            dx = g - b * kh[:, None] * gk[None, :]
-            dkh = b * (gr - tl.sum(x * gk[None, :], axis=1))
-        else:
-            dx = g
-            dkh = b * gr
-        dk = rs * (dkh - kh * tl.sum(kh * dkh, axis=0))
+        dx, dk, dv, dbeta = _update_grads(g, x, kh, rs, b, r, ERASE)
         tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
         tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md & okd)
-        tl.store(DVo + n * DV + offs_v, (b * gk).to(DVo.dtype.element_ty), mask=mv & (offs_v * 0 + n < N))
-        tl.store(DBETA + n, tl.sum(gk * r, axis=0).to(DBETA.dtype.element_ty), mask=ok)
+        tl.store(DVo + n * DV + offs_v, dv.to(DVo.dtype.element_ty), mask=mv & (offs_v * 0 + n < N))
+        tl.store(DBETA + n, dbeta.to(DBETA.dtype.element_ty), mask=ok)
         return dw
 
     @triton.jit
@@ -606,35 +613,20 @@ if triton is not None:
         mv = offs_v < DV
         m2 = md[:, None] & mv[None, :]
         off2 = offs_d[:, None] * DV + offs_v[None, :]
-        k = tl.load(Kd + n * D + offs_d, mask=md, other=0.0).to(CT)
-        rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
-        kh = k * rs
-        x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-        v = tl.load(V + n * DV + offs_v, mask=mv, other=0.0).to(CT)
-        b = tl.load(BETA + n).to(CT)
+        _, _, m2, rs, kh, x, b, r = _update_token_inputs(
+            n, X, Kd, V, BETA, N, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
+        )
         g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
         for j in tl.static_range(KW):
             okd = md & (offs_d * 0 + t + (KW - 1) - j < T)
             dh = tl.load(DH + (n + (KW - 1) - j) * D + offs_d, mask=okd, other=0.0).to(CT)
             w = tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT)
             g += w * dh[:, None]
-        if ERASE:
-            r = v - tl.sum(kh[:, None] * x, axis=0)
-        else:
-            r = v
-        gk = tl.sum(kh[:, None] * g, axis=0)
-        gr = tl.sum(g * r[None, :], axis=1)
-        if ERASE:
-            dx = g - b * kh[:, None] * gk[None, :]
-            dkh = b * (gr - tl.sum(x * gk[None, :], axis=1))
-        else:
-            dx = g
-            dkh = b * gr
-        dk = rs * (dkh - kh * tl.sum(kh * dkh, axis=0))
+        dx, dk, dv, dbeta = _update_grads(g, x, kh, rs, b, r, ERASE)
         tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
         tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md)
-        tl.store(DVo + n * DV + offs_v, (b * gk).to(DVo.dtype.element_ty), mask=mv)
-        tl.store(DBETA + n, tl.sum(gk * r, axis=0).to(DBETA.dtype.element_ty))
+        tl.store(DVo + n * DV + offs_v, dv.to(DVo.dtype.element_ty), mask=mv)
+        tl.store(DBETA + n, dbeta.to(DBETA.dtype.element_ty))
 
     @triton.jit
     def _update_tc_wgrad_kernel(
