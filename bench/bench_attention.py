@@ -84,28 +84,10 @@ def ours_u_only(kernel, **opts):
 
 
 # Our kernel's variants, each against the default in the same run: (name, keyword arguments of
-# deltaformer_u_triton, kernels.deltaformer.TUNING switches). Default: chunk 64, rec "split" (bf16 hi/lo
-# recurrence products), no lookahead, atomic polling, num_warps 4 (D 64). Few on purpose: every variant
-# compiles 2-4 kernels per kernel type and shape specialisation (~2 s each), in a time-limited run.
-# Measured before and not repeated: chunk 32 (slower, V1), fp32/tf32 operands everywhere (V1).
+# deltaformer_u_triton, kernels.deltaformer.TUNING switches), for --variants (times, and u / gradient
+# differences to the default) and --kernel-profile (kernel-by-kernel times). Few on purpose: every variant
+# compiles its kernels anew (~2 s each). TUNING's prep_inverse=0 (a timing probe) is not listed.
 VARIANTS = [
-    ("default", {}, {}),
-    ("rec=lowp", {"rec": "lowp"}, {}),  # bf16 recurrence operands: the V3 speed, the V3 bf16 defect
-    (
-        "lowp=False",
-        {"lowp": False},
-        {},
-    ),  # fp32 operands in dA/dK/dW: removes our share of the bf16 error (V5)
-    ("poll=ld", {}, {"poll": 1}),  # acquire loads instead of atomic RMWs while waiting
-]
-# Measured in run 4 and dropped from the list (bench/NOTES_deltaformer.md "V4 outcomes"): rec=tf32 (slower,
-# less accurate), lookahead (no gain). For a later run with time to spare: ("C32", {"chunk": 32}, {}),
-# ("warps=8", {}, {"num_warps": 8}), ("stages=2", {}, {"num_stages": 2}).
-
-
-# Launch and diagnosis settings for --kernel-profile (kernel-by-kernel times of each, same run): which
-# setting helps which kernel, and what the prep kernel's time is made of (prep_inverse=0 skips the inverse).
-PROFILE_VARIANTS = [
     ("default", {}, {}),
     ("stages=2", {}, {"num_stages": 2}),
     ("late_loads", {}, {"late_loads": 1}),
@@ -113,7 +95,8 @@ PROFILE_VARIANTS = [
     ("lowp=False", {"lowp": False}, {}),
     ("rec=lowp", {"rec": "lowp"}, {}),
 ]
-# Profiled in session 3 (V6) and dropped: num_warps=8 (1.3-2.5x slower in every kernel), num_stages=4
+# Dropped after measuring (bench/NOTES_deltaformer.md): rec=tf32 (slower, less accurate) and lookahead (no
+# gain) in run 4; in session 3 (V6) num_warps=8 (1.3-2.5x slower in every kernel), num_stages=4
 # (backward recurrence 194 -> 292 us), chunk 32 and 128 (slower; prep 823 us at 128).
 
 
@@ -153,8 +136,8 @@ def tuned(switches):
 
 
 def selected(names):
-    """The PROFILE_VARIANTS entries named in `names` (all if empty)."""
-    return [entry for entry in PROFILE_VARIANTS if not names or entry[0] in names]
+    """The VARIANTS entries named in `names` (all if empty)."""
+    return [entry for entry in VARIANTS if not names or entry[0] in names]
 
 
 def compile_variants(shape, kernels, variants):
@@ -169,7 +152,7 @@ def compile_variants(shape, kernels, variants):
 
 
 def kernel_profile(shape, kernels, results, variants):
-    """Per-kernel times (us per f+b) of the PROFILE_VARIANTS named in `variants` (all if empty); one table
+    """Per-kernel times (us per f+b) of the VARIANTS named in `variants` (all if empty); one table
     per first-stage kernel."""
     torch.manual_seed(0)
     inputs = make(*shape)
@@ -269,10 +252,10 @@ def main():
     ap.add_argument(
         "--kernel-profile",
         default="",
-        help="first-stage kernels (comma-separated) to profile PROFILE_VARIANTS kernel by kernel, then exit",
+        help="first-stage kernels (comma-separated) to profile VARIANTS kernel by kernel, then exit",
     )
     ap.add_argument("--profile-shape", type=int, default=0, help="index into SHAPES for --kernel-profile")
-    ap.add_argument("--profile-variants", default="", help="names from PROFILE_VARIANTS (default: all)")
+    ap.add_argument("--profile-variants", default="", help="names from VARIANTS (default: all)")
     ap.add_argument("--compile-only", action="store_true", help="with --kernel-profile: compile, do not time")
     args = ap.parse_args()
 

@@ -39,7 +39,7 @@ echo "summary: $(grep -h -E '[0-9]+ (passed|failed|skipped|error).* in [0-9.]+s'
 rm -rf "$TMP"
 
 # (b) speed: the five-shape table (softmax, relu, SDPA), then the per-kernel profile at 8,12,1024,64 of
-# the open launch/precision variants (bench_attention.py PROFILE_VARIANTS), softmax, then relu's default
+# the open launch/precision variants (bench_attention.py VARIANTS), softmax, then relu's default
 timeout 90 python bench/bench_attention.py --no-fla --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 echo "bench exit: $?" | tee -a "$OUT/bench.log"
 timeout 150 python bench/bench_attention.py --no-fla --kernel-profile softmax --json "$OUT/profile_softmax.json" \
