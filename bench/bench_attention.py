@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -89,7 +90,9 @@ def ours_u_only(kernel, **opts):
 # compiles its kernels anew (~2 s each). TUNING's prep_inverse=0 (a timing probe) is not listed.
 VARIANTS = [
     ("default", {}, {}),
-    ("stages=2", {}, {"num_stages": 2}),
+    ("prep_warps=8", {}, {"prep_warps": 8}),
+    ("xprec=bf16x3", {}, {"xprec": "bf16x3"}),
+    ("bf16x3+warps8", {}, {"xprec": "bf16x3", "prep_warps": 8}),
     ("late_loads", {}, {"late_loads": 1}),
     ("poll=ld", {}, {"poll": 1}),
     ("lowp=False", {"lowp": False}, {}),
@@ -97,7 +100,8 @@ VARIANTS = [
 ]
 # Dropped after measuring (bench/NOTES_deltaformer.md): rec=tf32 (slower, less accurate) and lookahead (no
 # gain) in run 4; in session 3 (V6) num_warps=8 (1.3-2.5x slower in every kernel), num_stages=4
-# (backward recurrence 194 -> 292 us), chunk 32 and 128 (slower; prep 823 us at 128).
+# (backward recurrence 194 -> 292 us), chunk 32 and 128 (slower; prep 823 us at 128); in session 4
+# num_stages=2 (prep -5%, both wavefronts +7%).
 
 
 def kernel_times(fn, inputs, iters=10):
@@ -121,6 +125,52 @@ def kernel_times(fn, inputs, iters=10):
         us = getattr(e, "self_cuda_time_total", 0.0) if us is None else us
         out[e.key] = out.get(e.key, 0.0) + us / iters
     return out
+
+
+def overhead(shape, kernels, results):
+    """Is a forward+backward bound by the host? Per f+b, ms: do_bench's median (what the table reports);
+    the host's issue time alone (the GPU held busy by a sleep kernel meanwhile, so the host never waits
+    for it); a CUDA graph's replay (the same kernels without host gaps); the sum of GPU kernel times."""
+    torch.manual_seed(0)
+    inputs = make(*shape)
+    fns = {"sdpa": sdpa, **{kernel: ours(kernel) for kernel in kernels}}
+    print(f"\nhost overhead at {shape}, ms per forward+backward")
+    print("| fn | do_bench | host issue | CUDA graph replay | kernel sum |")
+    print("|---|---|---|---|---|")
+    for name, fn in fns.items():
+        row = {"do_bench": time_fn(fn, inputs, True)}
+        grad_out = torch.randn_like(fn(*inputs))
+        n = 20
+        for _ in range(3):
+            fn(*inputs).backward(grad_out)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time: the host issues n iterations meanwhile
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn(*inputs).backward(grad_out)
+        row["host issue"] = (time.perf_counter() - t0) * 1e3 / n
+        torch.cuda.synchronize()
+        try:  # the backward inside a capture, as in PyTorch's whole-network capture example
+            for x in inputs:
+                x.grad = None
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    fn(*inputs).backward(grad_out)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn(*inputs).backward(grad_out)
+            row["CUDA graph replay"] = do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+        except Exception as e:  # noqa: BLE001
+            print(f"CUDA graph of {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            row["CUDA graph replay"] = math.nan
+        for x in inputs:
+            x.grad = None
+        row["kernel sum"] = sum(kernel_times(fn, inputs).values()) / 1e3
+        results.setdefault("overhead", {})[f"{','.join(map(str, shape))} {name}"] = row
+        print(f"| {name} | " + " | ".join(f"{v:.3f}" for v in row.values()) + " |", flush=True)
 
 
 @contextlib.contextmanager
@@ -257,6 +307,7 @@ def main():
     ap.add_argument("--profile-shape", type=int, default=0, help="index into SHAPES for --kernel-profile")
     ap.add_argument("--profile-variants", default="", help="names from VARIANTS (default: all)")
     ap.add_argument("--compile-only", action="store_true", help="with --kernel-profile: compile, do not time")
+    ap.add_argument("--overhead", default="", help="kernels (comma-sep.): host-overhead table, then exit")
     args = ap.parse_args()
 
     print("command:", " ".join([sys.executable] + sys.argv))
@@ -265,6 +316,10 @@ def main():
     print(f"measured ceilings: bf16 matmul {tflops:.0f} TFLOP/s, device copy {gbs:.0f} GB/s")
     fla = None if args.no_fla else fla_fn()
     rows, results = [], {"tflops": tflops, "gbs": gbs, "shapes": {}}
+    if args.overhead:
+        overhead(SHAPES[args.profile_shape], args.overhead.split(","), results)
+        write_json(args.json, results)
+        return
     if args.kernel_profile:
         variants = [v for v in args.profile_variants.split(",") if v]
         if args.compile_only:

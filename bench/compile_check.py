@@ -124,6 +124,7 @@ def run_deltaformer_variants():
             configs = [(rec, lowp, {}) for rec in df.RECS for lowp in (True, False)]
             if (D, dtype) == (64, torch.bfloat16):  # the speed switches (TUNING), with the defaults
                 configs += [("split", True, {"late_loads": 1}), ("split", True, {"poll": 1})]
+                configs += [("split", True, {"xprec": "bf16x3", "prep_warps": 8})]
             for rec, lowp, switches in configs:
                 saved = dict(df.TUNING)
                 df.TUNING.update(switches)

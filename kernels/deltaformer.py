@@ -314,6 +314,20 @@ if _HAS_TRITON:
             return tl.where(valid, da, 0.0)
 
     @triton.jit
+    def _dot_x(a, b, PREC: tl.constexpr):
+        """fp32 a @ b for the in-chunk inverse and its products: tl.dot at PREC ("ieee", "tf32", "tf32x3"), or
+        PREC "bf16x3": a_hi b_hi + a_hi b_lo + a_lo b_hi with bf16 halves (~16 mantissa bits, like the
+        recurrence's split; half-precision tensor-core rate and operand traffic, a speed candidate)."""
+        if PREC == "bf16x3":
+            a_hi = a.to(tl.bfloat16)
+            b_hi = b.to(tl.bfloat16)
+            a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+            b_lo = (b - b_hi.to(tl.float32)).to(tl.bfloat16)
+            return tl.dot(a_hi, b_hi, tl.dot(a_lo, b_hi, tl.dot(a_hi, b_lo)))
+        else:
+            return tl.dot(a, b, input_precision=PREC)
+
+    @triton.jit
     def _unit_lower_inverse(n, C: tl.constexpr, PREC: tl.constexpr):
         """(I + n)^-1 for strictly lower triangular n [C, C] (C a power of two), by doubling the block size:
         let Y_b be the inverse of the block-diagonal part of I + n in [b, b] blocks (Y_1 = I). A [2b, 2b]
@@ -330,13 +344,14 @@ if _HAS_TRITON:
         the prep kernel's 179 us at 8,12,1024,64 (bench/NOTES_deltaformer.md, V6)."""
         offs = tl.arange(0, C)
         r, c = offs[:, None], offs[None, :]
-        y = tl.where(r == c, 1.0, 0.0)
-        for level in tl.static_range(7):  # block size b = 2^level; C <= 128
+        # Y_2 = I - E_1 (Y_1 = I: no products), then one level per doubling from b = 2
+        y = tl.where(r == c, 1.0, 0.0) - tl.where((r % 2 == 1) & (c == r - 1), n, 0.0)
+        for level in tl.static_range(1, 7):  # block size b = 2^level; C <= 128
             if (1 << level) < C:
                 same = r >> (level + 1) == c >> (level + 1)  # in the same [2b, 2b] block
                 quarter = same & ((r >> level) % 2 == 1) & ((c >> level) % 2 == 0)
                 e = tl.where(quarter, n, 0.0)
-                y = y - tl.dot(y, tl.dot(e, y, input_precision=PREC), input_precision=PREC)
+                y = y - _dot_x(y, _dot_x(e, y, PREC), PREC)
         return y
 
     @triton.jit
@@ -345,7 +360,7 @@ if _HAS_TRITON:
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
         INVERSE: tl.constexpr,
     ):  # fmt: skip
-        c = tl.program_id(0)
+        c = NC - 1 - tl.program_id(0)  # the longest rows (most earlier chunks) first: a shorter tail
         bh = tl.program_id(1).to(tl.int64)
         offs_c = tl.arange(0, C)
         offs_d = tl.arange(0, D)
@@ -425,7 +440,7 @@ if _HAS_TRITON:
             b = tl.load(Beta + bh64 * T + rows, mask=rmask, other=0.0).to(tl.float32)
             v = tl.load(V + tile, mask=rmask[:, None], other=0.0).to(tl.float32)
             x = tl.load(xt)
-        u = tl.dot(x, v - b[:, None] * acc, input_precision=XPREC)
+        u = _dot_x(x, v - b[:, None] * acc, XPREC)
         u = tl.where(ok != 0, u, float("nan"))
         _store_split(U, ULO, tile, u, rmask[:, None], STORE_LO)
         tl.debug_barrier()  # every thread's stores precede the release below
@@ -486,7 +501,7 @@ if _HAS_TRITON:
             x = tl.load(xt)
             du_c = tl.load(DU + tile, mask=cmask[:, None], other=0.0).to(tl.float32)
             b_c = tl.load(Beta + bh64 * T + cols, mask=cmask, other=0.0).to(tl.float32)
-        g_c = tl.dot(tl.trans(x), du_c - acc, input_precision=XPREC)
+        g_c = _dot_x(tl.trans(x), du_c - acc, XPREC)
         g_c = tl.where(ok != 0, g_c, float("nan"))
         gb_c = g_c * b_c[:, None]
         _store_split(GB, GBLO, tile, gb_c, cmask[:, None], STORE_LO)
@@ -562,7 +577,7 @@ if _HAS_TRITON:
         HAS_LO: tl.constexpr,
     ):  # fmt: skip
         """dW_i = s sum_{j < i} dS_ij k_j for one block of rows i, over the column blocks up to its own."""
-        c = tl.program_id(0)
+        c = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows first, as dK's columns: shorter tail
         bh = tl.program_id(1).to(tl.int64)
         rows = c * C + tl.arange(0, C)
         w_c, gb_c, lse_c, rt_c = _load_rows(W, GB, GBLO, LSE, RT, bh, T, rows, D, C, KERNEL, LOWP, HAS_LO)
@@ -597,7 +612,7 @@ def _triton_cfg(x, chunk, lowp, rec):
     # products in tf32, or in 3-pass tf32 (~fp32) with rec="split", so that they do not undo its accuracy.
     if x.dtype == torch.float32:
         return "ieee", "ieee", False, 1, False, _launch(D, chunk, lowp=False)
-    xprec = "tf32x3" if rec == "split" else "tf32"
+    xprec = (TUNING["xprec"] or "tf32x3") if rec == "split" else "tf32"
     store_lo = rec == "split" or not lowp  # u and beta G stored as hi + lo halves (`_store_split`)
     return "tf32", xprec, lowp, RECS.index(rec) * 2, store_lo, _launch(D, chunk, lowp)
 
@@ -606,8 +621,13 @@ def _triton_cfg(x, chunk, lowp, rec):
 # poll: 0 atomic / 1 acquire-load polling (`_read_progress`); num_warps / num_stages: None = the defaults;
 # prep_inverse: 0 = the prep kernel skips the in-chunk inverse (X = I: wrong results, a timing probe only);
 # late_loads: 1 = the wavefronts load their own chunk's X, v / dU, beta after the waits (fewer registers
-# held through the consumption loop, one more load latency on the critical path).
-TUNING = {"poll": 0, "num_warps": None, "num_stages": None, "prep_inverse": 1, "late_loads": 0}
+# held through the consumption loop, one more load latency on the critical path); xprec: the in-chunk
+# inverse's products and X @ rhs with half inputs and rec="split" (None = "tf32x3", or "bf16x3": `_dot_x`);
+# prep_warps: num_warps of the prep kernel alone (None = the default).
+TUNING = {
+    "poll": 0, "num_warps": None, "num_stages": None, "prep_inverse": 1, "late_loads": 0, "xprec": None,
+    "prep_warps": None,
+}  # fmt: skip
 
 
 def _launch(D, chunk, lowp):
@@ -653,10 +673,11 @@ def _u_fwd_op(
     lse = torch.empty(B, H, T, **f32) if kernel == "softmax" else torch.zeros(1, **f32)  # placeholder
     xinv = torch.empty(BH, NC, C, C, **f32)
     kid = _KERNEL_IDS[kernel]
+    prep_launch = {**launch, "num_warps": TUNING["prep_warps"] or launch["num_warps"]}
     with _device_guard(v):
         _prep_kernel[(NC, BH)](
             w, k, beta, lse, xinv, scale, T, NC, KERNEL=kid, D=D, C=C, PREC=prec, XPREC=xprec,
-            INVERSE=TUNING["prep_inverse"], **launch,
+            INVERSE=TUNING["prep_inverse"], **prep_launch,
         )  # fmt: skip
         counters = torch.zeros(BH + 1, device=v.device, dtype=torch.int32)  # progress per (b, h); ticket
         _fwd_kernel[(BH * NC,)](

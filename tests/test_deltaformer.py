@@ -217,12 +217,15 @@ def test_triton_fp16_recurrence_precisions(rec):
     print(rec, {n: f"{e:.1e}" for n, e in errs.items()})
 
 
+@pytest.mark.parametrize("switch", [("late_loads", 1), ("xprec", "bf16x3")])
 @pytest.mark.parametrize("kernel", ["softmax", "relu"])
-def test_triton_speed_switches(kernel, monkeypatch):
+def test_triton_speed_switches(kernel, switch, monkeypatch, request):
     # the benchmark-only switches that change the kernels' code (TUNING): same values and gradients
     import kernels.deltaformer as df
 
-    monkeypatch.setitem(df.TUNING, "late_loads", 1)
+    if switch[0] == "xprec":  # bf16 dots: the unpatched interpreter multiplies their bit patterns
+        request.getfixturevalue("gpu_like_bf16_interpreter")
+    monkeypatch.setitem(df.TUNING, *switch)
     check_triton_against_reference(kernel, 1, 2, 45, 16, torch.float32, "cpu", chunk=16, tol=1e-5)
     check_triton_against_reference(kernel, 1, 1, 45, 16, torch.float16, "cpu", chunk=32, tol=1e-2)
 
@@ -353,14 +356,20 @@ def test_triton_gpu_reflection_same_stage2(kernel, lowp, request):
     print("reflection same-stage2", kernel, lowp, {n: f"{e:.1e}" for n, e in errs.items()})
 
 
-def test_triton_bf16_reflection_same_stage2_cpu(gpu_like_bf16_interpreter):
+@pytest.mark.parametrize("xprec", [None, "bf16x3"])
+def test_triton_bf16_reflection_same_stage2_cpu(gpu_like_bf16_interpreter, xprec, monkeypatch):
     # the GPU test above on the CPU (its reference path; PyTorch's CPU SDPA in bf16 as stage 2 on both
-    # sides), lowp=False: ~3e-3 at T = 512 (lowp=True: dw ~1.4e-2, the defect)
+    # sides), lowp=False: ~3e-3 at T = 512 (lowp=True: dw ~1.4e-2, the defect); also with the in-chunk
+    # inverse in bf16x3 instead of tf32x3 (TUNING["xprec"], a speed candidate)
+    import kernels.deltaformer as df
+
+    monkeypatch.setitem(df.TUNING, "xprec", xprec)
     inputs = reflection_inputs(1, 1, 512, 64, "relu")
-    check_triton_against_reference(
+    errs = check_triton_against_reference(
         "relu", 1, 1, 512, 64, torch.bfloat16, "cpu", chunk=64, tol=1e-2, reference="same_stage2",
         lowp=False, inputs=inputs,
     )  # fmt: skip
+    print("xprec", xprec, {n: f"{e:.1e}" for n, e in errs.items()})
 
 
 @pytest.mark.gpu
@@ -442,7 +451,7 @@ def test_triton_gpu_matches_reference(kernel, shape, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch", [("late_loads", 1), ("poll", 1)])
+@pytest.mark.parametrize("switch", [("late_loads", 1), ("poll", 1), ("xprec", "bf16x3")])
 @pytest.mark.parametrize("kernel", ["softmax", "relu"])
 def test_triton_gpu_speed_switches(kernel, switch, monkeypatch):
     # the benchmark switches that change the wavefronts' code, at full size on the GPU (bf16), so that a
