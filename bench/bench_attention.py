@@ -134,6 +134,7 @@ def overhead(shape, kernels, results):
     torch.manual_seed(0)
     inputs = make(*shape)
     fns = {"sdpa": sdpa, **{kernel: ours(kernel) for kernel in kernels}}
+    fns[f"{kernels[0]} (custom op)"] = custom_op(ours(kernels[0]))
     print(f"\nhost overhead at {shape}, ms per forward+backward")
     print("| fn | do_bench | host issue | CUDA graph replay | kernel sum |")
     print("|---|---|---|---|---|")
@@ -171,6 +172,34 @@ def overhead(shape, kernels, results):
         row["kernel sum"] = sum(kernel_times(fn, inputs).values()) / 1e3
         results.setdefault("overhead", {})[f"{','.join(map(str, shape))} {name}"] = row
         print(f"| {name} | " + " | ".join(f"{v:.3f}" for v in row.values()) + " |", flush=True)
+    # where the host time of one forward+backward goes (the GPU held busy meanwhile)
+    import cProfile
+    import pstats
+
+    fn, grad_out = fns[kernels[0]], torch.randn_like(inputs[0])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(20):
+        fn(*inputs).backward(grad_out)
+    prof.disable()
+    print(f"\nhost profile of 20 x {kernels[0]} forward+backward (cProfile, by own time)")
+    pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(22)
+    torch.cuda.synchronize()
+
+
+def custom_op(fn):
+    """fn with the u-stage through its torch.library custom op also in eager mode (as under torch.compile)."""
+
+    def wrapped(*args):
+        df.EAGER_CUSTOM_OP = True
+        try:
+            return fn(*args)
+        finally:
+            df.EAGER_CUSTOM_OP = False
+
+    return wrapped
 
 
 @contextlib.contextmanager

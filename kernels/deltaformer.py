@@ -657,11 +657,8 @@ def _has_lo(dtype, rec, lowp):
     return dtype != torch.float32 and (rec == "split" or not lowp)
 
 
-@torch.library.custom_op("deltaformer::u_fwd", mutates_args=())
-def _u_fwd_op(
-    k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, beta: torch.Tensor,
-    kernel: str, scale: float, chunk: int, lowp: bool, rec: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp, rec):
+    """Launch the forward kernels: (u, u_lo, h, lse, xinv), what the backward needs."""
     B, H, T, D = v.shape
     BH, NC, C = B * H, triton.cdiv(T, chunk), chunk
     prec, xprec, lowp, rec_id, store_lo, launch = _triton_cfg(v, chunk, lowp, rec)
@@ -688,6 +685,14 @@ def _u_fwd_op(
     return u, u_lo, h, lse, xinv
 
 
+@torch.library.custom_op("deltaformer::u_fwd", mutates_args=())
+def _u_fwd_op(
+    k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, beta: torch.Tensor,
+    kernel: str, scale: float, chunk: int, lowp: bool, rec: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    return _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp, rec)
+
+
 @_u_fwd_op.register_fake
 def _(k, v, w, beta, kernel, scale, chunk, lowp, rec):
     B, H, T, D = v.shape
@@ -702,12 +707,8 @@ def _(k, v, w, beta, kernel, scale, chunk, lowp, rec):
     )
 
 
-@torch.library.custom_op("deltaformer::u_bwd", mutates_args=())
-def _u_bwd_op(
-    du: torch.Tensor, k: torch.Tensor, w: torch.Tensor, beta: torch.Tensor, u: torch.Tensor,
-    u_lo: torch.Tensor, h: torch.Tensor, lse: torch.Tensor, xinv: torch.Tensor,
-    kernel: str, scale: float, chunk: int, lowp: bool, rec: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, kernel, scale, chunk, lowp, rec):
+    """Launch the backward kernels: (dk, dv, dw, dbeta)."""
     B, H, T, D = k.shape
     BH, NC, C = B * H, triton.cdiv(T, chunk), chunk
     prec, xprec, lowp, rec_id, store_lo, launch = _triton_cfg(k, chunk, lowp, rec)
@@ -738,6 +739,15 @@ def _u_bwd_op(
     return dk, dv, dw, dbeta.to(beta.dtype)
 
 
+@torch.library.custom_op("deltaformer::u_bwd", mutates_args=())
+def _u_bwd_op(
+    du: torch.Tensor, k: torch.Tensor, w: torch.Tensor, beta: torch.Tensor, u: torch.Tensor,
+    u_lo: torch.Tensor, h: torch.Tensor, lse: torch.Tensor, xinv: torch.Tensor,
+    kernel: str, scale: float, chunk: int, lowp: bool, rec: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    return _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, kernel, scale, chunk, lowp, rec)
+
+
 @_u_bwd_op.register_fake
 def _(du, k, w, beta, u, u_lo, h, lse, xinv, kernel, scale, chunk, lowp, rec):
     return k.new_empty(k.shape), k.new_empty(k.shape), w.new_empty(w.shape), beta.new_empty(beta.shape)
@@ -758,6 +768,28 @@ def _u_backward(ctx, du, *_unused):  # u_lo, h, lse, xinv are saved state, not d
 
 if _HAS_TRITON:
     torch.library.register_autograd("deltaformer::u_fwd", _u_backward, setup_context=_u_setup)
+
+
+class _UStage(torch.autograd.Function):
+    """The same forward and backward outside torch.compile: a custom op call costs ~0.1-0.2 ms of host time
+    per forward+backward (dispatch, its autograd wrapper, Dynamo guards), as much as the GPU time of
+    small inputs (bench_attention.py --overhead)."""
+
+    @staticmethod
+    def forward(ctx, k, v, w, beta, kernel, scale, chunk, lowp, rec):
+        out = _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp, rec)
+        _u_setup(ctx, (k, v, w, beta, kernel, scale, chunk, lowp, rec), out)
+        return out[0]
+
+    @staticmethod
+    def backward(ctx, du):
+        k, w, beta, u, u_lo, h, lse, xinv = ctx.saved_tensors
+        dk, dv, dw, dbeta = _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, *ctx.cfg)
+        return dk, dv, dw, dbeta, None, None, None, None, None
+
+
+# Eager calls take _UStage unless this is set (bench_attention.py --overhead compares the two).
+EAGER_CUSTOM_OP = False
 
 
 def deltaformer_u_triton(k, v, w, beta, kernel="softmax", scale=None, chunk=64, lowp=None, rec=None):
@@ -781,4 +813,6 @@ def deltaformer_u_triton(k, v, w, beta, kernel="softmax", scale=None, chunk=64, 
     s = 1.0 / math.sqrt(k.shape[-1]) if scale is None else float(scale)
     half = v.dtype != torch.float32
     lowp = half if lowp is None else bool(lowp) and half
-    return _u_fwd_op(k, v, w, beta, kernel, s, chunk, lowp, rec)[0]
+    if EAGER_CUSTOM_OP or torch.compiler.is_compiling():
+        return _u_fwd_op(k, v, w, beta, kernel, s, chunk, lowp, rec)[0]
+    return _UStage.apply(k, v, w, beta, kernel, s, chunk, lowp, rec)
