@@ -90,10 +90,9 @@ def ours_u_only(kernel, **opts):
 # compiles its kernels anew (~2 s each). TUNING's prep_inverse=0 (a timing probe) is not listed.
 VARIANTS = [
     ("default", {}, {}),
-    ("prep_warps=8", {}, {"prep_warps": 8}),
     ("xprec=bf16x3", {}, {"xprec": "bf16x3"}),
-    ("bf16x3+warps8", {}, {"xprec": "bf16x3", "prep_warps": 8}),
-    ("late_loads", {}, {"late_loads": 1}),
+    ("inverse16", {}, {"prep_inverse": 2}),
+    ("one_dk_dw", {}, {"one_dk_dw_launch": 1}),
     ("poll=ld", {}, {"poll": 1}),
     ("lowp=False", {"lowp": False}, {}),
     ("rec=lowp", {"rec": "lowp"}, {}),
@@ -101,7 +100,7 @@ VARIANTS = [
 # Dropped after measuring (bench/NOTES_deltaformer.md): rec=tf32 (slower, less accurate) and lookahead (no
 # gain) in run 4; in session 3 (V6) num_warps=8 (1.3-2.5x slower in every kernel), num_stages=4
 # (backward recurrence 194 -> 292 us), chunk 32 and 128 (slower; prep 823 us at 128); in session 4
-# num_stages=2 (prep -5%, both wavefronts +7%).
+# num_stages=2 (prep -5%, both wavefronts +7%), late_loads (wavefronts +5%), prep_warps=8 (prep 188 -> 369).
 
 
 def kernel_times(fn, inputs, iters=10):

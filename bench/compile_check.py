@@ -125,6 +125,8 @@ def run_deltaformer_variants():
             if (D, dtype) == (64, torch.bfloat16):  # the speed switches (TUNING), with the defaults
                 configs += [("split", True, {"late_loads": 1}), ("split", True, {"poll": 1})]
                 configs += [("split", True, {"xprec": "bf16x3", "prep_warps": 8})]
+            # every dtype (fp32 takes 3-D ieee products in the blocked inverse)
+            configs += [("split", True, {"prep_inverse": 2}), ("split", True, {"one_dk_dw_launch": 1})]
             for rec, lowp, switches in configs:
                 saved = dict(df.TUNING)
                 df.TUNING.update(switches)

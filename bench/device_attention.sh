@@ -1,59 +1,79 @@
 #!/usr/bin/env bash
 # Deltaformer attention on one GPU (issue 5): the GPU tests of tests/test_deltaformer.py, then
-# bench/bench_attention.py (five shapes; per-kernel profile of the variants), without FLA.
+# bench/bench_attention.py: the five-shape table, the host-overhead table, the per-kernel profile of the
+# variants (bench_attention.py VARIANTS).
 #
 #   CUDA_VISIBLE_DEVICES=1 OUT=/some/dir bash bench/device_attention.sh
 #
-# WITH_DDL=1 adds the GPU tests of the DDL kernels and of the model on the Triton kernels as a fifth group
-# (tests.log), finished before any timing starts.
+# STAGES (default "tests table overhead profile") picks the stages, in that order. WITH_DDL=1 adds the GPU
+# tests of the DDL kernels and of the model on the Triton kernels as one more test group. WITH_FLA=1 puts FLA
+# 0.6.0 in the table (its wheels installed first, see the device README; its autotuning adds ~60 s).
 # Needs only torch, triton, numpy, pytest. Writes under $OUT (default out_device_attention/): tests.log,
-# bench.log, bench.json, profile_softmax.json, profile_relu.json. At most ~460 s: tests 180 s, table 90 s,
-# profiles 190 s, each cut by `timeout` (the table writes its JSON after every shape). Nothing else may
-# run on the GPU meanwhile (the timings), nor on the CPUs (Python launch overhead is in the f+b walls).
+# bench.log, bench.json, overhead.json, profile_softmax.json, profile_relu.json.
+# Times (session 4, one H200): tests ~110-180 s (compiles dominate), table ~70 s (+60 s with FLA), overhead
+# ~40 s, profile ~45 s per variant (7 softmax variants + relu's default: ~360 s); a device call is at most
+# 600 s, so split the stages over two calls. Every stage has its own `timeout`; the table writes its JSON
+# after every shape. Nothing else may run on the GPU (the timings) nor on the CPUs (the host's launch work
+# is in the f+b walls: bench_attention.py --overhead) meanwhile.
 # Before a device call: PYTHONPATH=<triton 3.6 wheel> python bench/compile_check.py (NOTES V6).
 set -o pipefail
 export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-out_device_attention}
 PY=${PYTHON:-python3}
+STAGES=${STAGES:-tests table overhead profile}
 mkdir -p "$OUT"
+has() { [[ " $STAGES " == *" $1 "* ]]; }
 {
     echo "GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader -i "${CUDA_VISIBLE_DEVICES:-0}" 2>/dev/null)"
-    echo "commit: $(git rev-parse --short HEAD 2>/dev/null)"
+    echo "commit: $(git rev-parse --short HEAD 2>/dev/null); stages: $STAGES"
 } | tee "$OUT/tests.log"
 
 # (a) GPU tests, -s: every case prints its relative errors. Triton compiles (~125 kernels, ~2 s each)
-# dominate, so four pytest processes run groups of tests side by side (they share the GPU by time
-# slicing, which cannot deadlock a wavefront: all of a kernel's programs belong to one process).
-TMP=$(mktemp -d)
-GROUPS_K=("reflection" "matches_reference and softmax" "matches_reference and relu"
-    "(matches_reference and linear) or repeatable or speed_switches")
-for i in "${!GROUPS_K[@]}"; do
-    timeout 180 $PY -m pytest -q -s -rfE -m gpu tests/test_deltaformer.py -k "${GROUPS_K[$i]}" \
-        >"$TMP/group$i.log" 2>&1 &
-done
-if [ "${WITH_DDL:-0}" = 1 ]; then
-    GROUPS_K+=("ddl kernels + model on Triton")
-    {
-        timeout 120 $PY -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_ddl.py
-        timeout 55 $PY -m pytest -q -rfE -p no:cacheprovider tests/test_model.py -k "triton_backend or bf16_state_triton"
-    } >"$TMP/group4.log" 2>&1 &
+# dominate, so pytest processes run groups of tests side by side (they share the GPU by time slicing,
+# which cannot deadlock a wavefront: all of a kernel's programs belong to one process).
+if has tests; then
+    TMP=$(mktemp -d)
+    GROUPS_K=("reflection" "matches_reference and softmax" "matches_reference and relu"
+        "(matches_reference and linear) or repeatable" "speed_switches")
+    for i in "${!GROUPS_K[@]}"; do
+        timeout 180 $PY -m pytest -q -s -rfE -p no:cacheprovider -m gpu tests/test_deltaformer.py \
+            -k "${GROUPS_K[$i]}" >"$TMP/group$i.log" 2>&1 &
+    done
+    if [ "${WITH_DDL:-0}" = 1 ]; then
+        GROUPS_K+=("ddl kernels + model on Triton")
+        {
+            timeout 120 $PY -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_ddl.py
+            timeout 55 $PY -m pytest -q -rfE -p no:cacheprovider tests/test_model.py \
+                -k "triton_backend or bf16_state_triton"
+        } >"$TMP/group$((${#GROUPS_K[@]} - 1)).log" 2>&1 &
+    fi
+    wait
+    for i in "${!GROUPS_K[@]}"; do
+        echo "=== group $i: -k '${GROUPS_K[$i]}'"
+        cat "$TMP/group$i.log"
+    done | tee -a "$OUT/tests.log"
+    echo "summary: $(grep -h -E '[0-9]+ (passed|failed|skipped|error).* in [0-9.]+s' "$TMP"/group*.log |
+        tr '\n' ';')" | tee -a "$OUT/tests.log"
+    rm -rf "$TMP"
 fi
-wait
-for i in "${!GROUPS_K[@]}"; do
-    echo "=== group $i: -k '${GROUPS_K[$i]}'"
-    cat "$TMP/group$i.log"
-done | tee -a "$OUT/tests.log"
-echo "summary: $(grep -h -E '[0-9]+ (passed|failed|skipped|error).* in [0-9.]+s' "$TMP"/group*.log | tr '\n' ';')" \
-    | tee -a "$OUT/tests.log"
-rm -rf "$TMP"
 
-# (b) speed: the five-shape table (softmax, relu, SDPA), then the per-kernel profile at 8,12,1024,64 of
-# the open launch/precision variants (bench_attention.py VARIANTS), softmax, then relu's default
-timeout 90 $PY bench/bench_attention.py --no-fla --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
-echo "bench exit: $?" | tee -a "$OUT/bench.log"
-timeout 150 $PY bench/bench_attention.py --no-fla --kernel-profile softmax --json "$OUT/profile_softmax.json" \
-    2>&1 | tee -a "$OUT/bench.log"
-timeout 40 $PY bench/bench_attention.py --no-fla --kernel-profile relu --profile-variants default \
-    --json "$OUT/profile_relu.json" 2>&1 | tee -a "$OUT/bench.log"
-echo "profile exit: $?" | tee -a "$OUT/bench.log"
+# (b) speed
+B=bench/bench_attention.py
+if has table; then
+    FLA_FLAG=--no-fla
+    [ "${WITH_FLA:-0}" = 1 ] && FLA_FLAG=
+    timeout 150 $PY $B $FLA_FLAG --json "$OUT/bench.json" 2>&1 | tee -a "$OUT/bench.log"
+    echo "table exit: $?" | tee -a "$OUT/bench.log"
+fi
+if has overhead; then
+    timeout 90 $PY $B --no-fla --overhead softmax,relu --json "$OUT/overhead.json" 2>&1 | tee -a "$OUT/bench.log"
+    echo "overhead exit: $?" | tee -a "$OUT/bench.log"
+fi
+if has profile; then
+    timeout 330 $PY $B --no-fla --kernel-profile softmax --json "$OUT/profile_softmax.json" 2>&1 |
+        grep -v "Warn\|_warn" | tee -a "$OUT/bench.log"
+    timeout 50 $PY $B --no-fla --kernel-profile relu --profile-variants default \
+        --json "$OUT/profile_relu.json" 2>&1 | grep -v "Warn\|_warn" | tee -a "$OUT/bench.log"
+    echo "profile exit: $?" | tee -a "$OUT/bench.log"
+fi

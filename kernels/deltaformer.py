@@ -204,8 +204,8 @@ def deltaformer_attention(q, k, v, w, beta, kernel="softmax", scale=None, backen
 #   (`_bwd_g_kernel`), with G_c = X_c^T (dU_c - ...);
 #   dA_ij = -beta_i <G_i, u_j>;  dbeta_i = -<G_i, h_i>;
 #   softmax: dS_ij = A_ij (dA_ij - sum_j' A_ij' dA_ij') = A_ij (dA_ij + beta_i <G_i, h_i>);
-#   relu: dS = dA [S > 0];  linear: dS = dA;  then dK = s dS^T W (`_dk_kernel`, parallel over column
-#   chunks) and dW = s dS K (`_dw_kernel`, parallel over row chunks).
+#   relu: dS = dA [S > 0];  linear: dS = dA;  then dK = s dS^T W (`_dk_block`, parallel over column
+#   chunks) and dW = s dS K (`_dw_block`, parallel over row chunks), launched by `_dk_dw_kernel`.
 
 _KERNEL_IDS = {"softmax": 0, "relu": 1, "linear": 2}
 _SPIN_LIMIT = 20_000_000  # ~10 s of spinning: only a bug gets there
@@ -328,7 +328,7 @@ if _HAS_TRITON:
             return tl.dot(a, b, input_precision=PREC)
 
     @triton.jit
-    def _unit_lower_inverse(n, C: tl.constexpr, PREC: tl.constexpr):
+    def _unit_lower_inverse(n, C: tl.constexpr, PREC: tl.constexpr, BLOCKS16: tl.constexpr):
         """(I + n)^-1 for strictly lower triangular n [C, C] (C a power of two), by doubling the block size:
         let Y_b be the inverse of the block-diagonal part of I + n in [b, b] blocks (Y_1 = I). A [2b, 2b]
         block is [[A, 0], [E, B]], with inverse [[A^-1, 0], [-B^-1 E A^-1, B^-1]], so Y_2b = Y_b - Y_b E_b Y_b
@@ -341,18 +341,56 @@ if _HAS_TRITON:
         tracking needs) the powers of n grow huge and cancel: fp32 lost up to 7e-2 of u at C = 64
         (tests/test_deltaformer.py, reflection regime). Forward substitution row by row (V3) and by 16-row
         blocks (V4) were as accurate but slow: C - 1 or 15 dependent steps of cross-warp reductions, 123 of
-        the prep kernel's 179 us at 8,12,1024,64 (bench/NOTES_deltaformer.md, V6)."""
+        the prep kernel's 179 us at 8,12,1024,64 (bench/NOTES_deltaformer.md, V6). BLOCKS16 (a speed
+        candidate, TUNING["prep_inverse"] = 2): the levels b < 16 only touch the [16, 16] diagonal
+        blocks, so they run as batched [C / 16, 16, 16] products (C / 16 times fewer MACs)."""
+        if BLOCKS16 and C > 16:  # levels b < 16 on the [16, 16] diagonal blocks alone, then the rest
+            d = _diagonal_blocks(n, C)
+            y = _block_diagonal(_doubling_levels(d, d, 16, 0, PREC, True), C)
+            y = _doubling_levels(n, y, C, 4, PREC, False)
+        else:
+            y = _doubling_levels(n, n, C, 0, PREC, False)
+        return y
+
+    @triton.jit
+    def _doubling_levels(
+        n, y, C: tl.constexpr, FIRST: tl.constexpr, PREC: tl.constexpr, BATCHED: tl.constexpr
+    ):  # fmt: skip
+        """Y_2b = Y_b - Y_b E_b Y_b for b = 2^FIRST, ... < C, on [C, C] tiles or (BATCHED) [G, C, C]; y is
+        the inverse for b = 2^FIRST. FIRST 0: y is ignored; Y_2 = I - E_1 (Y_1 = I: no products) and the
+        products start at b = 2."""
         offs = tl.arange(0, C)
-        r, c = offs[:, None], offs[None, :]
-        # Y_2 = I - E_1 (Y_1 = I: no products), then one level per doubling from b = 2
-        y = tl.where(r == c, 1.0, 0.0) - tl.where((r % 2 == 1) & (c == r - 1), n, 0.0)
+        if BATCHED:
+            r, c = offs[None, :, None], offs[None, None, :]
+        else:
+            r, c = offs[:, None], offs[None, :]
+        if FIRST == 0:
+            y = tl.where(r == c, 1.0, 0.0) - tl.where((r % 2 == 1) & (c == r - 1), n, 0.0)
         for level in tl.static_range(1, 7):  # block size b = 2^level; C <= 128
-            if (1 << level) < C:
+            if (1 << level) < C and level >= FIRST:
                 same = r >> (level + 1) == c >> (level + 1)  # in the same [2b, 2b] block
                 quarter = same & ((r >> level) % 2 == 1) & ((c >> level) % 2 == 0)
                 e = tl.where(quarter, n, 0.0)
                 y = y - _dot_x(y, _dot_x(e, y, PREC), PREC)
         return y
+
+    @triton.jit
+    def _diagonal_blocks(n, C: tl.constexpr):
+        """The [16, 16] diagonal blocks of n [C, C] as [C // 16, 16, 16]."""
+        G: tl.constexpr = C // 16
+        n4 = tl.reshape(n, (G, 16, G, 16))  # n4[g, r, h, c] = n[16 g + r, 16 h + c]
+        g = tl.arange(0, G)
+        same = g[:, None, None, None] == g[None, None, :, None]
+        return tl.sum(tl.where(same, n4, 0.0), axis=2)
+
+    @triton.jit
+    def _block_diagonal(y3, C: tl.constexpr):
+        """[C, C] with the blocks y3 [C // 16, 16, 16] on the diagonal, 0 elsewhere."""
+        G: tl.constexpr = C // 16
+        g = tl.arange(0, G)
+        same = g[:, None, None, None] == g[None, None, :, None]
+        y4 = tl.where(same, tl.expand_dims(y3, 2), 0.0)  # [G, 16, G, 16]
+        return tl.reshape(y4, (C, C))
 
     @triton.jit
     def _prep_kernel(
@@ -388,7 +426,7 @@ if _HAS_TRITON:
         if INVERSE == 0:  # timing probe (TUNING["prep_inverse"]): X = I
             x = tl.where(offs_c[:, None] == offs_c[None, :], 1.0, 0.0) + 0.0 * a_cc
         else:
-            x = _unit_lower_inverse(b[:, None] * a_cc, C, XPREC)
+            x = _unit_lower_inverse(b[:, None] * a_cc, C, XPREC, INVERSE == 2)
         tl.store(Xinv + (bh * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :], x)
 
     @triton.jit
@@ -551,14 +589,12 @@ if _HAS_TRITON:
         return _dscores(a, s, da, rt_r, valid, KERNEL)
 
     @triton.jit
-    def _dk_kernel(
-        W, K, U, ULO, GB, GBLO, LSE, RT, DK, scale, T, NC,
+    def _dk_block(
+        W, K, U, ULO, GB, GBLO, LSE, RT, DK, scale, T, NC, c, bh,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
         HAS_LO: tl.constexpr,
     ):  # fmt: skip
-        """dK_j = s sum_{i > j} dS_ij w_i for one block of columns j, over the row blocks from its own on."""
-        c = tl.program_id(0)
-        bh = tl.program_id(1).to(tl.int64)
+        """dK_j = s sum_{i > j} dS_ij w_i for a block c of columns j, over the row blocks from its own on."""
         cols = c * C + tl.arange(0, C)
         k_c, u_c = _load_cols(K, U, ULO, bh, T, cols, D, LOWP, HAS_LO)
         dk = tl.zeros((C, D), dtype=tl.float32)
@@ -571,14 +607,12 @@ if _HAS_TRITON:
         tl.store(DK + tile, (dk * scale).to(DK.dtype.element_ty), mask=(cols < T)[:, None])
 
     @triton.jit
-    def _dw_kernel(
-        W, K, U, ULO, GB, GBLO, LSE, RT, DW, scale, T,
+    def _dw_block(
+        W, K, U, ULO, GB, GBLO, LSE, RT, DW, scale, T, c, bh,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
         HAS_LO: tl.constexpr,
     ):  # fmt: skip
-        """dW_i = s sum_{j < i} dS_ij k_j for one block of rows i, over the column blocks up to its own."""
-        c = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows first, as dK's columns: shorter tail
-        bh = tl.program_id(1).to(tl.int64)
+        """dW_i = s sum_{j < i} dS_ij k_j for one block c of rows i, over the column blocks up to its own."""
         rows = c * C + tl.arange(0, C)
         w_c, gb_c, lse_c, rt_c = _load_rows(W, GB, GBLO, LSE, RT, bh, T, rows, D, C, KERNEL, LOWP, HAS_LO)
         dw = tl.zeros((C, D), dtype=tl.float32)
@@ -589,6 +623,29 @@ if _HAS_TRITON:
             dw += _mm(ds, k_p, W, LOWP, PREC)
         tile = bh * T * D + rows[:, None] * D + tl.arange(0, D)[None, :]
         tl.store(DW + tile, (dw * scale).to(DW.dtype.element_ty), mask=(rows < T)[:, None])
+
+    @triton.jit
+    def _dk_dw_kernel(
+        W, K, U, ULO, GB, GBLO, LSE, RT, DK, DW, scale, T, NC,
+        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+        HAS_LO: tl.constexpr, ROLE: tl.constexpr,
+    ):  # fmt: skip
+        """ROLE 0: dK over column blocks, grid (NC, BH); 1: dW over row blocks, grid (NC, BH); 2: both in one
+        launch, grid (2 NC, BH), the roles interleaved (a launch fewer: TUNING["one_dk_dw_launch"]). Each
+        role takes its longest blocks first (dK's first columns, dW's last rows): a shorter tail."""
+        pid = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        dk_role = pid % 2 == 0 if ROLE == 2 else ROLE == 0
+        i = pid // 2 if ROLE == 2 else pid  # the i-th longest block of its role
+        if dk_role:
+            _dk_block(
+                W, K, U, ULO, GB, GBLO, LSE, RT, DK, scale, T, NC, i, bh, KERNEL, D, C, LOWP, PREC, HAS_LO,
+            )  # fmt: skip
+        else:
+            _dw_block(
+                W, K, U, ULO, GB, GBLO, LSE, RT, DW, scale, T, NC - 1 - i, bh,
+                KERNEL, D, C, LOWP, PREC, HAS_LO,
+            )  # fmt: skip
 
 
 RECS = ("lowp", "split")  # precision of the recurrence's inter-chunk products for half inputs (`_mm_rec`)
@@ -619,14 +676,16 @@ def _triton_cfg(x, chunk, lowp, rec):
 
 # Benchmark switches (bench/bench_attention.py --variants sets them; read at launch time, not traced):
 # poll: 0 atomic / 1 acquire-load polling (`_read_progress`); num_warps / num_stages: None = the defaults;
-# prep_inverse: 0 = the prep kernel skips the in-chunk inverse (X = I: wrong results, a timing probe only);
+# prep_inverse: 0 = the prep kernel skips the in-chunk inverse (X = I: wrong results, a timing probe only),
+# 2 = its first levels on the [16, 16] diagonal blocks (`_unit_lower_inverse`, BLOCKS16; a speed candidate);
 # late_loads: 1 = the wavefronts load their own chunk's X, v / dU, beta after the waits (fewer registers
 # held through the consumption loop, one more load latency on the critical path); xprec: the in-chunk
 # inverse's products and X @ rhs with half inputs and rec="split" (None = "tf32x3", or "bf16x3": `_dot_x`);
-# prep_warps: num_warps of the prep kernel alone (None = the default).
+# prep_warps: num_warps of the prep kernel alone (None = the default); one_dk_dw_launch: 1 = dK and dW in
+# one launch (`_dk_dw_kernel` ROLE 2: one launch fewer, the host's time; dW then runs with dK's 2 stages).
 TUNING = {
     "poll": 0, "num_warps": None, "num_stages": None, "prep_inverse": 1, "late_loads": 0, "xprec": None,
-    "prep_warps": None,
+    "prep_warps": None, "one_dk_dw_launch": 0,
 }  # fmt: skip
 
 
@@ -728,14 +787,13 @@ def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, kernel, scale, chunk, lowp, re
             NC, BH, KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE_LO=store_lo,
             SPIN_LIMIT=_SPIN_LIMIT, POLL=TUNING["poll"], LATE=TUNING["late_loads"], **launch,
         )  # fmt: skip
-        _dk_kernel[(NC, BH)](
-            w, k, u, u_lo, gb, gb_lo, lse, rowterm, dk, scale, T, NC,
-            KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, HAS_LO=store_lo, **{"num_stages": 2, **launch},
-        )  # fmt: skip
-        _dw_kernel[(NC, BH)](
-            w, k, u, u_lo, gb, gb_lo, lse, rowterm, dw, scale, T,
-            KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, HAS_LO=store_lo, **launch,
-        )  # fmt: skip
+        args = (w, k, u, u_lo, gb, gb_lo, lse, rowterm, dk, dw, scale, T, NC)
+        consts = dict(KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, HAS_LO=store_lo)
+        if TUNING["one_dk_dw_launch"]:
+            _dk_dw_kernel[(2 * NC, BH)](*args, **consts, ROLE=2, **{"num_stages": 2, **launch})
+        else:
+            _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=0, **{"num_stages": 2, **launch})
+            _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=1, **launch)
     return dk, dv, dw, dbeta.to(beta.dtype)
 
 

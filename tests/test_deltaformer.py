@@ -217,7 +217,9 @@ def test_triton_fp16_recurrence_precisions(rec):
     print(rec, {n: f"{e:.1e}" for n, e in errs.items()})
 
 
-@pytest.mark.parametrize("switch", [("late_loads", 1), ("xprec", "bf16x3")])
+@pytest.mark.parametrize(
+    "switch", [("late_loads", 1), ("xprec", "bf16x3"), ("prep_inverse", 2), ("one_dk_dw_launch", 1)]
+)
 @pytest.mark.parametrize("kernel", ["softmax", "relu"])
 def test_triton_speed_switches(kernel, switch, monkeypatch, request):
     # the benchmark-only switches that change the kernels' code (TUNING): same values and gradients
@@ -258,13 +260,17 @@ def test_triton_reflection_regime(kernel, C):
     check_reflection(kernel, 1, 2, 96, 16, C, torch.float32, "cpu", tol=1e-5, reference="loop")
 
 
-def test_in_chunk_inverse_against_torch():
-    # the in-chunk inverse itself, through the forward at T = C = 64 (one chunk: u = X v exactly), in the
-    # reflection regime where entries of the inverse reach ~1e2: compared with float64 solve_triangular
-    from kernels.deltaformer import deltaformer_u_triton
+@pytest.mark.parametrize("C", [32, 64, 128])
+@pytest.mark.parametrize("inverse", [1, 2])
+def test_in_chunk_inverse_against_torch(inverse, C, monkeypatch):
+    # the in-chunk inverse itself, through the forward at T = C (one chunk: u = X v exactly), in the
+    # reflection regime where entries of the inverse reach ~1e2: compared with the float64 chunked solve;
+    # inverse 2: the first doublings on the [16, 16] diagonal blocks (TUNING["prep_inverse"])
+    import kernels.deltaformer as df
 
-    q, k, v, w, beta = reflection_inputs(1, 1, 64, 16, "linear")
-    u = deltaformer_u_triton(*(x.float() for x in (k, v, w, beta)), kernel="linear", chunk=64)
+    monkeypatch.setitem(df.TUNING, "prep_inverse", inverse)
+    q, k, v, w, beta = reflection_inputs(1, 1, C, 16, "linear")
+    u = df.deltaformer_u_triton(*(x.float() for x in (k, v, w, beta)), kernel="linear", chunk=C)
     u_ref = deltaformer_u_torch(k, v, w, beta, kernel="linear")
     assert rel_err(u_ref, v) > 0.3
     assert rel_err(u, u_ref) < 1e-5
@@ -450,11 +456,14 @@ def test_triton_gpu_matches_reference(kernel, shape, dtype):
     print(kernel, shape, dtype, {n: f"{e:.1e}" for n, e in errs.items()})
 
 
+SWITCHES = [("late_loads", 1), ("poll", 1), ("xprec", "bf16x3"), ("prep_inverse", 2), ("one_dk_dw_launch", 1)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch", [("late_loads", 1), ("poll", 1), ("xprec", "bf16x3")])
+@pytest.mark.parametrize("switch", SWITCHES)
 @pytest.mark.parametrize("kernel", ["softmax", "relu"])
 def test_triton_gpu_speed_switches(kernel, switch, monkeypatch):
-    # the benchmark switches that change the wavefronts' code, at full size on the GPU (bf16), so that a
+    # the benchmark switches that change the kernels' code, at full size on the GPU (bf16), so that a
     # faster one can become the default on this evidence
     import kernels.deltaformer as df
 
