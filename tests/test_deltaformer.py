@@ -506,6 +506,32 @@ def test_triton_under_torch_compile(backend):
     assert rel_err(out, ref) < 1e-5
 
 
+def test_eager_calls_skip_the_custom_op_and_compile_uses_it(monkeypatch):
+    # eager: the autograd.Function (a custom op call costs host time: NOTES V7); torch.compile: the custom
+    # op, opaque to Dynamo and Inductor
+    import kernels.deltaformer as df
+
+    inputs = make_inputs(1, 2, 21, 16, dtype=torch.float32, beta_max=0.5)
+    fn = lambda q, k, v, w, beta: deltaformer_attention(q, k, v, w, beta, backend="triton")  # noqa: E731
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    out_c = compiled(*inputs)
+    assert any("deltaformer.u_fwd" in code for code in graphs), graphs
+
+    def no_custom_op(*args):
+        raise AssertionError("eager call went through the custom op")
+
+    monkeypatch.setattr(df, "_u_fwd_op", no_custom_op)
+    out, g = grads_of(fn, inputs, torch.ones_like(out_c))
+    assert rel_err(out, out_c.detach()) < 1e-6
+
+
 def test_triton_custom_op_registration():
     # torch.library's own checks of the fake (meta) functions and the autograd registration
     from kernels.deltaformer import _u_bwd_op, _u_fwd_op
