@@ -11,8 +11,8 @@
 # 0.6.0 in the table (its wheels installed first, see the device README; its autotuning adds ~60 s).
 # Needs only torch, triton, numpy, pytest. Writes under $OUT (default out_device_attention/): tests.log,
 # bench.log, bench.json, overhead.json, profile_softmax.json, profile_relu.json.
-# Times (session 4, one H200): tests up to 240 s (parallel compiles dominate: 180 s cut three groups), table ~70 s (+60 s with FLA), overhead
-# ~40 s, profile ~45 s per variant (7 softmax variants + relu's default: ~360 s); a device call is at most
+# Times (session 4, one H200): tests up to 240 s (parallel compiles dominate: 180 s cut three groups),
+# table ~70 s (+60 s with FLA), overhead ~40 s, profile ~45 s per variant (7 softmax variants + relu's default: ~360 s); a device call is at most
 # 600 s, so split the stages over two calls. Every stage has its own `timeout`; the table writes its JSON
 # after every shape. Nothing else may run on the GPU (the timings) nor on the CPUs (the host's launch work
 # is in the f+b walls: bench_attention.py --overhead) meanwhile.
