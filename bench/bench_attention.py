@@ -93,6 +93,7 @@ VARIANTS = [
     ("xprec=bf16x3", {}, {"xprec": "bf16x3"}),
     ("inverse16", {}, {"prep_inverse": 2}),
     ("one_dk_dw", {}, {"one_dk_dw_launch": 1}),
+    ("dk_in_wavefront", {}, {"dk_in_wavefront": 1}),
     ("poll=ld", {}, {"poll": 1}),
     ("lowp=False", {"lowp": False}, {}),
     ("rec=lowp", {"rec": "lowp"}, {}),

@@ -12,10 +12,11 @@
 # Needs only torch, triton, numpy, pytest. Writes under $OUT (default out_device_attention/): tests.log,
 # bench.log, bench.json, overhead.json, profile_softmax.json, profile_relu.json.
 # Times (session 4, one H200): tests up to 240 s (parallel compiles dominate: 180 s cut three groups),
-# table ~70 s (+60 s with FLA), overhead ~40 s, profile ~45 s per variant (7 softmax variants + relu's default: ~360 s); a device call is at most
-# 600 s, so split the stages over two calls. Every stage has its own `timeout`; the table writes its JSON
-# after every shape. Nothing else may run on the GPU (the timings) nor on the CPUs (the host's launch work
-# is in the f+b walls: bench_attention.py --overhead) meanwhile.
+# table ~70 s (+60 s with FLA), overhead ~40 s, profile ~45 s per variant (8 softmax variants + relu's
+# default: ~410 s); a device call is at most 600 s, so split the stages over two calls. Every stage has
+# its own `timeout`; the table writes its JSON after every shape. Nothing else may run on the GPU (the
+# timings) nor on the CPUs (the host's launch work is in the f+b walls: bench_attention.py --overhead)
+# meanwhile.
 # Before a device call: PYTHONPATH=<triton 3.6 wheel> python bench/compile_check.py (NOTES V6).
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -72,7 +73,7 @@ if has overhead; then
     echo "overhead exit: $?" | tee -a "$OUT/bench.log"
 fi
 if has profile; then
-    timeout 330 $PY $B --no-fla --kernel-profile softmax --json "$OUT/profile_softmax.json" 2>&1 |
+    timeout 400 $PY $B --no-fla --kernel-profile softmax --json "$OUT/profile_softmax.json" 2>&1 |
         grep -v "Warn\|_warn" | tee -a "$OUT/bench.log"
     timeout 50 $PY $B --no-fla --kernel-profile relu --profile-variants default \
         --json "$OUT/profile_relu.json" 2>&1 | grep -v "Warn\|_warn" | tee -a "$OUT/bench.log"

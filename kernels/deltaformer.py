@@ -492,11 +492,15 @@ if _HAS_TRITON:
 
     @triton.jit
     def _bwd_g_kernel(
-        W, K, DU, Beta, Hs, LSE, Xinv, GB, GBLO, DV, DBeta, RT, Prog, Ticket, scale, T, NC, BH,
+        W, K, DU, Beta, Hs, LSE, Xinv, GB, GBLO, DV, DBeta, RT, Prog, Ticket, U, ULO, DK, scale, T, NC, BH,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, REC: tl.constexpr, PREC: tl.constexpr,
         XPREC: tl.constexpr, STORE_LO: tl.constexpr, SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr,
-        LATE: tl.constexpr,
+        LATE: tl.constexpr, DKW: tl.constexpr, LOWP: tl.constexpr, HAS_LO: tl.constexpr,
     ):  # fmt: skip
+        """G_c for one column chunk c (see the section comment). DKW (TUNING["dk_in_wavefront"], a speed
+        candidate): also dK_c = s sum_{i >= c} dS_ic^T w_i, from the S and A of the pairs this program forms
+        anyway (then the dK pass is not launched); the row term of a chunk is then stored before its
+        release, since the programs of earlier columns read it."""
         ticket = tl.atomic_add(Ticket, 1)
         c = NC - 1 - ticket // BH  # last chunk first
         bh = ticket % BH
@@ -513,6 +517,9 @@ if _HAS_TRITON:
             du_c = tl.load(DU + tile, mask=cmask[:, None], other=0.0).to(tl.float32)
             b_c = tl.load(Beta + bh64 * T + cols, mask=cmask, other=0.0).to(tl.float32)
         acc = tl.zeros((C, D), dtype=tl.float32)  # sum_{i in later chunks} A_ij beta_i G_i
+        dk = tl.zeros((C, D), dtype=tl.float32)
+        if DKW:
+            u_c = _load_value(U, ULO, tile, cmask[:, None], LOWP, HAS_LO)
         done = ticket * 0  # later chunks consumed, counted from the end
         ok = done + 1
         while done < NC - 1 - c:
@@ -534,6 +541,16 @@ if _HAS_TRITON:
                 s = tl.dot(w_r, tl.trans(k_c), input_precision=PREC) * scale  # [rows i, cols j]
                 a = _kappa(s, rmask[:, None], lse_r, KERNEL)
                 acc += _mm_rec(tl.trans(a), gb_hi, gb_lo, W, REC, PREC)
+                if DKW:
+                    rt_r = tl.zeros((C,), dtype=tl.float32)
+                    if KERNEL == 0:
+                        rt_r = tl.load(RT + bh64 * T + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+                    gb_r = gb_hi
+                    if HAS_LO and not LOWP:
+                        gb_r = gb_hi.to(tl.float32) + gb_lo.to(tl.float32)
+                    da = -_mm(gb_r, tl.trans(u_c), W, LOWP, PREC)
+                    ds = _dscores(a, s, da, rt_r, rmask[:, None], KERNEL)
+                    dk += _mm(tl.trans(ds), w_r, W, LOWP, PREC)
             done = ready
         if LATE:
             x = tl.load(xt)
@@ -543,13 +560,32 @@ if _HAS_TRITON:
         g_c = tl.where(ok != 0, g_c, float("nan"))
         gb_c = g_c * b_c[:, None]
         _store_split(GB, GBLO, tile, gb_c, cmask[:, None], STORE_LO)
+        if DKW:  # earlier columns' programs read this chunk's row term: before the release
+            h_c = tl.load(Hs + tile, mask=cmask[:, None], other=0.0)
+            rt_c = tl.sum(gb_c * h_c, axis=1)
+            tl.store(RT + bh64 * T + cols, rt_c, mask=cmask)
         tl.debug_barrier()
         tl.atomic_xchg(Prog + bh, NC - c, sem="release")
         # off the critical path
         tl.store(DV + tile, g_c.to(DV.dtype.element_ty), mask=cmask[:, None])
-        h_c = tl.load(Hs + tile, mask=cmask[:, None], other=0.0)
+        if not DKW:
+            h_c = tl.load(Hs + tile, mask=cmask[:, None], other=0.0)
+            rt_c = tl.sum(gb_c * h_c, axis=1)
+            tl.store(RT + bh64 * T + cols, rt_c, mask=cmask)
         tl.store(DBeta + bh64 * T + cols, -tl.sum(g_c * h_c, axis=1), mask=cmask)
-        tl.store(RT + bh64 * T + cols, tl.sum(gb_c * h_c, axis=1), mask=cmask)
+        if DKW:  # the diagonal block: rows and columns in chunk c, j < i
+            w_c = tl.load(W + tile, mask=cmask[:, None], other=0.0)
+            lse_c = tl.zeros((C,), dtype=tl.float32)
+            if KERNEL == 0:
+                lse_c = tl.load(LSE + bh64 * T + cols, mask=cmask, other=0.0)
+            gb_own = gb_c
+            if LOWP:  # as the dK pass reads it: the stored half
+                gb_own = gb_c.to(W.dtype.element_ty)
+            ds = _dscores_block(
+                w_c, gb_own, lse_c, rt_c, cols, k_c, u_c, cols, T, scale, W, KERNEL, LOWP, PREC
+            )  # fmt: skip
+            dk += _mm(tl.trans(ds), w_c, W, LOWP, PREC)
+            tl.store(DK + tile, (dk * scale).to(DK.dtype.element_ty), mask=cmask[:, None])
 
     @triton.jit
     def _load_rows(
@@ -682,10 +718,11 @@ def _triton_cfg(x, chunk, lowp, rec):
 # held through the consumption loop, one more load latency on the critical path); xprec: the in-chunk
 # inverse's products and X @ rhs with half inputs and rec="split" (None = "tf32x3", or "bf16x3": `_dot_x`);
 # prep_warps: num_warps of the prep kernel alone (None = the default); one_dk_dw_launch: 1 = dK and dW in
-# one launch (`_dk_dw_kernel` ROLE 2: one launch fewer, the host's time; dW then runs with dK's 2 stages).
+# one launch (`_dk_dw_kernel` ROLE 2: one launch fewer, the host's time; dW then runs with dK's 2 stages);
+# dk_in_wavefront: 1 = dK accumulated by the backward wavefront (`_bwd_g_kernel` DKW), no dK pass.
 TUNING = {
     "poll": 0, "num_warps": None, "num_stages": None, "prep_inverse": 1, "late_loads": 0, "xprec": None,
-    "prep_warps": None, "one_dk_dw_launch": 0,
+    "prep_warps": None, "one_dk_dw_launch": 0, "dk_in_wavefront": 0,
 }  # fmt: skip
 
 
@@ -782,14 +819,18 @@ def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, kernel, scale, chunk, lowp, re
     rowterm = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
     counters = torch.zeros(BH + 1, device=k.device, dtype=torch.int32)
     with _device_guard(k):
+        dkw = bool(TUNING["dk_in_wavefront"])
         _bwd_g_kernel[(BH * NC,)](
-            w, k, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], scale, T,
-            NC, BH, KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE_LO=store_lo,
-            SPIN_LIMIT=_SPIN_LIMIT, POLL=TUNING["poll"], LATE=TUNING["late_loads"], **launch,
+            w, k, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], u, u_lo, dk,
+            scale, T, NC, BH, KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE_LO=store_lo,
+            SPIN_LIMIT=_SPIN_LIMIT, POLL=TUNING["poll"], LATE=TUNING["late_loads"], DKW=dkw, LOWP=lowp,
+            HAS_LO=store_lo, **launch,
         )  # fmt: skip
         args = (w, k, u, u_lo, gb, gb_lo, lse, rowterm, dk, dw, scale, T, NC)
         consts = dict(KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, HAS_LO=store_lo)
-        if TUNING["one_dk_dw_launch"]:
+        if dkw:  # dK came with G
+            _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=1, **launch)
+        elif TUNING["one_dk_dw_launch"]:
             _dk_dw_kernel[(2 * NC, BH)](*args, **consts, ROLE=2, **{"num_stages": 2, **launch})
         else:
             _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=0, **{"num_stages": 2, **launch})

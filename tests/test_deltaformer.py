@@ -217,9 +217,11 @@ def test_triton_fp16_recurrence_precisions(rec):
     print(rec, {n: f"{e:.1e}" for n, e in errs.items()})
 
 
-@pytest.mark.parametrize(
-    "switch", [("late_loads", 1), ("xprec", "bf16x3"), ("prep_inverse", 2), ("one_dk_dw_launch", 1)]
-)
+CPU_SWITCHES = [("late_loads", 1), ("xprec", "bf16x3"), ("prep_inverse", 2), ("one_dk_dw_launch", 1)]
+CPU_SWITCHES += [("dk_in_wavefront", 1)]
+
+
+@pytest.mark.parametrize("switch", CPU_SWITCHES)
 @pytest.mark.parametrize("kernel", ["softmax", "relu"])
 def test_triton_speed_switches(kernel, switch, monkeypatch, request):
     # the benchmark-only switches that change the kernels' code (TUNING): same values and gradients
@@ -230,6 +232,17 @@ def test_triton_speed_switches(kernel, switch, monkeypatch, request):
     monkeypatch.setitem(df.TUNING, *switch)
     check_triton_against_reference(kernel, 1, 2, 45, 16, torch.float32, "cpu", chunk=16, tol=1e-5)
     check_triton_against_reference(kernel, 1, 1, 45, 16, torch.float16, "cpu", chunk=32, tol=1e-2)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_dk_in_wavefront_more_cases(kernel, monkeypatch):
+    # TUNING["dk_in_wavefront"] beyond the switch test above: every kernel in the reflection regime (fp32,
+    # several chunks, a partial last one) and fp32 operands for dK (lowp=False) with fp16 inputs
+    import kernels.deltaformer as df
+
+    monkeypatch.setitem(df.TUNING, "dk_in_wavefront", 1)
+    check_reflection(kernel, 1, 2, 90, 16, 32, torch.float32, "cpu", tol=1e-5, reference="loop")
+    check_triton_against_reference(kernel, 1, 2, 45, 16, torch.float16, "cpu", chunk=16, tol=1e-2, lowp=False)
 
 
 def reflection_inputs(B, H, T, D, kernel, device="cpu"):
@@ -457,6 +470,7 @@ def test_triton_gpu_matches_reference(kernel, shape, dtype):
 
 
 SWITCHES = [("late_loads", 1), ("poll", 1), ("xprec", "bf16x3"), ("prep_inverse", 2), ("one_dk_dw_launch", 1)]
+SWITCHES += [("dk_in_wavefront", 1)]
 
 
 @pytest.mark.gpu
