@@ -124,7 +124,7 @@ def run_deltaformer_variants():
             configs = [(rec, lowp, {}) for rec in df.RECS for lowp in (True, False)]
             if (D, dtype) == (64, torch.bfloat16):  # the speed switches (TUNING), with the defaults
                 configs += [("split", True, {"late_loads": 1}), ("split", True, {"poll": 1})]
-                configs += [("split", True, {"xprec": "bf16x3", "prep_warps": 8})]
+                configs += [("split", True, {"xprec": "bf16x3"})]
             # every dtype (fp32 takes 3-D ieee products in the blocked inverse)
             configs += [("split", True, {"prep_inverse": 2}), ("split", True, {"one_dk_dw_launch": 1})]
             configs += [("split", lowp, {"dk_in_wavefront": 1}) for lowp in (True, False)]

@@ -717,12 +717,12 @@ def _triton_cfg(x, chunk, lowp, rec):
 # late_loads: 1 = the wavefronts load their own chunk's X, v / dU, beta after the waits (fewer registers
 # held through the consumption loop, one more load latency on the critical path); xprec: the in-chunk
 # inverse's products and X @ rhs with half inputs and rec="split" (None = "tf32x3", or "bf16x3": `_dot_x`);
-# prep_warps: num_warps of the prep kernel alone (None = the default); one_dk_dw_launch: 1 = dK and dW in
-# one launch (`_dk_dw_kernel` ROLE 2: one launch fewer, the host's time; dW then runs with dK's 2 stages);
+# one_dk_dw_launch: 1 = dK and dW in one launch (`_dk_dw_kernel` ROLE 2: one launch fewer, the host's
+# time; dW then runs with dK's 2 stages);
 # dk_in_wavefront: 1 = dK accumulated by the backward wavefront (`_bwd_g_kernel` DKW), no dK pass.
 TUNING = {
     "poll": 0, "num_warps": None, "num_stages": None, "prep_inverse": 1, "late_loads": 0, "xprec": None,
-    "prep_warps": None, "one_dk_dw_launch": 0, "dk_in_wavefront": 0,
+    "one_dk_dw_launch": 0, "dk_in_wavefront": 0,
 }  # fmt: skip
 
 
@@ -766,11 +766,10 @@ def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp, rec):
     lse = torch.empty(B, H, T, **f32) if kernel == "softmax" else torch.zeros(1, **f32)  # placeholder
     xinv = torch.empty(BH, NC, C, C, **f32)
     kid = _KERNEL_IDS[kernel]
-    prep_launch = {**launch, "num_warps": TUNING["prep_warps"] or launch["num_warps"]}
     with _device_guard(v):
         _prep_kernel[(NC, BH)](
             w, k, beta, lse, xinv, scale, T, NC, KERNEL=kid, D=D, C=C, PREC=prec, XPREC=xprec,
-            INVERSE=TUNING["prep_inverse"], **prep_launch,
+            INVERSE=TUNING["prep_inverse"], **launch,
         )  # fmt: skip
         counters = torch.zeros(BH + 1, device=v.device, dtype=torch.int32)  # progress per (b, h); ticket
         _fwd_kernel[(BH * NC,)](
