@@ -127,7 +127,7 @@ def run_deltaformer_variants():
                 configs += [("split", True, {"xprec": "bf16x3"})]
             # every dtype (fp32 takes 3-D ieee products in the blocked inverse)
             configs += [("split", True, {"prep_inverse": 2}), ("split", True, {"one_dk_dw_launch": 1})]
-            configs += [("split", lowp, {"dk_in_wavefront": 1}) for lowp in (True, False)]
+            configs += [(rec, lowp, {"dk_in_wavefront": 1}) for rec in df.RECS for lowp in (True, False)]
             for rec, lowp, switches in configs:
                 saved = dict(df.TUNING)
                 df.TUNING.update(switches)

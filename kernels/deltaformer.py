@@ -533,7 +533,7 @@ if _HAS_TRITON:
                 w_r = tl.load(W + later, mask=rmask[:, None], other=0.0)
                 gb_hi = tl.load(GB + later, mask=rmask[:, None], other=0.0, cache_modifier=".cg")
                 gb_lo = gb_hi
-                if REC == 2:
+                if REC == 2 or (DKW and HAS_LO and not LOWP):  # the split, or dK's fp32 operand
                     gb_lo = tl.load(GBLO + later, mask=rmask[:, None], other=0.0, cache_modifier=".cg")
                 lse_r = tl.zeros((C,), dtype=tl.float32)
                 if KERNEL == 0:
