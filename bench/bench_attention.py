@@ -97,12 +97,55 @@ VARIANTS = [
     ("poll=ld", {}, {"poll": 1}),
     ("lowp=False", {"lowp": False}, {}),
     ("rec=lowp", {"rec": "lowp"}, {}),
+    ("inverse16+dk_in_wavefront", {}, {"prep_inverse": 2, "dk_in_wavefront": 1}),
+    ("inverse16+one_dk_dw", {}, {"prep_inverse": 2, "one_dk_dw_launch": 1}),
+    ("num_warps=4", {}, {"num_warps": 4}),  # the default at D = 64; D = 128 defaults to 8
+    ("chunk=32", {"chunk": 32}, {}),
 ]
 # Dropped after measuring (bench/NOTES_deltaformer.md): rec=tf32 (slower, less accurate) and lookahead (no
 # gain) in run 4; in session 3 (V6) num_warps=8 (1.3-2.5x slower in every kernel), num_stages=4
 # (backward recurrence 194 -> 292 us), chunk 32 and 128 (slower; prep 823 us at 128); in session 4
 # num_stages=2 (prep -5%, both wavefronts +7%), late_loads (wavefronts +5%), prep_warps=8 (prep 188 -> 369;
 # the switch is gone).
+
+
+def fn_bwd(fn, inputs, grad_out):
+    """One forward+backward with the inputs' .grad reset first, as do_bench's grad_to_none does (else every
+    call after the first adds its gradients to the old ones: one more elementwise kernel per input)."""
+    for x in inputs:
+        x.grad = None
+    fn(*inputs).backward(grad_out)
+
+
+def graph_time(fn, inputs, backward=True):
+    """Median ms of a CUDA graph's replay of one forward(+backward): the GPU's time for the same kernels
+    without the host's launch gaps (what a compiled, GPU-bound training step sees). NaN if capture fails."""
+    grad_out = torch.randn_like(fn(*inputs))
+
+    def run():
+        if backward:
+            fn_bwd(fn, inputs, grad_out)
+        else:
+            with torch.no_grad():
+                fn(*inputs)
+
+    try:  # warm-up on a side stream, then capture, as in PyTorch's whole-network capture example
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        ms = do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+    except Exception as e:  # noqa: BLE001
+        print(f"CUDA graph failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        ms = math.nan
+    for x in inputs:
+        x.grad = None
+    return ms
 
 
 def kernel_times(fn, inputs, iters=10):
@@ -112,11 +155,11 @@ def kernel_times(fn, inputs, iters=10):
 
     grad_out = torch.randn_like(fn(*inputs))
     for _ in range(3):
-        fn(*inputs).backward(grad_out)
+        fn_bwd(fn, inputs, grad_out)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            fn(*inputs).backward(grad_out)
+            fn_bwd(fn, inputs, grad_out)
         torch.cuda.synchronize()
     out = {}
     for e in prof.key_averages():
@@ -144,32 +187,15 @@ def overhead(shape, kernels, results):
         grad_out = torch.randn_like(fn(*inputs))
         n = 20
         for _ in range(3):
-            fn(*inputs).backward(grad_out)
+            fn_bwd(fn, inputs, grad_out)
         torch.cuda.synchronize()
         torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time: the host issues n iterations meanwhile
         t0 = time.perf_counter()
         for _ in range(n):
-            fn(*inputs).backward(grad_out)
+            fn_bwd(fn, inputs, grad_out)
         row["host issue"] = (time.perf_counter() - t0) * 1e3 / n
         torch.cuda.synchronize()
-        try:  # the backward inside a capture, as in PyTorch's whole-network capture example
-            for x in inputs:
-                x.grad = None
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    fn(*inputs).backward(grad_out)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn(*inputs).backward(grad_out)
-            row["CUDA graph replay"] = do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
-        except Exception as e:  # noqa: BLE001
-            print(f"CUDA graph of {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            row["CUDA graph replay"] = math.nan
-        for x in inputs:
-            x.grad = None
+        row["CUDA graph replay"] = graph_time(fn, inputs)
         row["kernel sum"] = sum(kernel_times(fn, inputs).values()) / 1e3
         results.setdefault("overhead", {})[f"{','.join(map(str, shape))} {name}"] = row
         print(f"| {name} | " + " | ".join(f"{v:.3f}" for v in row.values()) + " |", flush=True)
@@ -183,7 +209,7 @@ def overhead(shape, kernels, results):
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(20):
-        fn(*inputs).backward(grad_out)
+        fn_bwd(fn, inputs, grad_out)
     prof.disable()
     print(f"\nhost profile of 20 x {kernels[0]} forward+backward (cProfile, by own time)")
     pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(22)
@@ -220,15 +246,16 @@ def selected(names):
     return [entry for entry in VARIANTS if not names or entry[0] in names]
 
 
-def compile_variants(shape, kernels, variants):
-    """One forward+backward of each variant: fills Triton's on-disk cache (another process, e.g. on another
-    GPU, compiles while this one times)."""
-    inputs = make(*shape)
-    for kernel in kernels:
-        for _, opts, switches in selected(variants):
-            with tuned(switches):
-                ours(kernel, **opts)(*inputs).sum().backward()
-                torch.cuda.synchronize()
+def compile_variants(shapes, kernels, variants):
+    """One forward+backward of each variant: fills Triton's on-disk cache (processes side by side compile
+    different variants before one process times them all)."""
+    for shape in shapes:
+        inputs = make(*shape)
+        for kernel in kernels:
+            for _, opts, switches in selected(variants):
+                with tuned(switches):
+                    ours(kernel, **opts)(*inputs).sum().backward()
+                    torch.cuda.synchronize()
 
 
 def kernel_profile(shape, kernels, results, variants):
@@ -243,6 +270,7 @@ def kernel_profile(shape, kernels, results, variants):
                 with tuned(switches):
                     times = kernel_times(ours(kernel, **opts), inputs)
                     times["(f+b ms, do_bench)"] = 1e3 * time_fn(ours(kernel, **opts), inputs, True)
+                    times["(f+b ms, CUDA graph)"] = 1e3 * graph_time(ours(kernel, **opts), inputs)
                 table[name] = times
             except Exception as e:  # noqa: BLE001
                 print(
@@ -267,6 +295,39 @@ def kernel_profile(shape, kernels, results, variants):
                 f"| {k[:60]} | " + " | ".join(f"{t.get(k, float('nan')):.0f}" for t in table.values()) + " |"
             )
         print("", flush=True)
+
+
+def graph_variants(shapes, kernels, results, variants):
+    """The f+b time of each variant as a CUDA graph's replay (GPU time alone, a few seconds per variant, where
+    the profiler takes ~45 s), and its u and gradients against the default's (relative norms)."""
+    for shape in shapes:
+        torch.manual_seed(0)
+        inputs = make(*shape)
+        grad_u = torch.randn_like(inputs[2])
+        for kernel in kernels:
+            u0, g0 = u_and_grads(inputs, kernel, {}, grad_u)
+            sd = graph_time(sdpa, inputs)
+            print(f"\n{kernel} at {shape}: f+b ms (CUDA graph replay; SDPA alone: {sd:.3f})")
+            print("| variant | f+b graph | f+b do_bench | u-diff | grad-diff | wall s |")
+            print("|---" * 6 + "|")
+            for name, opts, switches in selected(variants):
+                t0 = time.perf_counter()
+                try:
+                    with tuned(switches):
+                        u, g = u_and_grads(inputs, kernel, opts, grad_u)
+                        row = {
+                            "f+b graph": graph_time(ours(kernel, **opts), inputs),
+                            "f+b do_bench": time_fn(ours(kernel, **opts), inputs, True),
+                            "u-diff": rel(u, u0),
+                            "grad-diff": rel(g, g0),
+                            "wall s": time.perf_counter() - t0,
+                        }
+                except Exception as e:  # noqa: BLE001  (a variant that fails must not end the run)
+                    print(f"variant {kernel} {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    continue
+                key = f"{','.join(map(str, shape))} {kernel} {name}"
+                results.setdefault("graph_variants", {})[key] = row
+                print(f"| {name} | " + " | ".join(f"{v:.4g}" for v in row.values()) + " |", flush=True)
 
 
 def u_and_grads(inputs, kernel, opts, grad_u):
@@ -338,6 +399,12 @@ def main():
     ap.add_argument("--profile-variants", default="", help="names from VARIANTS (default: all)")
     ap.add_argument("--compile-only", action="store_true", help="with --kernel-profile: compile, do not time")
     ap.add_argument("--overhead", default="", help="kernels (comma-sep.): host-overhead table, then exit")
+    ap.add_argument(
+        "--graph-variants",
+        default="",
+        help="kernels (comma-sep.): VARIANTS (--profile-variants) timed by CUDA graph replay at "
+        "--variant-shapes, then exit",
+    )
     args = ap.parse_args()
 
     print("command:", " ".join([sys.executable] + sys.argv))
@@ -350,10 +417,18 @@ def main():
         overhead(SHAPES[args.profile_shape], args.overhead.split(","), results)
         write_json(args.json, results)
         return
+    if args.graph_variants:
+        variants = [v for v in args.profile_variants.split(",") if v]
+        shapes = [SHAPES[int(i)] for i in args.variant_shapes.split(",")]
+        if args.compile_only:
+            return compile_variants(shapes, args.graph_variants.split(","), variants)
+        graph_variants(shapes, args.graph_variants.split(","), results, variants)
+        write_json(args.json, results)
+        return
     if args.kernel_profile:
         variants = [v for v in args.profile_variants.split(",") if v]
         if args.compile_only:
-            return compile_variants(SHAPES[args.profile_shape], args.kernel_profile.split(","), variants)
+            return compile_variants([SHAPES[args.profile_shape]], args.kernel_profile.split(","), variants)
         kernel_profile(SHAPES[args.profile_shape], args.kernel_profile.split(","), results, variants)
         write_json(args.json, results)
         return
@@ -369,6 +444,8 @@ def main():
                 continue
             for mode in ("fwd", "f+b"):
                 res[f"{name} {mode}"] = time_fn(fn, inputs, backward=mode == "f+b")
+            if name != "fla":  # FLA's Python loop over chunks: its host time is its cost
+                res[f"{name} f+b graph"] = graph_time(fn, inputs)
         print(f"{B},{H},{T},{D}: " + ", ".join(f"{k} {v:.3f}" for k, v in res.items()), flush=True)
         bh = B * H
         flop_fwd, flop_fb = 4 * T * T * D * bh, 12 * T * T * D * bh
@@ -427,6 +504,16 @@ def main():
         ratios = [so / sd, re_ / sd, fl / so, fl / re_]
         cells = [f"{x:.3f}" for x in vals] + [f"{x:.2f}x" for x in ratios]
         cells += [f"{r['floor fwd']:.3f}", f"{r['floor f+b']:.3f}"]
+        print(f"| {','.join(map(str, shape))} | " + " | ".join(cells) + " |")
+
+    # the same f+b as CUDA graph replays: the GPU's time alone. At these sizes the host's launch work
+    # (~1.3 ms per f+b for ours, 0.25 for SDPA: --overhead) can exceed it, and do_bench then times the host.
+    print("\nf+b as CUDA graph replays (GPU time), ms, and the ratios to SDPA's replay")
+    cols = ["sdpa f+b graph", "softmax f+b graph", "relu f+b graph"]
+    print("| B,H,T,D | " + " | ".join(cols) + " | softmax/SDPA | relu/SDPA |\n|---|---|---|---|---|---|")
+    for shape, r in rows:
+        sd, so, re_ = (r.get(c, math.nan) for c in cols)
+        cells = [f"{x:.3f}" for x in (sd, so, re_)] + [f"{so / sd:.2f}x", f"{re_ / sd:.2f}x"]
         print(f"| {','.join(map(str, shape))} | " + " | ".join(cells) + " |")
 
     # last, so that a run cut short still has the main table and the profile; kernel by kernel (the first

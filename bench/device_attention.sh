@@ -5,7 +5,8 @@
 #
 #   CUDA_VISIBLE_DEVICES=1 OUT=/some/dir bash bench/device_attention.sh
 #
-# STAGES (default "tests table overhead profile") picks the stages, in that order. WITH_DDL=1 adds the GPU
+# STAGES (default "tests table overhead profile") picks the stages, in that order (graphvar, below, runs
+# after the tests). WITH_DDL=1 adds the GPU
 # tests of the DDL kernels and of the model on the Triton kernels as one more test group (~60 + ~150 s: the
 # model's tests compile many kernels; 55 s cut them after one test in session 4). WITH_FLA=1 puts FLA
 # 0.6.0 in the table (its wheels installed first, see the device README; its autotuning adds ~60 s).
@@ -62,6 +63,26 @@ fi
 
 # (b) speed
 B=bench/bench_attention.py
+# graphvar: the variants' f+b times as CUDA graph replays (GPU time; a few s each); "shape kernel variants"
+# per line of GRAPHVAR (VARIANTS names, comma-separated), compiled side by side first.
+GRAPHVAR=${GRAPHVAR:-"0 softmax default,inverse16,one_dk_dw,dk_in_wavefront,inverse16+dk_in_wavefront,inverse16+one_dk_dw,xprec=bf16x3,lowp=False
+1 softmax default,num_warps=4,chunk=32,inverse16,dk_in_wavefront,inverse16+dk_in_wavefront
+0 relu default,dk_in_wavefront,inverse16+dk_in_wavefront"}
+if has graphvar; then
+    while read -r shape kernel variants; do
+        for v in ${variants//,/ }; do
+            timeout 90 $PY $B --no-fla --graph-variants "$kernel" --variant-shapes "$shape" \
+                --profile-variants "$v" --compile-only >/dev/null 2>&1 &
+        done
+    done <<<"$GRAPHVAR"
+    wait
+    i=0
+    while read -r shape kernel variants; do
+        timeout $((120 - 30 * i)) $PY $B --no-fla --graph-variants "$kernel" --variant-shapes "$shape" \
+            --profile-variants "$variants" --json "$OUT/graphvar$i.json" 2>&1 | tee -a "$OUT/bench.log"
+        i=$((i + 1))
+    done <<<"$GRAPHVAR"
+fi
 if has table; then
     FLA_FLAG=--no-fla
     [ "${WITH_FLA:-0}" = 1 ] && FLA_FLAG=

@@ -572,7 +572,7 @@ if _HAS_TRITON:
             h_c = tl.load(Hs + tile, mask=cmask[:, None], other=0.0)
             rt_c = tl.sum(gb_c * h_c, axis=1)
             tl.store(RT + bh64 * T + cols, rt_c, mask=cmask)
-        tl.store(DBeta + bh64 * T + cols, -tl.sum(g_c * h_c, axis=1), mask=cmask)
+        tl.store(DBeta + bh64 * T + cols, (-tl.sum(g_c * h_c, axis=1)).to(DBeta.dtype.element_ty), mask=cmask)
         if DKW:  # the diagonal block: rows and columns in chunk c, j < i
             w_c = tl.load(W + tile, mask=cmask[:, None], other=0.0)
             lse_c = tl.zeros((C,), dtype=tl.float32)
@@ -814,7 +814,7 @@ def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, kernel, scale, chunk, lowp, re
     u_lo = u_lo if store_lo else u
     dv = torch.empty(B, H, T, D, device=k.device, dtype=k.dtype)
     dk, dw = k.new_empty(k.shape), w.new_empty(w.shape)  # contiguous, as the fake says
-    dbeta = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
+    dbeta = torch.empty(B, H, T, device=k.device, dtype=beta.dtype)  # stored in beta's dtype: no cast kernel
     rowterm = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
     counters = torch.zeros(BH + 1, device=k.device, dtype=torch.int32)
     with _device_guard(k):
@@ -834,7 +834,7 @@ def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, kernel, scale, chunk, lowp, re
         else:
             _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=0, **{"num_stages": 2, **launch})
             _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=1, **launch)
-    return dk, dv, dw, dbeta.to(beta.dtype)
+    return dk, dv, dw, dbeta
 
 
 @torch.library.custom_op("deltaformer::u_bwd", mutates_args=())
