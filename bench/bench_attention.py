@@ -46,9 +46,14 @@ def measure_ceilings():
     return tflops, gbs
 
 
-def make(B, H, T, D, dtype=torch.bfloat16):
+def make(B, H, T, D, kernel="softmax", dtype=torch.bfloat16, seed=0):
+    """Random inputs. beta in (0, beta_max) as in the tests: with relu's unnormalised rows and beta up to 1,
+    u grows like 1e23 by T = 1024 (the gradients overflow bf16); 32 / T keeps |u| ~ |v|, with u - v ~ 0.1-0.25
+    |v|. The same q, k, v, w (seed) for every kernel."""
+    torch.manual_seed(seed)
     q, k, v, w = (torch.randn(B, H, T, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(4))
-    beta = torch.rand(B, H, T, device="cuda", dtype=dtype).requires_grad_(True)
+    beta_max = {"softmax": 1.0, "relu": min(1.0, 32.0 / T), "linear": min(1.0, T**-0.5)}[kernel]
+    beta = (beta_max * torch.rand(B, H, T, device="cuda")).to(dtype).requires_grad_(True)
     return q, k, v, w, beta
 
 
@@ -91,15 +96,13 @@ def ours_u_only(kernel, **opts):
 VARIANTS = [
     ("default", {}, {}),
     ("xprec=bf16x3", {}, {"xprec": "bf16x3"}),
-    ("inverse16", {}, {"prep_inverse": 2}),
-    ("one_dk_dw", {}, {"one_dk_dw_launch": 1}),
-    ("dk_in_wavefront", {}, {"dk_in_wavefront": 1}),
+    ("inverse64", {}, {"prep_inverse": 1}),  # the doubling at [C, C] from the first level (session 4)
+    ("dK pass", {}, {"dk_in_wavefront": 0}),  # dK by its own launch (session 4's default)
+    ("dK pass, one launch", {}, {"dk_in_wavefront": 0, "one_dk_dw_launch": 1}),
     ("poll=ld", {}, {"poll": 1}),
     ("lowp=False", {"lowp": False}, {}),
     ("rec=lowp", {"rec": "lowp"}, {}),
-    ("inverse16+dk_in_wavefront", {}, {"prep_inverse": 2, "dk_in_wavefront": 1}),
-    ("inverse16+one_dk_dw", {}, {"prep_inverse": 2, "one_dk_dw_launch": 1}),
-    ("num_warps=4", {}, {"num_warps": 4}),  # the default at D = 64; D = 128 defaults to 8
+    ("num_warps=8", {}, {"num_warps": 8}),
     ("chunk=32", {"chunk": 32}, {}),
 ]
 # Dropped after measuring (bench/NOTES_deltaformer.md): rec=tf32 (slower, less accurate) and lookahead (no
@@ -175,14 +178,13 @@ def overhead(shape, kernels, results):
     """Is a forward+backward bound by the host? Per f+b, ms: do_bench's median (what the table reports);
     the host's issue time alone (the GPU held busy by a sleep kernel meanwhile, so the host never waits
     for it); a CUDA graph's replay (the same kernels without host gaps); the sum of GPU kernel times."""
-    torch.manual_seed(0)
-    inputs = make(*shape)
     fns = {"sdpa": sdpa, **{kernel: ours(kernel) for kernel in kernels}}
     fns[f"{kernels[0]} (custom op)"] = custom_op(ours(kernels[0]))
     print(f"\nhost overhead at {shape}, ms per forward+backward")
     print("| fn | do_bench | host issue | CUDA graph replay | kernel sum |")
     print("|---|---|---|---|---|")
     for name, fn in fns.items():
+        inputs = make(*shape, kernel=next((k for k in kernels if name.startswith(k)), "softmax"))
         row = {"do_bench": time_fn(fn, inputs, True)}
         grad_out = torch.randn_like(fn(*inputs))
         n = 20
@@ -203,7 +205,8 @@ def overhead(shape, kernels, results):
     import cProfile
     import pstats
 
-    fn, grad_out = fns[kernels[0]], torch.randn_like(inputs[0])
+    fn, inputs = fns[kernels[0]], make(*shape, kernel=kernels[0])
+    grad_out = torch.randn_like(inputs[0])
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)
     prof = cProfile.Profile()
@@ -250,8 +253,8 @@ def compile_variants(shapes, kernels, variants):
     """One forward+backward of each variant: fills Triton's on-disk cache (processes side by side compile
     different variants before one process times them all)."""
     for shape in shapes:
-        inputs = make(*shape)
         for kernel in kernels:
+            inputs = make(*shape, kernel=kernel)
             for _, opts, switches in selected(variants):
                 with tuned(switches):
                     ours(kernel, **opts)(*inputs).sum().backward()
@@ -261,9 +264,8 @@ def compile_variants(shapes, kernels, variants):
 def kernel_profile(shape, kernels, results, variants):
     """Per-kernel times (us per f+b) of the VARIANTS named in `variants` (all if empty); one table
     per first-stage kernel."""
-    torch.manual_seed(0)
-    inputs = make(*shape)
     for kernel in kernels:
+        inputs = make(*shape, kernel=kernel)
         table = {}
         for name, opts, switches in selected(variants):
             try:
@@ -301,10 +303,9 @@ def graph_variants(shapes, kernels, results, variants):
     """The f+b time of each variant as a CUDA graph's replay (GPU time alone, a few seconds per variant, where
     the profiler takes ~45 s), and its u and gradients against the default's (relative norms)."""
     for shape in shapes:
-        torch.manual_seed(0)
-        inputs = make(*shape)
-        grad_u = torch.randn_like(inputs[2])
         for kernel in kernels:
+            inputs = make(*shape, kernel=kernel)
+            grad_u = torch.randn_like(inputs[2])
             u0, g0 = u_and_grads(inputs, kernel, {}, grad_u)
             sd = graph_time(sdpa, inputs)
             print(f"\n{kernel} at {shape}: f+b ms (CUDA graph replay; SDPA alone: {sd:.3f})")
@@ -435,13 +436,12 @@ def main():
 
     variant_shapes = {SHAPES[int(i)] for i in args.variant_shapes.split(",")}
     for B, H, T, D in SHAPES:
-        torch.manual_seed(0)
-        inputs = make(B, H, T, D)
         res = {}
         fns = {"sdpa": sdpa, "fla": fla, "softmax": ours("softmax"), "relu": ours("relu")}
         for name, fn in fns.items():
             if fn is None:
                 continue
+            inputs = make(B, H, T, D, kernel="relu" if name == "relu" else "softmax")
             for mode in ("fwd", "f+b"):
                 res[f"{name} {mode}"] = time_fn(fn, inputs, backward=mode == "f+b")
             if name != "fla":  # FLA's Python loop over chunks: its host time is its cost
@@ -522,8 +522,7 @@ def main():
         for B, H, T, D in SHAPES:
             if (B, H, T, D) not in variant_shapes:
                 continue
-            torch.manual_seed(0)
-            inputs = make(B, H, T, D)
+            inputs = make(B, H, T, D, kernel=kernel)
             print(f"{B},{H},{T},{D} {kernel} variants (ms; u-diff, grad-diff: vs the default's):", flush=True)
             time_variants(inputs, kernel, results["shapes"][f"{B},{H},{T},{D}"])
             write_json(args.json, results)

@@ -117,7 +117,8 @@ def run_fused_tc():
 def run_deltaformer_variants():
     import kernels.deltaformer as df
 
-    for D, dtype in ((64, torch.bfloat16), (128, torch.bfloat16), (64, torch.float32), (64, torch.float16)):
+    for D, dtype in ((64, torch.bfloat16), (128, torch.bfloat16), (64, torch.float32), (64, torch.float16),
+                     (128, torch.float32)):  # fmt: skip
         k, v, w = (torch.randn(1, 2, 70, D, dtype=dtype, requires_grad=True) for _ in range(3))
         beta = torch.rand(1, 2, 70, dtype=dtype, requires_grad=True)
         for kernel in df.KERNELS:
@@ -126,8 +127,9 @@ def run_deltaformer_variants():
                 configs += [("split", True, {"late_loads": 1}), ("split", True, {"poll": 1})]
                 configs += [("split", True, {"xprec": "bf16x3"})]
             # every dtype (fp32 takes 3-D ieee products in the blocked inverse)
-            configs += [("split", True, {"prep_inverse": 2}), ("split", True, {"one_dk_dw_launch": 1})]
-            configs += [(rec, lowp, {"dk_in_wavefront": 1}) for rec in df.RECS for lowp in (True, False)]
+            configs += [("split", True, {"prep_inverse": 1})]
+            configs += [("split", True, {"dk_in_wavefront": 0, "one_dk_dw_launch": 1})]
+            configs += [(rec, lowp, {"dk_in_wavefront": 0}) for rec in df.RECS for lowp in (True, False)]
             for rec, lowp, switches in configs:
                 saved = dict(df.TUNING)
                 df.TUNING.update(switches)

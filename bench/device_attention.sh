@@ -86,7 +86,7 @@ fi
 if has table; then
     FLA_FLAG=--no-fla
     [ "${WITH_FLA:-0}" = 1 ] && FLA_FLAG=
-    timeout 150 $PY $B $FLA_FLAG --json "$OUT/bench.json" 2>&1 | tee -a "$OUT/bench.log"
+    timeout 240 $PY $B $FLA_FLAG --json "$OUT/bench.json" 2>&1 | tee -a "$OUT/bench.log"
     echo "table exit: $?" | tee -a "$OUT/bench.log"
 fi
 if has overhead; then

@@ -721,15 +721,15 @@ def _triton_cfg(x, chunk, lowp, rec):
 # time; dW then runs with dK's 2 stages);
 # dk_in_wavefront: 1 = dK accumulated by the backward wavefront (`_bwd_g_kernel` DKW), no dK pass.
 TUNING = {
-    "poll": 0, "num_warps": None, "num_stages": None, "prep_inverse": 1, "late_loads": 0, "xprec": None,
-    "one_dk_dw_launch": 0, "dk_in_wavefront": 0,
+    "poll": 0, "num_warps": None, "num_stages": None, "prep_inverse": 2, "late_loads": 0, "xprec": None,
+    "one_dk_dw_launch": 0, "dk_in_wavefront": 1,
 }  # fmt: skip
 
 
 def _launch(D, chunk, lowp):
     """Launch options of every kernel (the dK kernel defaults to num_stages=2: 131 -> 104 us at 8,12,1024,64,
     where two stages cost the wavefronts 4%; bench_attention.py --kernel-profile, V6)."""
-    launch = dict(num_warps=4 if D <= 64 and chunk <= 64 else 8)
+    launch = dict(num_warps=4 if chunk <= 64 else 8)  # D = 128 too: 8 warps cost 1.19 vs 0.78 ms f+b (V8)
     if D == 128 or not lowp:
         launch["num_stages"] = 2  # fp32 or D = 128 tiles: three stages overflow shared memory
     launch.update({key: TUNING[key] for key in ("num_warps", "num_stages") if TUNING[key] is not None})

@@ -217,8 +217,9 @@ def test_triton_fp16_recurrence_precisions(rec):
     print(rec, {n: f"{e:.1e}" for n, e in errs.items()})
 
 
-CPU_SWITCHES = [("late_loads", 1), ("xprec", "bf16x3"), ("prep_inverse", 2), ("one_dk_dw_launch", 1)]
-CPU_SWITCHES += [("dk_in_wavefront", 1)]
+# each: TUNING settings away from the defaults
+CPU_SWITCHES = [{"late_loads": 1}, {"xprec": "bf16x3"}, {"prep_inverse": 1}, {"dk_in_wavefront": 0}]
+CPU_SWITCHES += [{"dk_in_wavefront": 0, "one_dk_dw_launch": 1}]
 
 
 @pytest.mark.parametrize("switch", CPU_SWITCHES)
@@ -227,9 +228,10 @@ def test_triton_speed_switches(kernel, switch, monkeypatch, request):
     # the benchmark-only switches that change the kernels' code (TUNING): same values and gradients
     import kernels.deltaformer as df
 
-    if switch[0] == "xprec":  # bf16 dots: the unpatched interpreter multiplies their bit patterns
+    if "xprec" in switch:  # bf16 dots: the unpatched interpreter multiplies their bit patterns
         request.getfixturevalue("gpu_like_bf16_interpreter")
-    monkeypatch.setitem(df.TUNING, *switch)
+    for key, value in switch.items():
+        monkeypatch.setitem(df.TUNING, key, value)
     check_triton_against_reference(kernel, 1, 2, 45, 16, torch.float32, "cpu", chunk=16, tol=1e-5)
     check_triton_against_reference(kernel, 1, 1, 45, 16, torch.float16, "cpu", chunk=32, tol=1e-2)
 
@@ -472,8 +474,7 @@ def test_triton_gpu_matches_reference(kernel, shape, dtype):
     print(kernel, shape, dtype, {n: f"{e:.1e}" for n, e in errs.items()})
 
 
-SWITCHES = [("late_loads", 1), ("poll", 1), ("xprec", "bf16x3"), ("prep_inverse", 2), ("one_dk_dw_launch", 1)]
-SWITCHES += [("dk_in_wavefront", 1)]
+SWITCHES = CPU_SWITCHES + [{"poll": 1}]
 
 
 @pytest.mark.gpu
@@ -484,7 +485,8 @@ def test_triton_gpu_speed_switches(kernel, switch, monkeypatch):
     # faster one can become the default on this evidence
     import kernels.deltaformer as df
 
-    monkeypatch.setitem(df.TUNING, *switch)
+    for key, value in switch.items():
+        monkeypatch.setitem(df.TUNING, key, value)
     errs = check_triton_against_reference(
         kernel, 2, 3, 1024, 64, torch.bfloat16, "cuda", chunk=64, tol=1e-2, reference="chunked"
     )
