@@ -78,7 +78,7 @@ if has graphvar; then
     wait
     i=0
     while read -r shape kernel variants; do
-        timeout $((120 - 30 * i)) $PY $B --no-fla --graph-variants "$kernel" --variant-shapes "$shape" \
+        timeout 100 $PY $B --no-fla --graph-variants "$kernel" --variant-shapes "$shape" \
             --profile-variants "$variants" --json "$OUT/graphvar$i.json" 2>&1 | tee -a "$OUT/bench.log"
         i=$((i + 1))
     done <<<"$GRAPHVAR"
