@@ -92,13 +92,13 @@ def ours_u_only(kernel, **opts):
 # Our kernel's variants, each against the default in the same run: (name, keyword arguments of
 # deltaformer_u_triton, kernels.deltaformer.TUNING switches), for --variants (times, and u / gradient
 # differences to the default) and --kernel-profile (kernel-by-kernel times). Few on purpose: every variant
-# compiles its kernels anew (~2 s each). TUNING's prep_inverse=0 (a timing probe) is not listed.
+# compiles its kernels anew (~2 s each).
 VARIANTS = [
     ("default", {}, {}),
     ("xprec=bf16x3", {}, {"xprec": "bf16x3"}),
-    ("inverse64", {}, {"prep_inverse": 1}),  # the doubling at [C, C] from the first level (session 4)
-    ("dK pass", {}, {"dk_in_wavefront": 0}),  # dK by its own launch (session 4's default)
-    ("dK pass, one launch", {}, {"dk_in_wavefront": 0, "one_dk_dw_launch": 1}),
+    ("dK_pass", {}, {"dk_in_wavefront": 0}),  # dK by its own launch (the default at D = 128)
+    ("dK_in_wavefront", {}, {"dk_in_wavefront": 1}),  # (the default at D <= 64)
+    ("dK_pass_one_launch", {}, {"dk_in_wavefront": 0, "one_dk_dw_launch": 1}),
     ("poll=ld", {}, {"poll": 1}),
     ("lowp=False", {"lowp": False}, {}),
     ("rec=lowp", {"rec": "lowp"}, {}),
@@ -109,7 +109,8 @@ VARIANTS = [
 # gain) in run 4; in session 3 (V6) num_warps=8 (1.3-2.5x slower in every kernel), num_stages=4
 # (backward recurrence 194 -> 292 us), chunk 32 and 128 (slower; prep 823 us at 128); in session 4
 # num_stages=2 (prep -5%, both wavefronts +7%), late_loads (wavefronts +5%), prep_warps=8 (prep 188 -> 369;
-# the switch is gone).
+# the switch is gone); in session 5 (V8) prep_inverse=1 (the inverse's doubling at [C, C] from the first
+# level: +57 us at D = 64, +32 at D = 128; gone) and 8 warps at D = 128 (1.12 vs 0.83 ms).
 
 
 def fn_bwd(fn, inputs, grad_out):

@@ -65,9 +65,10 @@ fi
 B=bench/bench_attention.py
 # graphvar: the variants' f+b times as CUDA graph replays (GPU time; a few s each); "shape kernel variants"
 # per line of GRAPHVAR (VARIANTS names, comma-separated), compiled side by side first.
-GRAPHVAR=${GRAPHVAR:-"0 softmax default,inverse16,one_dk_dw,dk_in_wavefront,inverse16+dk_in_wavefront,inverse16+one_dk_dw,xprec=bf16x3,lowp=False
-1 softmax default,num_warps=4,chunk=32,inverse16,dk_in_wavefront,inverse16+dk_in_wavefront
-0 relu default,dk_in_wavefront,inverse16+dk_in_wavefront"}
+GRAPHVAR=${GRAPHVAR:-"0 softmax default,dK_pass,dK_pass_one_launch,xprec=bf16x3,lowp=False
+1 softmax default,dK_in_wavefront,dK_pass_one_launch,xprec=bf16x3,lowp=False
+0 relu default,dK_pass
+1 relu default,dK_in_wavefront"}
 if has graphvar; then
     while read -r shape kernel variants; do
         for v in ${variants//,/ }; do

@@ -328,7 +328,7 @@ if _HAS_TRITON:
             return tl.dot(a, b, input_precision=PREC)
 
     @triton.jit
-    def _unit_lower_inverse(n, C: tl.constexpr, PREC: tl.constexpr, BLOCKS16: tl.constexpr):
+    def _unit_lower_inverse(n, C: tl.constexpr, PREC: tl.constexpr):
         """(I + n)^-1 for strictly lower triangular n [C, C] (C a power of two), by doubling the block size:
         let Y_b be the inverse of the block-diagonal part of I + n in [b, b] blocks (Y_1 = I). A [2b, 2b]
         block is [[A, 0], [E, B]], with inverse [[A^-1, 0], [-B^-1 E A^-1, B^-1]], so Y_2b = Y_b - Y_b E_b Y_b
@@ -341,10 +341,10 @@ if _HAS_TRITON:
         tracking needs) the powers of n grow huge and cancel: fp32 lost up to 7e-2 of u at C = 64
         (tests/test_deltaformer.py, reflection regime). Forward substitution row by row (V3) and by 16-row
         blocks (V4) were as accurate but slow: C - 1 or 15 dependent steps of cross-warp reductions, 123 of
-        the prep kernel's 179 us at 8,12,1024,64 (bench/NOTES_deltaformer.md, V6). BLOCKS16 (a speed
-        candidate, TUNING["prep_inverse"] = 2): the levels b < 16 only touch the [16, 16] diagonal
-        blocks, so they run as batched [C / 16, 16, 16] products (C / 16 times fewer MACs)."""
-        if BLOCKS16 and C > 16:  # levels b < 16 on the [16, 16] diagonal blocks alone, then the rest
+        the prep kernel's 179 us at 8,12,1024,64 (bench/NOTES_deltaformer.md, V6). The levels b < 16 only
+        touch the [16, 16] diagonal blocks, so they run as batched [C / 16, 16, 16] products (C / 16 times
+        fewer MACs; f+b -55 us at 8,12,1024,64 and -30 us at 8,6,1024,128 against [C, C] products, V8)."""
+        if C > 16:  # levels b < 16 on the [16, 16] diagonal blocks alone, then the rest
             d = _diagonal_blocks(n, C)
             y = _block_diagonal(_doubling_levels(d, d, 16, 0, PREC, True), C)
             y = _doubling_levels(n, y, C, 4, PREC, False)
@@ -396,7 +396,6 @@ if _HAS_TRITON:
     def _prep_kernel(
         W, K, Beta, LSE, Xinv, scale, T, NC,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
-        INVERSE: tl.constexpr,
     ):  # fmt: skip
         c = NC - 1 - tl.program_id(0)  # the longest rows (most earlier chunks) first: a shorter tail
         bh = tl.program_id(1).to(tl.int64)
@@ -423,10 +422,7 @@ if _HAS_TRITON:
             lse = m + tl.log(tl.where(l > 0, l, 1.0))  # row 0 of the sequence has no j < i
             tl.store(LSE + bh * T + rows, lse, mask=rmask)
         a_cc = _kappa(s_cc, lower, lse, KERNEL)
-        if INVERSE == 0:  # timing probe (TUNING["prep_inverse"]): X = I
-            x = tl.where(offs_c[:, None] == offs_c[None, :], 1.0, 0.0) + 0.0 * a_cc
-        else:
-            x = _unit_lower_inverse(b[:, None] * a_cc, C, XPREC, INVERSE == 2)
+        x = _unit_lower_inverse(b[:, None] * a_cc, C, XPREC)
         tl.store(Xinv + (bh * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :], x)
 
     @triton.jit
@@ -712,17 +708,17 @@ def _triton_cfg(x, chunk, lowp, rec):
 
 # Benchmark switches (bench/bench_attention.py --variants sets them; read at launch time, not traced):
 # poll: 0 atomic / 1 acquire-load polling (`_read_progress`); num_warps / num_stages: None = the defaults;
-# prep_inverse: 0 = the prep kernel skips the in-chunk inverse (X = I: wrong results, a timing probe only),
-# 2 = its first levels on the [16, 16] diagonal blocks (`_unit_lower_inverse`, BLOCKS16; a speed candidate);
 # late_loads: 1 = the wavefronts load their own chunk's X, v / dU, beta after the waits (fewer registers
 # held through the consumption loop, one more load latency on the critical path); xprec: the in-chunk
 # inverse's products and X @ rhs with half inputs and rec="split" (None = "tf32x3", or "bf16x3": `_dot_x`);
 # one_dk_dw_launch: 1 = dK and dW in one launch (`_dk_dw_kernel` ROLE 2: one launch fewer, the host's
 # time; dW then runs with dK's 2 stages);
-# dk_in_wavefront: 1 = dK accumulated by the backward wavefront (`_bwd_g_kernel` DKW), no dK pass.
+# dk_in_wavefront: 1 = dK accumulated by the backward wavefront (`_bwd_g_kernel` DKW), no dK pass; 0 = the
+# dK pass; None = 1 at D <= 64 (f+b -49 us softmax, -32 relu at 8,12,1024,64), 0 at D = 128 (+80 and +77 us
+# there: the wavefront's extra [C, D] accumulator and u tile; bench_attention.py --graph-variants, V8).
 TUNING = {
-    "poll": 0, "num_warps": None, "num_stages": None, "prep_inverse": 2, "late_loads": 0, "xprec": None,
-    "one_dk_dw_launch": 0, "dk_in_wavefront": 1,
+    "poll": 0, "num_warps": None, "num_stages": None, "late_loads": 0, "xprec": None,
+    "one_dk_dw_launch": 0, "dk_in_wavefront": None,
 }  # fmt: skip
 
 
@@ -768,8 +764,7 @@ def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp, rec):
     kid = _KERNEL_IDS[kernel]
     with _device_guard(v):
         _prep_kernel[(NC, BH)](
-            w, k, beta, lse, xinv, scale, T, NC, KERNEL=kid, D=D, C=C, PREC=prec, XPREC=xprec,
-            INVERSE=TUNING["prep_inverse"], **launch,
+            w, k, beta, lse, xinv, scale, T, NC, KERNEL=kid, D=D, C=C, PREC=prec, XPREC=xprec, **launch,
         )  # fmt: skip
         counters = torch.zeros(BH + 1, device=v.device, dtype=torch.int32)  # progress per (b, h); ticket
         _fwd_kernel[(BH * NC,)](
@@ -818,7 +813,7 @@ def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, kernel, scale, chunk, lowp, re
     rowterm = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
     counters = torch.zeros(BH + 1, device=k.device, dtype=torch.int32)
     with _device_guard(k):
-        dkw = bool(TUNING["dk_in_wavefront"])
+        dkw = D <= 64 if TUNING["dk_in_wavefront"] is None else bool(TUNING["dk_in_wavefront"])
         _bwd_g_kernel[(BH * NC,)](
             w, k, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], u, u_lo, dk,
             scale, T, NC, BH, KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE_LO=store_lo,
