@@ -98,7 +98,6 @@ VARIANTS = [
     ("xprec=bf16x3", {}, {"xprec": "bf16x3"}),
     ("dK_pass", {}, {"dk_in_wavefront": 0}),  # dK by its own launch (the default at D = 128)
     ("dK_in_wavefront", {}, {"dk_in_wavefront": 1}),  # (the default at D <= 64)
-    ("dK_pass_one_launch", {}, {"dk_in_wavefront": 0, "one_dk_dw_launch": 1}),
     ("poll=ld", {}, {"poll": 1}),
     ("lowp=False", {"lowp": False}, {}),
     ("rec=lowp", {"rec": "lowp"}, {}),

@@ -65,8 +65,8 @@ fi
 B=bench/bench_attention.py
 # graphvar: the variants' f+b times as CUDA graph replays (GPU time; a few s each); "shape kernel variants"
 # per line of GRAPHVAR (VARIANTS names, comma-separated), compiled side by side first.
-GRAPHVAR=${GRAPHVAR:-"0 softmax default,dK_pass,dK_pass_one_launch,xprec=bf16x3,lowp=False
-1 softmax default,dK_in_wavefront,dK_pass_one_launch,xprec=bf16x3,lowp=False
+GRAPHVAR=${GRAPHVAR:-"0 softmax default,dK_pass,xprec=bf16x3,lowp=False
+1 softmax default,dK_in_wavefront,xprec=bf16x3,lowp=False
 0 relu default,dK_pass
 1 relu default,dK_in_wavefront"}
 if has graphvar; then

@@ -662,14 +662,12 @@ if _HAS_TRITON:
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
         HAS_LO: tl.constexpr, ROLE: tl.constexpr,
     ):  # fmt: skip
-        """ROLE 0: dK over column blocks, grid (NC, BH); 1: dW over row blocks, grid (NC, BH); 2: both in one
-        launch, grid (2 NC, BH), the roles interleaved (a launch fewer: TUNING["one_dk_dw_launch"]). Each
-        role takes its longest blocks first (dK's first columns, dW's last rows): a shorter tail."""
-        pid = tl.program_id(0)
+        """ROLE 0: dK over column blocks, 1: dW over row blocks; grid (NC, BH), the longest blocks first (dK's
+        first columns, dW's last rows): a shorter tail. Two launches: both roles in one launch (programs
+        interleaved) cost relu 90 us more at 8,6,1024,128 (V8; why is not known)."""
+        i = tl.program_id(0)  # the i-th longest block of its role
         bh = tl.program_id(1).to(tl.int64)
-        dk_role = pid % 2 == 0 if ROLE == 2 else ROLE == 0
-        i = pid // 2 if ROLE == 2 else pid  # the i-th longest block of its role
-        if dk_role:
+        if ROLE == 0:
             _dk_block(
                 W, K, U, ULO, GB, GBLO, LSE, RT, DK, scale, T, NC, i, bh, KERNEL, D, C, LOWP, PREC, HAS_LO,
             )  # fmt: skip
@@ -711,14 +709,12 @@ def _triton_cfg(x, chunk, lowp, rec):
 # late_loads: 1 = the wavefronts load their own chunk's X, v / dU, beta after the waits (fewer registers
 # held through the consumption loop, one more load latency on the critical path); xprec: the in-chunk
 # inverse's products and X @ rhs with half inputs and rec="split" (None = "tf32x3", or "bf16x3": `_dot_x`);
-# one_dk_dw_launch: 1 = dK and dW in one launch (`_dk_dw_kernel` ROLE 2: one launch fewer, the host's
-# time; dW then runs with dK's 2 stages);
 # dk_in_wavefront: 1 = dK accumulated by the backward wavefront (`_bwd_g_kernel` DKW), no dK pass; 0 = the
 # dK pass; None = 1 at D <= 64 (f+b -49 us softmax, -32 relu at 8,12,1024,64), 0 at D = 128 (+80 and +77 us
 # there: the wavefront's extra [C, D] accumulator and u tile; bench_attention.py --graph-variants, V8).
 TUNING = {
     "poll": 0, "num_warps": None, "num_stages": None, "late_loads": 0, "xprec": None,
-    "one_dk_dw_launch": 0, "dk_in_wavefront": None,
+    "dk_in_wavefront": None,
 }  # fmt: skip
 
 
@@ -822,13 +818,9 @@ def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, kernel, scale, chunk, lowp, re
         )  # fmt: skip
         args = (w, k, u, u_lo, gb, gb_lo, lse, rowterm, dk, dw, scale, T, NC)
         consts = dict(KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, HAS_LO=store_lo)
-        if dkw:  # dK came with G
-            _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=1, **launch)
-        elif TUNING["one_dk_dw_launch"]:
-            _dk_dw_kernel[(2 * NC, BH)](*args, **consts, ROLE=2, **{"num_stages": 2, **launch})
-        else:
+        if not dkw:  # dK not already done by the wavefront
             _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=0, **{"num_stages": 2, **launch})
-            _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=1, **launch)
+        _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=1, **launch)
     return dk, dv, dw, dbeta
 
 

@@ -219,7 +219,6 @@ def test_triton_fp16_recurrence_precisions(rec):
 
 # each: TUNING settings away from the defaults
 CPU_SWITCHES = [{"late_loads": 1}, {"xprec": "bf16x3"}, {"dk_in_wavefront": 0}]
-CPU_SWITCHES += [{"dk_in_wavefront": 0, "one_dk_dw_launch": 1}]
 
 
 @pytest.mark.parametrize("switch", CPU_SWITCHES)
