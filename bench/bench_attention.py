@@ -101,6 +101,12 @@ VARIANTS = [
     ("poll=ld", {}, {"poll": 1}),
     ("lowp=False", {"lowp": False}, {}),
     ("rec=lowp", {"rec": "lowp"}, {}),
+    ("fuse_prep", {}, {"fuse_prep": 1}),  # prep beside the forward wavefront, prep_lead 2
+    ("fuse_prep_lead0", {}, {"fuse_prep": 1, "prep_lead": 0}),
+    ("fuse_prep_lead5", {}, {"fuse_prep": 1, "prep_lead": 5}),
+    ("fuse_dkdw", {}, {"fuse_dkdw": 1}),  # dW (and dK) beside the backward wavefront, dkdw_lag 1
+    ("fuse_dkdw_lag3", {}, {"fuse_dkdw": 1, "dkdw_lag": 3}),
+    ("fuse_both", {}, {"fuse_prep": 1, "fuse_dkdw": 1}),
     ("num_warps=8", {}, {"num_warps": 8}),
     ("chunk=32", {"chunk": 32}, {}),
 ]

@@ -65,10 +65,10 @@ fi
 B=bench/bench_attention.py
 # graphvar: the variants' f+b times as CUDA graph replays (GPU time; a few s each); "shape kernel variants"
 # per line of GRAPHVAR (VARIANTS names, comma-separated), compiled side by side first.
-GRAPHVAR=${GRAPHVAR:-"0 softmax default,dK_pass,xprec=bf16x3,lowp=False
-1 softmax default,dK_in_wavefront,xprec=bf16x3,lowp=False
-0 relu default,dK_pass
-1 relu default,dK_in_wavefront"}
+GRAPHVAR=${GRAPHVAR:-"0 softmax default,fuse_prep,fuse_prep_lead0,fuse_prep_lead5,fuse_dkdw,fuse_dkdw_lag3,fuse_both
+1 softmax default,fuse_prep,fuse_dkdw,fuse_both,xprec=bf16x3
+0 relu default,fuse_prep,fuse_dkdw,fuse_both
+1 relu default,fuse_prep,fuse_dkdw,fuse_both"}
 if has graphvar; then
     while read -r shape kernel variants; do
         for v in ${variants//,/ }; do

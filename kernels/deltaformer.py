@@ -294,6 +294,22 @@ if _HAS_TRITON:
         return x
 
     @triton.jit
+    def _load_fresh(ptr, mask, FRESH: tl.constexpr):
+        """A load (masked unless mask is None); FRESH: of data another program of this launch wrote, so past
+        the (incoherent) L1 with .cg."""
+        if mask is None:
+            if FRESH:
+                x = tl.load(ptr, cache_modifier=".cg")
+            else:
+                x = tl.load(ptr)
+        else:
+            if FRESH:
+                x = tl.load(ptr, mask=mask, other=0.0, cache_modifier=".cg")
+            else:
+                x = tl.load(ptr, mask=mask, other=0.0)
+        return x
+
+    @triton.jit
     def _kappa(s, valid, lse, KERNEL: tl.constexpr):
         """The first-stage kernel on a block of scaled scores; 0 where not valid. lse: [rows] (softmax)."""
         if KERNEL == 0:
@@ -399,6 +415,14 @@ if _HAS_TRITON:
     ):  # fmt: skip
         c = NC - 1 - tl.program_id(0)  # the longest rows (most earlier chunks) first: a shorter tail
         bh = tl.program_id(1).to(tl.int64)
+        _prep_block(W, K, Beta, LSE, Xinv, scale, T, NC, c, bh, KERNEL, D, C, PREC, XPREC)
+
+    @triton.jit
+    def _prep_block(
+        W, K, Beta, LSE, Xinv, scale, T, NC, c, bh,
+        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
+    ):  # fmt: skip
+        """Chunk c of head bh: the softmax lse of its rows over every j < i, and X_c (section comment)."""
         offs_c = tl.arange(0, C)
         offs_d = tl.arange(0, D)
         rows = c * C + offs_c
@@ -433,8 +457,61 @@ if _HAS_TRITON:
         LATE: tl.constexpr,
     ):  # fmt: skip
         ticket = tl.atomic_add(Ticket, 1)
-        c = ticket // BH
+        _fwd_block(
+            W, K, V, Beta, U, ULO, Hs, LSE, Xinv, Prog, Prog, scale, T, NC, ticket // BH, ticket % BH,
+            KERNEL, D, C, REC, PREC, XPREC, STORE_LO, SPIN_LIMIT, POLL, LATE, False,
+        )  # fmt: skip
+
+    @triton.jit
+    def _prep_fwd_kernel(
+        W, K, V, Beta, U, ULO, Hs, LSE, Xinv, Prog, PrepDone, Ticket, scale, T, NC, BH,
+        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, REC: tl.constexpr, PREC: tl.constexpr,
+        XPREC: tl.constexpr, STORE_LO: tl.constexpr, SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr,
+        LATE: tl.constexpr, LEAD: tl.constexpr,
+    ):  # fmt: skip
+        """Prep and the forward wavefront in one launch (TUNING["fuse_prep"], a speed candidate): the
+        wavefront is a chain of dependent steps that leaves the GPU mostly idle, so prep's parallel work can
+        run beside it instead of before it. Tickets in groups of BH programs: prep of chunks 0..LEAD, then
+        the wavefront tile of chunk 0 and prep of chunk LEAD + 1 alternating, ..., then the last tiles. A
+        tile waits for its own chunk's prep (a flag per (head, chunk), set with a release after its stores)
+        and for the chunk before it; both hold smaller tickets, so they are running or done: no deadlock."""
+        ticket = tl.atomic_add(Ticket, 1)
         bh = ticket % BH
+        is_prep, c = _lead_schedule(ticket // BH, NC, LEAD)
+        if is_prep:
+            bh64 = bh.to(tl.int64)
+            _prep_block(W, K, Beta, LSE, Xinv, scale, T, NC, c, bh64, KERNEL, D, C, PREC, XPREC)
+            tl.debug_barrier()  # every thread's stores precede the release
+            tl.atomic_xchg(PrepDone + bh64 * NC + c, 1, sem="release")
+        else:
+            _fwd_block(
+                W, K, V, Beta, U, ULO, Hs, LSE, Xinv, Prog, PrepDone, scale, T, NC, c, bh,
+                KERNEL, D, C, REC, PREC, XPREC, STORE_LO, SPIN_LIMIT, POLL, LATE, True,
+            )  # fmt: skip
+
+    @triton.jit
+    def _lead_schedule(g, NC, LEAD: tl.constexpr):
+        """Group g of a launch of NC producers (each needed by one consumer, in order) and NC consumers:
+        producers 0..LEAD first, then consumer 0, producer LEAD + 1, consumer 1, ..., then the remaining
+        consumers. Returns (is producer, index). Consumer i comes after producer i, so a consumer waiting
+        on its producer (or on consumer i - 1) waits on a program that started before it."""
+        P = tl.minimum(NC, LEAD + 1)  # producers issued first
+        Z = 2 * (NC - P)  # then consumer, producer, consumer, ... (Z groups), then the remaining consumers
+        m = g - P
+        odd = m % 2 == 1
+        is_producer = (g < P) | ((m >= 0) & (m < Z) & odd)
+        i = tl.where(g < P, g, tl.where(m < Z, tl.where(odd, P + m // 2, m // 2), Z // 2 + (m - Z)))
+        return is_producer, i
+
+    @triton.jit
+    def _fwd_block(
+        W, K, V, Beta, U, ULO, Hs, LSE, Xinv, Prog, PrepDone, scale, T, NC, c, bh,
+        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, REC: tl.constexpr, PREC: tl.constexpr,
+        XPREC: tl.constexpr, STORE_LO: tl.constexpr, SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr,
+        LATE: tl.constexpr, FUSED: tl.constexpr,
+    ):  # fmt: skip
+        """The wavefront tile of chunk c, head bh (see the section comment). FUSED: prep runs in the same
+        launch, so first wait for this chunk's flag, and read its lse and X past L1 (written meanwhile)."""
         bh64 = bh.to(tl.int64)
         offs_c = tl.arange(0, C)
         offs_d = tl.arange(0, D)
@@ -442,18 +519,20 @@ if _HAS_TRITON:
         rmask = rows < T
         tile = bh64 * T * D + rows[:, None] * D + offs_d[None, :]
         w = tl.load(W + tile, mask=rmask[:, None], other=0.0)
+        ok = c * 0 + 1
+        if FUSED:
+            ok = (_wait_progress(PrepDone + bh64 * NC + c, 1, SPIN_LIMIT, POLL) >= 1).to(tl.int32)
         lse = tl.zeros((C,), dtype=tl.float32)
         if KERNEL == 0:
-            lse = tl.load(LSE + bh64 * T + rows, mask=rmask, other=0.0)
+            lse = _load_fresh(LSE + bh64 * T + rows, rmask, FUSED)
         everything = offs_c[:, None] >= 0  # earlier chunks: every j < i
         xt = Xinv + (bh64 * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :]
         if not LATE:  # loaded before the waits (off the critical path, but live in registers through them)
             b = tl.load(Beta + bh64 * T + rows, mask=rmask, other=0.0).to(tl.float32)
             v = tl.load(V + tile, mask=rmask[:, None], other=0.0).to(tl.float32)
-            x = tl.load(xt)
+            x = _load_fresh(xt, None, FUSED)
         acc = tl.zeros((C, D), dtype=tl.float32)
-        done = ticket * 0  # earlier chunks consumed
-        ok = done + 1
+        done = c * 0  # earlier chunks consumed
         while done < c:  # consume chunks as they are published
             seen = _wait_progress(Prog + bh, done + 1, SPIN_LIMIT, POLL)
             ok = ok & (seen > done).to(tl.int32)
@@ -473,7 +552,7 @@ if _HAS_TRITON:
         if LATE:
             b = tl.load(Beta + bh64 * T + rows, mask=rmask, other=0.0).to(tl.float32)
             v = tl.load(V + tile, mask=rmask[:, None], other=0.0).to(tl.float32)
-            x = tl.load(xt)
+            x = _load_fresh(xt, None, FUSED)
         u = _dot_x(x, v - b[:, None] * acc, XPREC)
         u = tl.where(ok != 0, u, float("nan"))
         _store_split(U, ULO, tile, u, rmask[:, None], STORE_LO)
@@ -493,13 +572,62 @@ if _HAS_TRITON:
         XPREC: tl.constexpr, STORE_LO: tl.constexpr, SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr,
         LATE: tl.constexpr, DKW: tl.constexpr, LOWP: tl.constexpr, HAS_LO: tl.constexpr,
     ):  # fmt: skip
-        """G_c for one column chunk c (see the section comment). DKW (TUNING["dk_in_wavefront"], a speed
-        candidate): also dK_c = s sum_{i >= c} dS_ic^T w_i, from the S and A of the pairs this program forms
-        anyway (then the dK pass is not launched); the row term of a chunk is then stored before its
-        release, since the programs of earlier columns read it."""
         ticket = tl.atomic_add(Ticket, 1)
-        c = NC - 1 - ticket // BH  # last chunk first
+        _bwd_block(
+            W, K, DU, Beta, Hs, LSE, Xinv, GB, GBLO, DV, DBeta, RT, Prog, U, ULO, DK, scale, T, NC,
+            NC - 1 - ticket // BH, ticket % BH,  # last chunk first
+            KERNEL, D, C, REC, PREC, XPREC, STORE_LO, SPIN_LIMIT, POLL, LATE, DKW, LOWP, HAS_LO, DKW,
+        )  # fmt: skip
+
+    @triton.jit
+    def _bwd_dkdw_kernel(
+        W, K, DU, Beta, Hs, LSE, Xinv, GB, GBLO, DV, DBeta, RT, Prog, Ticket, U, ULO, DK, DW,
+        scale, T, NC, BH,
+        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, REC: tl.constexpr, PREC: tl.constexpr,
+        XPREC: tl.constexpr, STORE_LO: tl.constexpr, SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr,
+        LATE: tl.constexpr, DKW: tl.constexpr, LOWP: tl.constexpr, HAS_LO: tl.constexpr, LEAD: tl.constexpr,
+    ):  # fmt: skip
+        """The backward wavefront and the dW (and, without DKW, dK) blocks in one launch
+        (TUNING["fuse_dkdw"], a speed candidate): dW of row chunk r only needs the G of chunk r, and dK of
+        column chunk c the G of chunks >= c, so both can run beside the (latency-bound) wavefront once its
+        tile of that chunk is published, instead of after the whole wavefront. `_lead_schedule` orders
+        the tickets (tile t is chunk NC - 1 - t); the row term is stored before each release. The blocks
+        read G and the row term with plain loads after an acquire: no program reads them before they are
+        published (the tiles read them with .cg), so no SM's L1 holds an older copy."""
+        ticket = tl.atomic_add(Ticket, 1)
         bh = ticket % BH
+        is_tile, t = _lead_schedule(ticket // BH, NC, LEAD)
+        c = NC - 1 - t
+        if is_tile:
+            _bwd_block(
+                W, K, DU, Beta, Hs, LSE, Xinv, GB, GBLO, DV, DBeta, RT, Prog, U, ULO, DK, scale, T, NC, c, bh,
+                KERNEL, D, C, REC, PREC, XPREC, STORE_LO, SPIN_LIMIT, POLL, LATE, DKW, LOWP, HAS_LO, True,
+            )  # fmt: skip
+        else:
+            bh64 = bh.to(tl.int64)
+            seen = _wait_progress(Prog + bh, t + 1, SPIN_LIMIT, POLL)
+            s_ok = tl.where(seen > t, scale, float("nan"))  # a wait that gave up: NaN gradients
+            _dw_block(
+                W, K, U, ULO, GB, GBLO, LSE, RT, DW, s_ok, T, c, bh64, KERNEL, D, C, LOWP, PREC, HAS_LO,
+            )  # fmt: skip
+            if not DKW:
+                _dk_block(
+                    W, K, U, ULO, GB, GBLO, LSE, RT, DK, s_ok, T, NC, c, bh64,
+                    KERNEL, D, C, LOWP, PREC, HAS_LO,
+                )  # fmt: skip
+
+    @triton.jit
+    def _bwd_block(
+        W, K, DU, Beta, Hs, LSE, Xinv, GB, GBLO, DV, DBeta, RT, Prog, U, ULO, DK, scale, T, NC, c, bh,
+        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, REC: tl.constexpr, PREC: tl.constexpr,
+        XPREC: tl.constexpr, STORE_LO: tl.constexpr, SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr,
+        LATE: tl.constexpr, DKW: tl.constexpr, LOWP: tl.constexpr, HAS_LO: tl.constexpr,
+        RT_EARLY: tl.constexpr,
+    ):  # fmt: skip
+        """G_c for one column chunk c (see the section comment). DKW (TUNING["dk_in_wavefront"]): also
+        dK_c = s sum_{i >= c} dS_ic^T w_i, from the S and A of the pairs this program forms anyway (then
+        the dK pass is not launched). RT_EARLY (with DKW, or when dK / dW run in this launch): the row term
+        of the chunk is stored before its release, since programs of this launch read it."""
         bh64 = bh.to(tl.int64)
         offs_c = tl.arange(0, C)
         offs_d = tl.arange(0, D)
@@ -516,7 +644,7 @@ if _HAS_TRITON:
         dk = tl.zeros((C, D), dtype=tl.float32)
         if DKW:
             u_c = _load_value(U, ULO, tile, cmask[:, None], LOWP, HAS_LO)
-        done = ticket * 0  # later chunks consumed, counted from the end
+        done = c * 0  # later chunks consumed, counted from the end
         ok = done + 1
         while done < NC - 1 - c:
             seen = _wait_progress(Prog + bh, done + 1, SPIN_LIMIT, POLL)
@@ -556,7 +684,7 @@ if _HAS_TRITON:
         g_c = tl.where(ok != 0, g_c, float("nan"))
         gb_c = g_c * b_c[:, None]
         _store_split(GB, GBLO, tile, gb_c, cmask[:, None], STORE_LO)
-        if DKW:  # earlier columns' programs read this chunk's row term: before the release
+        if RT_EARLY:  # other programs of this launch read this chunk's row term: before the release
             h_c = tl.load(Hs + tile, mask=cmask[:, None], other=0.0)
             rt_c = tl.sum(gb_c * h_c, axis=1)
             tl.store(RT + bh64 * T + cols, rt_c, mask=cmask)
@@ -564,7 +692,7 @@ if _HAS_TRITON:
         tl.atomic_xchg(Prog + bh, NC - c, sem="release")
         # off the critical path
         tl.store(DV + tile, g_c.to(DV.dtype.element_ty), mask=cmask[:, None])
-        if not DKW:
+        if not RT_EARLY:
             h_c = tl.load(Hs + tile, mask=cmask[:, None], other=0.0)
             rt_c = tl.sum(gb_c * h_c, axis=1)
             tl.store(RT + bh64 * T + cols, rt_c, mask=cmask)
@@ -712,9 +840,13 @@ def _triton_cfg(x, chunk, lowp, rec):
 # dk_in_wavefront: 1 = dK accumulated by the backward wavefront (`_bwd_g_kernel` DKW), no dK pass; 0 = the
 # dK pass; None = 1 at D <= 64 (f+b -49 us softmax, -32 relu at 8,12,1024,64), 0 at D = 128 (+80 and +77 us
 # there: the wavefront's extra [C, D] accumulator and u tile; bench_attention.py --graph-variants, V8).
+# fuse_prep: 1 = prep and the forward wavefront in one launch (`_prep_fwd_kernel`), prep of chunk c issued
+# prep_lead groups before the tile of chunk c - 1; fuse_dkdw: 1 = the backward wavefront, dW and (without
+# dk_in_wavefront) dK in one launch (`_bwd_dkdw_kernel`), the blocks of a chunk issued dkdw_lag groups after
+# its tile. Both: `_lead_schedule`; not yet run on a GPU.
 TUNING = {
     "poll": 0, "num_warps": None, "num_stages": None, "late_loads": 0, "xprec": None,
-    "dk_in_wavefront": None,
+    "dk_in_wavefront": None, "fuse_prep": 0, "prep_lead": 2, "fuse_dkdw": 0, "dkdw_lag": 1,
 }  # fmt: skip
 
 
@@ -758,15 +890,25 @@ def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp, rec):
     lse = torch.empty(B, H, T, **f32) if kernel == "softmax" else torch.zeros(1, **f32)  # placeholder
     xinv = torch.empty(BH, NC, C, C, **f32)
     kid = _KERNEL_IDS[kernel]
+    wave = dict(
+        KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE_LO=store_lo, SPIN_LIMIT=_SPIN_LIMIT,
+        POLL=TUNING["poll"], LATE=TUNING["late_loads"], **launch,
+    )  # fmt: skip
     with _device_guard(v):
+        if TUNING["fuse_prep"]:  # progress per (b, h); ticket; prep done per (b, h, chunk)
+            counters = torch.zeros(BH + 1 + BH * NC, device=v.device, dtype=torch.int32)
+            _prep_fwd_kernel[(2 * NC * BH,)](
+                w, k, v, beta, u, u_lo if store_lo else u, h, lse, xinv, counters, counters[BH + 1 :],
+                counters[BH:], scale, T, NC, BH, LEAD=TUNING["prep_lead"], **wave,
+            )  # fmt: skip
+            return u, u_lo, h, lse, xinv
         _prep_kernel[(NC, BH)](
             w, k, beta, lse, xinv, scale, T, NC, KERNEL=kid, D=D, C=C, PREC=prec, XPREC=xprec, **launch,
         )  # fmt: skip
         counters = torch.zeros(BH + 1, device=v.device, dtype=torch.int32)  # progress per (b, h); ticket
         _fwd_kernel[(BH * NC,)](
             w, k, v, beta, u, u_lo if store_lo else u, h, lse, xinv, counters, counters[BH:],
-            scale, T, NC, BH, KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE_LO=store_lo,
-            SPIN_LIMIT=_SPIN_LIMIT, POLL=TUNING["poll"], LATE=TUNING["late_loads"], **launch,
+            scale, T, NC, BH, **wave,
         )  # fmt: skip
     return u, u_lo, h, lse, xinv
 
@@ -810,11 +952,20 @@ def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, kernel, scale, chunk, lowp, re
     counters = torch.zeros(BH + 1, device=k.device, dtype=torch.int32)
     with _device_guard(k):
         dkw = D <= 64 if TUNING["dk_in_wavefront"] is None else bool(TUNING["dk_in_wavefront"])
-        _bwd_g_kernel[(BH * NC,)](
-            w, k, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], u, u_lo, dk,
-            scale, T, NC, BH, KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE_LO=store_lo,
+        wave = dict(
+            KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE_LO=store_lo,
             SPIN_LIMIT=_SPIN_LIMIT, POLL=TUNING["poll"], LATE=TUNING["late_loads"], DKW=dkw, LOWP=lowp,
             HAS_LO=store_lo, **launch,
+        )  # fmt: skip
+        if TUNING["fuse_dkdw"]:  # the wavefront, dW and dK in one launch
+            _bwd_dkdw_kernel[(2 * NC * BH,)](
+                w, k, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], u, u_lo,
+                dk, dw, scale, T, NC, BH, LEAD=TUNING["dkdw_lag"], **wave,
+            )  # fmt: skip
+            return dk, dv, dw, dbeta
+        _bwd_g_kernel[(BH * NC,)](
+            w, k, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], u, u_lo, dk,
+            scale, T, NC, BH, **wave,
         )  # fmt: skip
         args = (w, k, u, u_lo, gb, gb_lo, lse, rowterm, dk, dw, scale, T, NC)
         consts = dict(KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, HAS_LO=store_lo)

@@ -218,7 +218,8 @@ def test_triton_fp16_recurrence_precisions(rec):
 
 
 # each: TUNING settings away from the defaults
-CPU_SWITCHES = [{"late_loads": 1}, {"xprec": "bf16x3"}, {"dk_in_wavefront": 0}]
+CPU_SWITCHES = [{"late_loads": 1}, {"xprec": "bf16x3"}, {"dk_in_wavefront": 0}, {"fuse_prep": 1}]
+CPU_SWITCHES += [{"fuse_dkdw": 1}, {"fuse_dkdw": 1, "dk_in_wavefront": 0}]
 
 
 @pytest.mark.parametrize("switch", CPU_SWITCHES)
@@ -247,6 +248,56 @@ def test_dk_in_wavefront_more_cases(kernel, monkeypatch):
         check_triton_against_reference(
             kernel, 1, 2, 45, 16, torch.float16, "cpu", chunk=16, tol=1e-2, lowp=False, rec=rec
         )
+
+
+@pytest.mark.parametrize("lead", [0, 1, 3])
+@pytest.mark.parametrize("T", [16, 40, 90])
+def test_fuse_prep_schedule(T, lead, monkeypatch):
+    # TUNING["fuse_prep"]: prep and the forward wavefront in one launch, ordered by tickets. Every chunk
+    # count against every lead (all preps first, interleaved, the tail of tiles): a tile scheduled before
+    # its prep, or a prep never run, spins out (the spin limit is lowered so that it ends) and gives NaN;
+    # the values must equal the two-launch path's exactly (the same arithmetic).
+    import kernels.deltaformer as df
+
+    monkeypatch.setattr(df, "_SPIN_LIMIT", 2000)
+    inputs = reflection_inputs(1, 2, T, 16, "softmax")
+    k, v, w, beta = (x.float() for x in inputs[1:])
+    for kernel in ("softmax", "relu"):
+        u_ref = df.deltaformer_u_triton(k, v, w, beta, kernel=kernel, chunk=16)
+        monkeypatch.setitem(df.TUNING, "fuse_prep", 1)
+        monkeypatch.setitem(df.TUNING, "prep_lead", lead)
+        u = df.deltaformer_u_triton(k, v, w, beta, kernel=kernel, chunk=16)
+        monkeypatch.setitem(df.TUNING, "fuse_prep", 0)
+        assert torch.isfinite(u).all()
+        assert torch.equal(u, u_ref)
+
+
+@pytest.mark.parametrize("lag", [0, 2])
+@pytest.mark.parametrize("T", [16, 90])
+def test_fuse_dkdw_schedule(T, lag, monkeypatch):
+    # TUNING["fuse_dkdw"]: the backward wavefront, dW and dK (with and without dK in the wavefront) in one
+    # launch: gradients equal to the separate launches' exactly, none NaN (the spin limit lowered). The
+    # interpreter runs programs one by one in ticket order, so it checks the schedule and the arithmetic,
+    # not the waits; those only a GPU run can.
+    import kernels.deltaformer as df
+
+    monkeypatch.setattr(df, "_SPIN_LIMIT", 2000)
+    inputs = reflection_inputs(1, 2, T, 16, "softmax")
+    k, v, w, beta = (x.float() for x in inputs[1:])
+    grad_u = torch.randn_like(v)
+    for kernel in ("softmax", "relu"):
+        for dkw in (0, 1):
+            monkeypatch.setitem(df.TUNING, "dk_in_wavefront", dkw)
+            grads = []
+            for fuse in (0, 1):
+                monkeypatch.setitem(df.TUNING, "fuse_dkdw", fuse)
+                monkeypatch.setitem(df.TUNING, "dkdw_lag", lag)
+                leaves = [x.clone().requires_grad_(True) for x in (k, v, w, beta)]
+                u = df.deltaformer_u_triton(*leaves, kernel=kernel, chunk=16)
+                grads.append(torch.autograd.grad(u, leaves, grad_u))
+            for g_fused, g_ref in zip(grads[1], grads[0]):
+                assert torch.isfinite(g_fused).all()
+                assert torch.equal(g_fused, g_ref)
 
 
 def reflection_inputs(B, H, T, D, kernel, device="cpu"):
