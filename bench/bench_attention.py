@@ -115,7 +115,8 @@ VARIANTS = [
 # (backward recurrence 194 -> 292 us), chunk 32 and 128 (slower; prep 823 us at 128); in session 4
 # num_stages=2 (prep -5%, both wavefronts +7%), late_loads (wavefronts +5%), prep_warps=8 (prep 188 -> 369;
 # the switch is gone); in session 5 (V8) prep_inverse=1 (the inverse's doubling at [C, C] from the first
-# level: +57 us at D = 64, +32 at D = 128; gone) and 8 warps at D = 128 (1.12 vs 0.83 ms).
+# level: +57 us at D = 64, +32 at D = 128; gone), 8 warps at D = 128 (1.12 vs 0.83 ms) and dK + dW in one
+# launch (one_dk_dw_launch: relu +90 us at D = 128; gone).
 
 
 def fn_bwd(fn, inputs, grad_out):

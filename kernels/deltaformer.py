@@ -470,11 +470,12 @@ if _HAS_TRITON:
         LATE: tl.constexpr, LEAD: tl.constexpr,
     ):  # fmt: skip
         """Prep and the forward wavefront in one launch (TUNING["fuse_prep"], a speed candidate): the
-        wavefront is a chain of dependent steps that leaves the GPU mostly idle, so prep's parallel work can
-        run beside it instead of before it. Tickets in groups of BH programs: prep of chunks 0..LEAD, then
-        the wavefront tile of chunk 0 and prep of chunk LEAD + 1 alternating, ..., then the last tiles. A
-        tile waits for its own chunk's prep (a flag per (head, chunk), set with a release after its stores)
-        and for the chunk before it; both hold smaller tickets, so they are running or done: no deadlock."""
+        wavefront is a chain of dependent steps that looks latency-bound (occupancy not measured), so
+        prep's parallel work might run beside it instead of before it. Tickets in groups of BH programs:
+        prep of chunks 0..LEAD, then the wavefront tile of chunk 0 and prep of chunk LEAD + 1 alternating,
+        ..., then the last tiles. A tile waits for its own chunk's prep (a flag per (head, chunk), set with
+        a release after its stores) and for the chunk before it; both hold smaller tickets, so they are
+        running or done: no deadlock."""
         ticket = tl.atomic_add(Ticket, 1)
         bh = ticket % BH
         is_prep, c = _lead_schedule(ticket // BH, NC, LEAD)
