@@ -2,6 +2,7 @@
 
     python bench/bench_attention.py                 # the five shapes of issue 5, bf16
     python bench/bench_attention.py --variants      # also our kernel's variants (VARIANTS below)
+    python bench/bench_attention.py --no-fla --graph-variants softmax --variant-shapes 0,1  # variants alone
 
 Times are medians of triton.testing.do_bench (CUDA events) in ms. "fwd" is the forward alone, "f+b" the
 forward plus the backward of all inputs. FLA's Deltaformer (when `fla` imports) is its u-stage
@@ -85,14 +86,10 @@ def ours(kernel, **opts):
     return fn
 
 
-def ours_u_only(kernel, **opts):
-    return lambda q, k, v, w, beta: deltaformer_u_triton(k, v, w, beta, kernel=kernel, **opts)
-
-
 # Our kernel's variants, each against the default in the same run: (name, keyword arguments of
-# deltaformer_u_triton, kernels.deltaformer.TUNING switches), for --variants (times, and u / gradient
-# differences to the default) and --kernel-profile (kernel-by-kernel times). Few on purpose: every variant
-# compiles its kernels anew (~2 s each).
+# deltaformer_u_triton, kernels.deltaformer.TUNING switches), for --variants / --graph-variants (times, and
+# u / gradient differences to the default) and --kernel-profile (kernel-by-kernel times). Few on purpose:
+# every variant compiles its kernels anew (~2 s each).
 VARIANTS = [
     ("default", {}, {}),
     ("xprec=bf16x3", {}, {"xprec": "bf16x3"}),
@@ -316,14 +313,15 @@ def graph_variants(shapes, kernels, results, variants):
             u0, g0 = u_and_grads(inputs, kernel, {}, grad_u)
             sd = graph_time(sdpa, inputs)
             print(f"\n{kernel} at {shape}: f+b ms (CUDA graph replay; SDPA alone: {sd:.3f})")
-            print("| variant | f+b graph | f+b do_bench | u-diff | grad-diff | wall s |")
-            print("|---" * 6 + "|")
+            print("| variant | fwd graph | f+b graph | f+b do_bench | u-diff | grad-diff | wall s |")
+            print("|---" * 7 + "|")
             for name, opts, switches in selected(variants):
                 t0 = time.perf_counter()
                 try:
                     with tuned(switches):
                         u, g = u_and_grads(inputs, kernel, opts, grad_u)
                         row = {
+                            "fwd graph": graph_time(ours(kernel, **opts), inputs, backward=False),
                             "f+b graph": graph_time(ours(kernel, **opts), inputs),
                             "f+b do_bench": time_fn(ours(kernel, **opts), inputs, True),
                             "u-diff": rel(u, u0),
@@ -350,25 +348,6 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def time_variants(inputs, kernel, res):
-    """Times of every variant (u-stage alone and with SDPA); its u and gradients against the default's."""
-    grad_u = torch.randn_like(inputs[2])
-    u_default, g_default = u_and_grads(inputs, kernel, {}, grad_u)
-    for name, opts, switches in VARIANTS:
-        tag = f"{kernel} {name}"
-        try:
-            with tuned(switches):
-                u, g = u_and_grads(inputs, kernel, opts, grad_u)
-                res[f"{tag} u-diff"], res[f"{tag} grad-diff"] = rel(u, u_default), rel(g, g_default)
-                for mode in ("fwd", "f+b"):
-                    res[f"{tag} u-only {mode}"] = time_fn(ours_u_only(kernel, **opts), inputs, mode == "f+b")
-                    res[f"{tag} {mode}"] = time_fn(ours(kernel, **opts), inputs, mode == "f+b")
-        except Exception as e:  # noqa: BLE001  (a variant that does not compile must not end the run)
-            print(f"variant {tag} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        mine = [(key[len(tag) + 1 :], val) for key, val in res.items() if key.startswith(tag + " ")]
-        print(f"  {tag}: " + ", ".join(f"{key} {val:.3g}" for key, val in mine), flush=True)
-
-
 def fla_fn():
     try:
         from fla.ops.deltaformer.parallel import ParallelDeltaformerFunction
@@ -392,8 +371,8 @@ def write_json(path, results):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", action="store_true", help="also time chunk / operand-precision variants")
-    ap.add_argument("--variant-shapes", default="0,2", help="indices into SHAPES for --variants")
+    ap.add_argument("--variants", action="store_true", help="after the table: every VARIANTS entry, timed")
+    ap.add_argument("--variant-shapes", default="0,2", help="indices into SHAPES for the variants")
     ap.add_argument("--variant-kernels", default="softmax", help="kernels for --variants, comma-separated")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernel-by-kernel times of one configuration")
@@ -421,16 +400,16 @@ def main():
     print(f"measured ceilings: bf16 matmul {tflops:.0f} TFLOP/s, device copy {gbs:.0f} GB/s")
     fla = None if args.no_fla else fla_fn()
     rows, results = [], {"tflops": tflops, "gbs": gbs, "shapes": {}}
+    variant_shapes = [SHAPES[int(i)] for i in args.variant_shapes.split(",")]
     if args.overhead:
         overhead(SHAPES[args.profile_shape], args.overhead.split(","), results)
         write_json(args.json, results)
         return
     if args.graph_variants:
         variants = [v for v in args.profile_variants.split(",") if v]
-        shapes = [SHAPES[int(i)] for i in args.variant_shapes.split(",")]
         if args.compile_only:
-            return compile_variants(shapes, args.graph_variants.split(","), variants)
-        graph_variants(shapes, args.graph_variants.split(","), results, variants)
+            return compile_variants(variant_shapes, args.graph_variants.split(","), variants)
+        graph_variants(variant_shapes, args.graph_variants.split(","), results, variants)
         write_json(args.json, results)
         return
     if args.kernel_profile:
@@ -441,7 +420,6 @@ def main():
         write_json(args.json, results)
         return
 
-    variant_shapes = {SHAPES[int(i)] for i in args.variant_shapes.split(",")}
     for B, H, T, D in SHAPES:
         res = {}
         fns = {"sdpa": sdpa, "fla": fla, "softmax": ours("softmax"), "relu": ours("relu")}
@@ -523,16 +501,10 @@ def main():
         cells = [f"{x:.3f}" for x in (sd, so, re_)] + [f"{so / sd:.2f}x", f"{re_ / sd:.2f}x"]
         print(f"| {','.join(map(str, shape))} | " + " | ".join(cells) + " |")
 
-    # last, so that a run cut short still has the main table and the profile; kernel by kernel (the first
-    # kernel at every variant shape before the next kernel)
-    for kernel in args.variant_kernels.split(",") if args.variants else []:
-        for B, H, T, D in SHAPES:
-            if (B, H, T, D) not in variant_shapes:
-                continue
-            inputs = make(B, H, T, D, kernel=kernel)
-            print(f"{B},{H},{T},{D} {kernel} variants (ms; u-diff, grad-diff: vs the default's):", flush=True)
-            time_variants(inputs, kernel, results["shapes"][f"{B},{H},{T},{D}"])
-            write_json(args.json, results)
+    # last, so that a run cut short still has the main table and the profile
+    if args.variants:
+        graph_variants(variant_shapes, args.variant_kernels.split(","), results, [])
+        write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -686,17 +686,13 @@ if _HAS_TRITON:
         gb_c = g_c * b_c[:, None]
         _store_split(GB, GBLO, tile, gb_c, cmask[:, None], STORE_LO)
         if RT_EARLY:  # other programs of this launch read this chunk's row term: before the release
-            h_c = tl.load(Hs + tile, mask=cmask[:, None], other=0.0)
-            rt_c = tl.sum(gb_c * h_c, axis=1)
-            tl.store(RT + bh64 * T + cols, rt_c, mask=cmask)
+            h_c, rt_c = _row_term(Hs, RT, tile, bh64 * T + cols, gb_c, cmask)
         tl.debug_barrier()
         tl.atomic_xchg(Prog + bh, NC - c, sem="release")
         # off the critical path
         tl.store(DV + tile, g_c.to(DV.dtype.element_ty), mask=cmask[:, None])
         if not RT_EARLY:
-            h_c = tl.load(Hs + tile, mask=cmask[:, None], other=0.0)
-            rt_c = tl.sum(gb_c * h_c, axis=1)
-            tl.store(RT + bh64 * T + cols, rt_c, mask=cmask)
+            h_c, rt_c = _row_term(Hs, RT, tile, bh64 * T + cols, gb_c, cmask)
         tl.store(DBeta + bh64 * T + cols, (-tl.sum(g_c * h_c, axis=1)).to(DBeta.dtype.element_ty), mask=cmask)
         if DKW:  # the diagonal block: rows and columns in chunk c, j < i
             w_c = tl.load(W + tile, mask=cmask[:, None], other=0.0)
@@ -711,6 +707,14 @@ if _HAS_TRITON:
             )  # fmt: skip
             dk += _mm(tl.trans(ds), w_c, W, LOWP, PREC)
             tl.store(DK + tile, (dk * scale).to(DK.dtype.element_ty), mask=cmask[:, None])
+
+    @triton.jit
+    def _row_term(Hs, RT, tile, rowoffs, gb_c, cmask):
+        """Loads h of a chunk's rows, stores their row term beta_i <G_i, h_i>; returns (h, term)."""
+        h_c = tl.load(Hs + tile, mask=cmask[:, None], other=0.0)
+        rt_c = tl.sum(gb_c * h_c, axis=1)
+        tl.store(RT + rowoffs, rt_c, mask=cmask)
+        return h_c, rt_c
 
     @triton.jit
     def _load_rows(
@@ -895,22 +899,23 @@ def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp, rec):
         KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE_LO=store_lo, SPIN_LIMIT=_SPIN_LIMIT,
         POLL=TUNING["poll"], LATE=TUNING["late_loads"], **launch,
     )  # fmt: skip
+    fused = TUNING["fuse_prep"]
+    # progress per (b, h); the ticket; with fused prep, its done flag per (b, h, chunk)
+    counters = torch.zeros(BH + 1 + (BH * NC if fused else 0), device=v.device, dtype=torch.int32)
     with _device_guard(v):
-        if TUNING["fuse_prep"]:  # progress per (b, h); ticket; prep done per (b, h, chunk)
-            counters = torch.zeros(BH + 1 + BH * NC, device=v.device, dtype=torch.int32)
+        if fused:
             _prep_fwd_kernel[(2 * NC * BH,)](
                 w, k, v, beta, u, u_lo if store_lo else u, h, lse, xinv, counters, counters[BH + 1 :],
                 counters[BH:], scale, T, NC, BH, LEAD=TUNING["prep_lead"], **wave,
             )  # fmt: skip
-            return u, u_lo, h, lse, xinv
-        _prep_kernel[(NC, BH)](
-            w, k, beta, lse, xinv, scale, T, NC, KERNEL=kid, D=D, C=C, PREC=prec, XPREC=xprec, **launch,
-        )  # fmt: skip
-        counters = torch.zeros(BH + 1, device=v.device, dtype=torch.int32)  # progress per (b, h); ticket
-        _fwd_kernel[(BH * NC,)](
-            w, k, v, beta, u, u_lo if store_lo else u, h, lse, xinv, counters, counters[BH:],
-            scale, T, NC, BH, **wave,
-        )  # fmt: skip
+        else:
+            _prep_kernel[(NC, BH)](
+                w, k, beta, lse, xinv, scale, T, NC, KERNEL=kid, D=D, C=C, PREC=prec, XPREC=xprec, **launch,
+            )  # fmt: skip
+            _fwd_kernel[(BH * NC,)](
+                w, k, v, beta, u, u_lo if store_lo else u, h, lse, xinv, counters, counters[BH:],
+                scale, T, NC, BH, **wave,
+            )  # fmt: skip
     return u, u_lo, h, lse, xinv
 
 
@@ -963,16 +968,16 @@ def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, kernel, scale, chunk, lowp, re
                 w, k, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], u, u_lo,
                 dk, dw, scale, T, NC, BH, LEAD=TUNING["dkdw_lag"], **wave,
             )  # fmt: skip
-            return dk, dv, dw, dbeta
-        _bwd_g_kernel[(BH * NC,)](
-            w, k, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], u, u_lo, dk,
-            scale, T, NC, BH, **wave,
-        )  # fmt: skip
-        args = (w, k, u, u_lo, gb, gb_lo, lse, rowterm, dk, dw, scale, T, NC)
-        consts = dict(KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, HAS_LO=store_lo)
-        if not dkw:  # dK not already done by the wavefront
-            _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=0, **{"num_stages": 2, **launch})
-        _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=1, **launch)
+        else:
+            _bwd_g_kernel[(BH * NC,)](
+                w, k, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], u, u_lo,
+                dk, scale, T, NC, BH, **wave,
+            )  # fmt: skip
+            args = (w, k, u, u_lo, gb, gb_lo, lse, rowterm, dk, dw, scale, T, NC)
+            consts = dict(KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, HAS_LO=store_lo)
+            if not dkw:  # dK not already done by the wavefront
+                _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=0, **{"num_stages": 2, **launch})
+            _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=1, **launch)
     return dk, dv, dw, dbeta
 
 
@@ -997,10 +1002,13 @@ def _u_setup(ctx, inputs, output):
     ctx.cfg = (kernel, scale, chunk, lowp, rec)
 
 
+def _u_grads(ctx, du, bwd):
+    """The gradients of (k, v, w, beta, and the five non-tensor arguments) by bwd (`_u_bwd` or its op)."""
+    return *bwd(du, *ctx.saved_tensors, *ctx.cfg), None, None, None, None, None
+
+
 def _u_backward(ctx, du, *_unused):  # u_lo, h, lse, xinv are saved state, not differentiated
-    k, w, beta, u, u_lo, h, lse, xinv = ctx.saved_tensors
-    dk, dv, dw, dbeta = _u_bwd_op(du, k, w, beta, u, u_lo, h, lse, xinv, *ctx.cfg)
-    return dk, dv, dw, dbeta, None, None, None, None, None
+    return _u_grads(ctx, du, _u_bwd_op)
 
 
 if _HAS_TRITON:
@@ -1020,9 +1028,7 @@ class _UStage(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, du):
-        k, w, beta, u, u_lo, h, lse, xinv = ctx.saved_tensors
-        dk, dv, dw, dbeta = _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, *ctx.cfg)
-        return dk, dv, dw, dbeta, None, None, None, None, None
+        return _u_grads(ctx, du, _u_bwd)
 
 
 # Eager calls take _UStage unless this is set (bench_attention.py --overhead compares the two).
