@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Deltaformer attention on one GPU (issue 5): the GPU tests of tests/test_deltaformer.py, then
-# bench/bench_attention.py: the five-shape table, the host-overhead table, the per-kernel profile of the
-# variants (bench_attention.py VARIANTS).
+# bench/bench_attention.py: the variants as CUDA graph replays, the five-shape table, the host-overhead
+# table, the per-kernel profile of the defaults.
 #
 #   CUDA_VISIBLE_DEVICES=1 OUT=/some/dir bash bench/device_attention.sh
 #
-# STAGES (default "tests table overhead profile") picks the stages, in that order (graphvar, below, runs
-# after the tests). WITH_DDL=1 adds the GPU
-# tests of the DDL kernels and of the model on the Triton kernels as one more test group (~60 + ~150 s: the
-# model's tests compile many kernels; 55 s cut them after one test in session 4). WITH_FLA=1 puts FLA
-# 0.6.0 in the table (its wheels installed first, see the device README; its autotuning adds ~60 s).
+# STAGES (default "tests table overhead profile"; also "graphvar") picks the stages; they run in the order
+# tests, graphvar, table, overhead, profile. WITH_DDL=1 adds the GPU tests of the DDL kernels and of the
+# model on the Triton kernels as one more test group (~60 + ~150 s: the model's tests compile many
+# kernels; 55 s cut them after one test in session 4). WITH_FLA=1 puts FLA 0.6.0 in the table (its wheels
+# installed first, see the device README; its autotuning adds ~60 s).
 # Needs only torch, triton, numpy, pytest. Writes under $OUT (default out_device_attention/): tests.log,
-# bench.log, bench.json, overhead.json, profile_softmax.json, profile_relu.json.
-# Times (session 4, one H200): tests up to 240 s (parallel compiles dominate: 180 s cut three groups),
-# table ~70 s (+60 s with FLA), overhead ~40 s, profile ~45 s per variant (8 softmax variants + relu's
-# default: ~410 s); a device call is at most 600 s, so split the stages over two calls. Every stage has
+# bench.log, graphvar<i>.json, bench.json, overhead.json, profile0.json, profile1.json.
+# Times (sessions 4-5, one H200): tests up to 240 s (parallel compiles dominate), graphvar ~30 s to compile
+# side by side + a few s per variant, table ~100 s (+60 s with FLA), overhead ~40 s, profile ~45 s per
+# kernel and shape; a device call is at most 600 s, so split the stages over two calls. Every stage has
 # its own `timeout`; the table writes its JSON after every shape. Nothing else may run on the GPU (the
 # timings) nor on the CPUs (the host's launch work is in the f+b walls: bench_attention.py --overhead)
 # meanwhile.
@@ -95,9 +95,11 @@ if has overhead; then
     echo "overhead exit: $?" | tee -a "$OUT/bench.log"
 fi
 if has profile; then
-    timeout 400 $PY $B --no-fla --kernel-profile softmax --json "$OUT/profile_softmax.json" 2>&1 |
-        grep -v "Warn\|_warn" | tee -a "$OUT/bench.log"
-    timeout 50 $PY $B --no-fla --kernel-profile relu --profile-variants default \
-        --json "$OUT/profile_relu.json" 2>&1 | grep -v "Warn\|_warn" | tee -a "$OUT/bench.log"
+    # the defaults kernel by kernel (variants are compared by the graphvar stage: ~45 s each here)
+    for shape in 0 1; do
+        timeout 100 $PY $B --no-fla --kernel-profile softmax,relu --profile-variants default \
+            --profile-shape $shape --json "$OUT/profile$shape.json" 2>&1 | grep -v "Warn\|_warn" |
+            tee -a "$OUT/bench.log"
+    done
     echo "profile exit: $?" | tee -a "$OUT/bench.log"
 fi
