@@ -97,7 +97,7 @@ fi
 if has profile; then
     # the defaults kernel by kernel (variants are compared by the graphvar stage: ~45 s each here)
     for shape in 0 1; do
-        timeout 100 $PY $B --no-fla --kernel-profile softmax,relu --profile-variants default \
+        timeout 150 $PY $B --no-fla --kernel-profile softmax,relu --profile-variants default \
             --profile-shape $shape --json "$OUT/profile$shape.json" 2>&1 | grep -v "Warn\|_warn" |
             tee -a "$OUT/bench.log"
     done
