@@ -98,12 +98,11 @@ VARIANTS = [
     ("poll=ld", {}, {"poll": 1}),
     ("lowp=False", {"lowp": False}, {}),
     ("rec=lowp", {"rec": "lowp"}, {}),
-    ("fuse_prep", {}, {"fuse_prep": 1}),  # prep beside the forward wavefront, prep_lead 2
-    ("fuse_prep_lead0", {}, {"fuse_prep": 1, "prep_lead": 0}),
-    ("fuse_prep_lead5", {}, {"fuse_prep": 1, "prep_lead": 5}),
-    ("fuse_dkdw", {}, {"fuse_dkdw": 1}),  # dW (and dK) beside the backward wavefront, dkdw_lag 1
-    ("fuse_dkdw_lag3", {}, {"fuse_dkdw": 1, "dkdw_lag": 3}),
-    ("fuse_both", {}, {"fuse_prep": 1, "fuse_dkdw": 1}),
+    ("look", {}, {"lookahead": 1}),
+    ("look+poll=ld", {}, {"lookahead": 1, "poll": 1}),
+    ("look+dK_in_wavefront", {}, {"lookahead": 1, "dk_in_wavefront": 1}),
+    ("look+dK_pass", {}, {"lookahead": 1, "dk_in_wavefront": 0}),
+    ("look+xprec=bf16x3", {}, {"lookahead": 1, "xprec": "bf16x3"}),
     ("num_warps=8", {}, {"num_warps": 8}),
     ("chunk=32", {"chunk": 32}, {}),
 ]
@@ -113,7 +112,9 @@ VARIANTS = [
 # num_stages=2 (prep -5%, both wavefronts +7%), late_loads (wavefronts +5%), prep_warps=8 (prep 188 -> 369;
 # the switch is gone); in session 5 (V8) prep_inverse=1 (the inverse's doubling at [C, C] from the first
 # level: +57 us at D = 64, +32 at D = 128; gone), 8 warps at D = 128 (1.12 vs 0.83 ms) and dK + dW in one
-# launch (one_dk_dw_launch: relu +90 us at D = 128; gone).
+# launch (one_dk_dw_launch: relu +90 us at D = 128; gone); in session 6 (V9) fuse_prep (prep beside the
+# forward wavefront in one launch: -7 us at D = 64, +13 at D = 128) and fuse_dkdw (dK / dW beside the
+# backward wavefront: +12 and +84 us).
 
 
 def fn_bwd(fn, inputs, grad_out):

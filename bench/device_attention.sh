@@ -65,10 +65,10 @@ fi
 B=bench/bench_attention.py
 # graphvar: the variants' f+b times as CUDA graph replays (GPU time; a few s each); "shape kernel variants"
 # per line of GRAPHVAR (VARIANTS names, comma-separated), compiled side by side first.
-GRAPHVAR=${GRAPHVAR:-"0 softmax default,fuse_prep,fuse_prep_lead0,fuse_prep_lead5,fuse_dkdw,fuse_dkdw_lag3,fuse_both
-1 softmax default,fuse_prep,fuse_dkdw,fuse_both,xprec=bf16x3
-0 relu default,fuse_prep,fuse_dkdw,fuse_both
-1 relu default,fuse_prep,fuse_dkdw,fuse_both"}
+GRAPHVAR=${GRAPHVAR:-"0 softmax default,look,poll=ld,look+poll=ld,look+dK_pass,look+xprec=bf16x3
+1 softmax default,look,look+poll=ld,look+dK_in_wavefront,xprec=bf16x3
+0 relu default,look,look+poll=ld,look+dK_pass
+1 relu default,look,look+poll=ld,look+dK_in_wavefront"}
 if has graphvar; then
     while read -r shape kernel variants; do
         for v in ${variants//,/ }; do

@@ -310,6 +310,25 @@ if _HAS_TRITON:
         return x
 
     @triton.jit
+    def _scores(a, B, mask, scale, PREC: tl.constexpr):
+        """scale * a @ b^T with the block b loaded at pointers B (masked rows 0 unless mask is None)."""
+        if mask is None:
+            b = tl.load(B)
+        else:
+            b = tl.load(B, mask=mask, other=0.0)
+        return tl.dot(a, tl.trans(b), input_precision=PREC) * scale
+
+    @triton.jit
+    def _load_published(HI, LO, offs, mask, WITH_LO: tl.constexpr):
+        """A block another tile of this launch published (u, or beta G) as (hi, lo); lo only WITH_LO (else
+        hi again); .cg, past the (incoherent) L1."""
+        hi = _load_fresh(HI + offs, mask, True)
+        lo = hi
+        if WITH_LO:
+            lo = _load_fresh(LO + offs, mask, True)
+        return hi, lo
+
+    @triton.jit
     def _kappa(s, valid, lse, KERNEL: tl.constexpr):
         """The first-stage kernel on a block of scaled scores; 0 where not valid. lse: [rows] (softmax)."""
         if KERNEL == 0:
@@ -413,16 +432,9 @@ if _HAS_TRITON:
         W, K, Beta, LSE, Xinv, scale, T, NC,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
     ):  # fmt: skip
+        """Chunk c of head bh: the softmax lse of its rows over every j < i, and X_c (section comment)."""
         c = NC - 1 - tl.program_id(0)  # the longest rows (most earlier chunks) first: a shorter tail
         bh = tl.program_id(1).to(tl.int64)
-        _prep_block(W, K, Beta, LSE, Xinv, scale, T, NC, c, bh, KERNEL, D, C, PREC, XPREC)
-
-    @triton.jit
-    def _prep_block(
-        W, K, Beta, LSE, Xinv, scale, T, NC, c, bh,
-        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
-    ):  # fmt: skip
-        """Chunk c of head bh: the softmax lse of its rows over every j < i, and X_c (section comment)."""
         offs_c = tl.arange(0, C)
         offs_d = tl.arange(0, D)
         rows = c * C + offs_c
@@ -454,65 +466,12 @@ if _HAS_TRITON:
         W, K, V, Beta, U, ULO, Hs, LSE, Xinv, Prog, Ticket, scale, T, NC, BH,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, REC: tl.constexpr, PREC: tl.constexpr,
         XPREC: tl.constexpr, STORE_LO: tl.constexpr, SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr,
-        LATE: tl.constexpr,
+        LATE: tl.constexpr, LOOK: tl.constexpr,
     ):  # fmt: skip
+        """The wavefront tile of chunk c, head bh (see the section comment)."""
         ticket = tl.atomic_add(Ticket, 1)
-        _fwd_block(
-            W, K, V, Beta, U, ULO, Hs, LSE, Xinv, Prog, Prog, scale, T, NC, ticket // BH, ticket % BH,
-            KERNEL, D, C, REC, PREC, XPREC, STORE_LO, SPIN_LIMIT, POLL, LATE, False,
-        )  # fmt: skip
-
-    @triton.jit
-    def _prep_fwd_kernel(
-        W, K, V, Beta, U, ULO, Hs, LSE, Xinv, Prog, PrepDone, Ticket, scale, T, NC, BH,
-        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, REC: tl.constexpr, PREC: tl.constexpr,
-        XPREC: tl.constexpr, STORE_LO: tl.constexpr, SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr,
-        LATE: tl.constexpr, LEAD: tl.constexpr,
-    ):  # fmt: skip
-        """Prep and the forward wavefront in one launch (TUNING["fuse_prep"], a speed candidate): the
-        wavefront is a chain of dependent steps that looks latency-bound (occupancy not measured), so
-        prep's parallel work might run beside it instead of before it. Tickets in groups of BH programs:
-        prep of chunks 0..LEAD, then the wavefront tile of chunk 0 and prep of chunk LEAD + 1 alternating,
-        ..., then the last tiles. A tile waits for its own chunk's prep (a flag per (head, chunk), set with
-        a release after its stores) and for the chunk before it; both hold smaller tickets, so they are
-        running or done: no deadlock."""
-        ticket = tl.atomic_add(Ticket, 1)
+        c = ticket // BH
         bh = ticket % BH
-        is_prep, c = _lead_schedule(ticket // BH, NC, LEAD)
-        if is_prep:
-            bh64 = bh.to(tl.int64)
-            _prep_block(W, K, Beta, LSE, Xinv, scale, T, NC, c, bh64, KERNEL, D, C, PREC, XPREC)
-            tl.debug_barrier()  # every thread's stores precede the release
-            tl.atomic_xchg(PrepDone + bh64 * NC + c, 1, sem="release")
-        else:
-            _fwd_block(
-                W, K, V, Beta, U, ULO, Hs, LSE, Xinv, Prog, PrepDone, scale, T, NC, c, bh,
-                KERNEL, D, C, REC, PREC, XPREC, STORE_LO, SPIN_LIMIT, POLL, LATE, True,
-            )  # fmt: skip
-
-    @triton.jit
-    def _lead_schedule(g, NC, LEAD: tl.constexpr):
-        """Group g of a launch of NC producers (each needed by one consumer, in order) and NC consumers:
-        producers 0..LEAD first, then consumer 0, producer LEAD + 1, consumer 1, ..., then the remaining
-        consumers. Returns (is producer, index). Consumer i comes after producer i, so a consumer waiting
-        on its producer (or on consumer i - 1) waits on a program that started before it."""
-        P = tl.minimum(NC, LEAD + 1)  # producers issued first
-        Z = 2 * (NC - P)  # then consumer, producer, consumer, ... (Z groups), then the remaining consumers
-        m = g - P
-        odd = m % 2 == 1
-        is_producer = (g < P) | ((m >= 0) & (m < Z) & odd)
-        i = tl.where(g < P, g, tl.where(m < Z, tl.where(odd, P + m // 2, m // 2), Z // 2 + (m - Z)))
-        return is_producer, i
-
-    @triton.jit
-    def _fwd_block(
-        W, K, V, Beta, U, ULO, Hs, LSE, Xinv, Prog, PrepDone, scale, T, NC, c, bh,
-        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, REC: tl.constexpr, PREC: tl.constexpr,
-        XPREC: tl.constexpr, STORE_LO: tl.constexpr, SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr,
-        LATE: tl.constexpr, FUSED: tl.constexpr,
-    ):  # fmt: skip
-        """The wavefront tile of chunk c, head bh (see the section comment). FUSED: prep runs in the same
-        launch, so first wait for this chunk's flag, and read its lse and X past L1 (written meanwhile)."""
         bh64 = bh.to(tl.int64)
         offs_c = tl.arange(0, C)
         offs_d = tl.arange(0, D)
@@ -521,45 +480,54 @@ if _HAS_TRITON:
         tile = bh64 * T * D + rows[:, None] * D + offs_d[None, :]
         w = tl.load(W + tile, mask=rmask[:, None], other=0.0)
         ok = c * 0 + 1
-        if FUSED:
-            ok = (_wait_progress(PrepDone + bh64 * NC + c, 1, SPIN_LIMIT, POLL) >= 1).to(tl.int32)
         lse = tl.zeros((C,), dtype=tl.float32)
         if KERNEL == 0:
-            lse = _load_fresh(LSE + bh64 * T + rows, rmask, FUSED)
+            lse = tl.load(LSE + bh64 * T + rows, mask=rmask, other=0.0)
         everything = offs_c[:, None] >= 0  # earlier chunks: every j < i
         xt = Xinv + (bh64 * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :]
         if not LATE:  # loaded before the waits (off the critical path, but live in registers through them)
             b = tl.load(Beta + bh64 * T + rows, mask=rmask, other=0.0).to(tl.float32)
             v = tl.load(V + tile, mask=rmask[:, None], other=0.0).to(tl.float32)
-            x = _load_fresh(xt, None, FUSED)
+            x = tl.load(xt)
         acc = tl.zeros((C, D), dtype=tl.float32)
+        SPLIT: tl.constexpr = REC == 2
         done = c * 0  # earlier chunks consumed
-        while done < c:  # consume chunks as they are published
+        free = c - LOOK  # consumed as they are published (LOOK: all but chunk c - 1, see below)
+        while done < free:
             seen = _wait_progress(Prog + bh, done + 1, SPIN_LIMIT, POLL)
             ok = ok & (seen > done).to(tl.int32)
-            ready = tl.where(seen > done, tl.minimum(seen, c), c)
+            ready = tl.where(seen > done, tl.minimum(seen, free), free)
             for cp in range(done, ready):
                 prev = bh64 * T * D + (cp * C + offs_c)[:, None] * D + offs_d[None, :]
-                k_p = tl.load(K + prev)
-                s = tl.dot(w, tl.trans(k_p), input_precision=PREC) * scale
-                p = _kappa(s, everything, lse, KERNEL)
-                # .cg: written by other programs during this launch, so not through the (incoherent) L1
-                u_hi = tl.load(U + prev, cache_modifier=".cg")
-                u_lo = u_hi
-                if REC == 2:
-                    u_lo = tl.load(ULO + prev, cache_modifier=".cg")
+                p = _kappa(_scores(w, K + prev, None, scale, PREC), everything, lse, KERNEL)
+                u_hi, u_lo = _load_published(U, ULO, prev, None, SPLIT)
                 acc += _mm_rec(p, u_hi, u_lo, W, REC, PREC)
             done = ready
         if LATE:
             b = tl.load(Beta + bh64 * T + rows, mask=rmask, other=0.0).to(tl.float32)
             v = tl.load(V + tile, mask=rmask[:, None], other=0.0).to(tl.float32)
-            x = _load_fresh(xt, None, FUSED)
-        u = _dot_x(x, v - b[:, None] * acc, XPREC)
+            x = tl.load(xt)
+        if LOOK:
+            # Chunk c - 1 is published last. Its scores and X diag(b) A_{c,c-1} need only w and k, so they
+            # are formed before waiting for it, and one product follows its publication:
+            # u_c = X (v - b acc) - (X diag(b) A_{c,c-1}) u_{c-1}. (Chunk 0: nothing to wait for, A = 0.)
+            lmask = (c - 1) * C + offs_c >= 0
+            last = bh64 * T * D + ((c - 1) * C + offs_c)[:, None] * D + offs_d[None, :]
+            p_l = _kappa(_scores(w, K + last, lmask[:, None], scale, PREC), lmask[None, :], lse, KERNEL)
+            rhs = _dot_x(x, v - b[:, None] * acc, XPREC)
+            xp = _dot_x(x, b[:, None] * p_l, XPREC)
+            ok = ok & (_wait_progress(Prog + bh, c, SPIN_LIMIT, POLL) >= c).to(tl.int32)
+            u_hi, u_lo = _load_published(U, ULO, last, lmask[:, None], SPLIT)
+            u = rhs - _mm_rec(xp, u_hi, u_lo, W, REC, PREC)
+        else:
+            u = _dot_x(x, v - b[:, None] * acc, XPREC)
         u = tl.where(ok != 0, u, float("nan"))
         _store_split(U, ULO, tile, u, rmask[:, None], STORE_LO)
         tl.debug_barrier()  # every thread's stores precede the release below
         tl.atomic_xchg(Prog + bh, c + 1, sem="release")
         # off the critical path: h = sum_{j<i} A_ij u_j, for the backward
+        if LOOK:
+            acc += _mm_rec(p_l, u_hi, u_lo, W, REC, PREC)
         k_c = tl.load(K + tile, mask=rmask[:, None], other=0.0)
         s_cc = tl.dot(w, tl.trans(k_c), input_precision=PREC) * scale
         a_cc = _kappa(s_cc, offs_c[:, None] > offs_c[None, :], lse, KERNEL)
@@ -571,64 +539,15 @@ if _HAS_TRITON:
         W, K, DU, Beta, Hs, LSE, Xinv, GB, GBLO, DV, DBeta, RT, Prog, Ticket, U, ULO, DK, scale, T, NC, BH,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, REC: tl.constexpr, PREC: tl.constexpr,
         XPREC: tl.constexpr, STORE_LO: tl.constexpr, SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr,
-        LATE: tl.constexpr, DKW: tl.constexpr, LOWP: tl.constexpr, HAS_LO: tl.constexpr,
-    ):  # fmt: skip
-        ticket = tl.atomic_add(Ticket, 1)
-        _bwd_block(
-            W, K, DU, Beta, Hs, LSE, Xinv, GB, GBLO, DV, DBeta, RT, Prog, U, ULO, DK, scale, T, NC,
-            NC - 1 - ticket // BH, ticket % BH,  # last chunk first
-            KERNEL, D, C, REC, PREC, XPREC, STORE_LO, SPIN_LIMIT, POLL, LATE, DKW, LOWP, HAS_LO, DKW,
-        )  # fmt: skip
-
-    @triton.jit
-    def _bwd_dkdw_kernel(
-        W, K, DU, Beta, Hs, LSE, Xinv, GB, GBLO, DV, DBeta, RT, Prog, Ticket, U, ULO, DK, DW,
-        scale, T, NC, BH,
-        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, REC: tl.constexpr, PREC: tl.constexpr,
-        XPREC: tl.constexpr, STORE_LO: tl.constexpr, SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr,
-        LATE: tl.constexpr, DKW: tl.constexpr, LOWP: tl.constexpr, HAS_LO: tl.constexpr, LEAD: tl.constexpr,
-    ):  # fmt: skip
-        """The backward wavefront and the dW (and, without DKW, dK) blocks in one launch
-        (TUNING["fuse_dkdw"], a speed candidate): dW of row chunk r only needs the G of chunk r, and dK of
-        column chunk c the G of chunks >= c, so both can run beside the (latency-bound) wavefront once its
-        tile of that chunk is published, instead of after the whole wavefront. `_lead_schedule` orders
-        the tickets (tile t is chunk NC - 1 - t); the row term is stored before each release. The blocks
-        read G and the row term with plain loads after an acquire: no program reads them before they are
-        published (the tiles read them with .cg), so no SM's L1 holds an older copy."""
-        ticket = tl.atomic_add(Ticket, 1)
-        bh = ticket % BH
-        is_tile, t = _lead_schedule(ticket // BH, NC, LEAD)
-        c = NC - 1 - t
-        if is_tile:
-            _bwd_block(
-                W, K, DU, Beta, Hs, LSE, Xinv, GB, GBLO, DV, DBeta, RT, Prog, U, ULO, DK, scale, T, NC, c, bh,
-                KERNEL, D, C, REC, PREC, XPREC, STORE_LO, SPIN_LIMIT, POLL, LATE, DKW, LOWP, HAS_LO, True,
-            )  # fmt: skip
-        else:
-            bh64 = bh.to(tl.int64)
-            seen = _wait_progress(Prog + bh, t + 1, SPIN_LIMIT, POLL)
-            s_ok = tl.where(seen > t, scale, float("nan"))  # a wait that gave up: NaN gradients
-            _dw_block(
-                W, K, U, ULO, GB, GBLO, LSE, RT, DW, s_ok, T, c, bh64, KERNEL, D, C, LOWP, PREC, HAS_LO,
-            )  # fmt: skip
-            if not DKW:
-                _dk_block(
-                    W, K, U, ULO, GB, GBLO, LSE, RT, DK, s_ok, T, NC, c, bh64,
-                    KERNEL, D, C, LOWP, PREC, HAS_LO,
-                )  # fmt: skip
-
-    @triton.jit
-    def _bwd_block(
-        W, K, DU, Beta, Hs, LSE, Xinv, GB, GBLO, DV, DBeta, RT, Prog, U, ULO, DK, scale, T, NC, c, bh,
-        KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, REC: tl.constexpr, PREC: tl.constexpr,
-        XPREC: tl.constexpr, STORE_LO: tl.constexpr, SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr,
-        LATE: tl.constexpr, DKW: tl.constexpr, LOWP: tl.constexpr, HAS_LO: tl.constexpr,
-        RT_EARLY: tl.constexpr,
+        LATE: tl.constexpr, LOOK: tl.constexpr, DKW: tl.constexpr, LOWP: tl.constexpr, HAS_LO: tl.constexpr,
     ):  # fmt: skip
         """G_c for one column chunk c (see the section comment). DKW (TUNING["dk_in_wavefront"]): also
         dK_c = s sum_{i >= c} dS_ic^T w_i, from the S and A of the pairs this program forms anyway (then
-        the dK pass is not launched). RT_EARLY (with DKW, or when dK / dW run in this launch): the row term
-        of the chunk is stored before its release, since programs of this launch read it."""
+        the dK pass is not launched; the row term of a chunk is stored before its release, as its readers
+        are in this launch)."""
+        ticket = tl.atomic_add(Ticket, 1)
+        c = NC - 1 - ticket // BH  # last chunk first
+        bh = ticket % BH
         bh64 = bh.to(tl.int64)
         offs_c = tl.arange(0, C)
         offs_d = tl.arange(0, D)
@@ -645,56 +564,59 @@ if _HAS_TRITON:
         dk = tl.zeros((C, D), dtype=tl.float32)
         if DKW:
             u_c = _load_value(U, ULO, tile, cmask[:, None], LOWP, HAS_LO)
+        WITH_LO: tl.constexpr = REC == 2 or (DKW and HAS_LO and not LOWP)  # the split, or dK's fp32 operand
         done = c * 0  # later chunks consumed, counted from the end
         ok = done + 1
-        while done < NC - 1 - c:
+        free = NC - 1 - c - LOOK  # as in the forward: with LOOK, chunk c + 1 is handled below
+        while done < free:
             seen = _wait_progress(Prog + bh, done + 1, SPIN_LIMIT, POLL)
             ok = ok & (seen > done).to(tl.int32)
-            ready = tl.where(seen > done, tl.minimum(seen, NC - 1 - c), NC - 1 - c)
+            ready = tl.where(seen > done, tl.minimum(seen, free), free)
             for it in range(done, ready):
                 rows = (NC - 1 - it) * C + offs_c  # a later chunk, in the order they were published
                 rmask = rows < T
                 later = bh64 * T * D + rows[:, None] * D + offs_d[None, :]
-                w_r = tl.load(W + later, mask=rmask[:, None], other=0.0)
-                gb_hi = tl.load(GB + later, mask=rmask[:, None], other=0.0, cache_modifier=".cg")
-                gb_lo = gb_hi
-                if REC == 2 or (DKW and HAS_LO and not LOWP):  # the split, or dK's fp32 operand
-                    gb_lo = tl.load(GBLO + later, mask=rmask[:, None], other=0.0, cache_modifier=".cg")
-                lse_r = tl.zeros((C,), dtype=tl.float32)
-                if KERNEL == 0:
-                    lse_r = tl.load(LSE + bh64 * T + rows, mask=rmask, other=0.0)
-                s = tl.dot(w_r, tl.trans(k_c), input_precision=PREC) * scale  # [rows i, cols j]
-                a = _kappa(s, rmask[:, None], lse_r, KERNEL)
+                w_r, s, a = _later_scores(W, LSE, later, bh64 * T + rows, rmask, k_c, scale, C, KERNEL, PREC)
+                gb_hi, gb_lo = _load_published(GB, GBLO, later, rmask[:, None], WITH_LO)
                 acc += _mm_rec(tl.trans(a), gb_hi, gb_lo, W, REC, PREC)
                 if DKW:
-                    rt_r = tl.zeros((C,), dtype=tl.float32)
-                    if KERNEL == 0:
-                        rt_r = tl.load(RT + bh64 * T + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-                    gb_r = gb_hi
-                    if HAS_LO and not LOWP:
-                        gb_r = gb_hi.to(tl.float32) + gb_lo.to(tl.float32)
-                    da = -_mm(gb_r, tl.trans(u_c), W, LOWP, PREC)
-                    ds = _dscores(a, s, da, rt_r, rmask[:, None], KERNEL)
-                    dk += _mm(tl.trans(ds), w_r, W, LOWP, PREC)
+                    dk = _dk_pair(dk, a, s, w_r, gb_hi, gb_lo, u_c, RT, bh64 * T + rows, rmask, W,
+                                  C, KERNEL, LOWP, HAS_LO, PREC)  # fmt: skip
             done = ready
         if LATE:
             x = tl.load(xt)
             du_c = tl.load(DU + tile, mask=cmask[:, None], other=0.0).to(tl.float32)
             b_c = tl.load(Beta + bh64 * T + cols, mask=cmask, other=0.0).to(tl.float32)
-        g_c = _dot_x(tl.trans(x), du_c - acc, XPREC)
+        if LOOK:
+            # G_c = X^T (dU_c - acc) - (X^T A_{c+1,c}^T) (beta G)_{c+1}, the matrix formed before the wait
+            rows = (c + 1) * C + offs_c
+            rmask = rows < T  # none for the last chunk
+            later = bh64 * T * D + rows[:, None] * D + offs_d[None, :]
+            w_r, s, a = _later_scores(W, LSE, later, bh64 * T + rows, rmask, k_c, scale, C, KERNEL, PREC)
+            rhs = _dot_x(tl.trans(x), du_c - acc, XPREC)
+            xa = _dot_x(tl.trans(x), tl.trans(a), XPREC)
+            ok = ok & (_wait_progress(Prog + bh, NC - 1 - c, SPIN_LIMIT, POLL) >= NC - 1 - c).to(tl.int32)
+            gb_hi, gb_lo = _load_published(GB, GBLO, later, rmask[:, None], WITH_LO)
+            g_c = rhs - _mm_rec(xa, gb_hi, gb_lo, W, REC, PREC)
+        else:
+            g_c = _dot_x(tl.trans(x), du_c - acc, XPREC)
         g_c = tl.where(ok != 0, g_c, float("nan"))
         gb_c = g_c * b_c[:, None]
         _store_split(GB, GBLO, tile, gb_c, cmask[:, None], STORE_LO)
-        if RT_EARLY:  # other programs of this launch read this chunk's row term: before the release
+        if DKW:  # the other tiles' dK reads this chunk's row term: before the release
             h_c, rt_c = _row_term(Hs, RT, tile, bh64 * T + cols, gb_c, cmask)
         tl.debug_barrier()
         tl.atomic_xchg(Prog + bh, NC - c, sem="release")
         # off the critical path
         tl.store(DV + tile, g_c.to(DV.dtype.element_ty), mask=cmask[:, None])
-        if not RT_EARLY:
+        if not DKW:
             h_c, rt_c = _row_term(Hs, RT, tile, bh64 * T + cols, gb_c, cmask)
         tl.store(DBeta + bh64 * T + cols, (-tl.sum(g_c * h_c, axis=1)).to(DBeta.dtype.element_ty), mask=cmask)
-        if DKW:  # the diagonal block: rows and columns in chunk c, j < i
+        if DKW:
+            if LOOK:  # chunk c + 1's share, left out of the loop above
+                dk = _dk_pair(dk, a, s, w_r, gb_hi, gb_lo, u_c, RT, bh64 * T + rows, rmask, W,
+                              C, KERNEL, LOWP, HAS_LO, PREC)  # fmt: skip
+            # the diagonal block: rows and columns in chunk c, j < i
             w_c = tl.load(W + tile, mask=cmask[:, None], other=0.0)
             lse_c = tl.zeros((C,), dtype=tl.float32)
             if KERNEL == 0:
@@ -707,6 +629,35 @@ if _HAS_TRITON:
             )  # fmt: skip
             dk += _mm(tl.trans(ds), w_c, W, LOWP, PREC)
             tl.store(DK + tile, (dk * scale).to(DK.dtype.element_ty), mask=cmask[:, None])
+
+    @triton.jit
+    def _later_scores(
+        W, LSE, later, rowoffs, rmask, k_c, scale,
+        C: tl.constexpr, KERNEL: tl.constexpr, PREC: tl.constexpr,
+    ):  # fmt: skip
+        """For a later row chunk of the backward wavefront: (w_r, S, A) against this tile's columns k_c."""
+        w_r = tl.load(W + later, mask=rmask[:, None], other=0.0)
+        lse_r = tl.zeros((C,), dtype=tl.float32)
+        if KERNEL == 0:
+            lse_r = tl.load(LSE + rowoffs, mask=rmask, other=0.0)
+        s = tl.dot(w_r, tl.trans(k_c), input_precision=PREC) * scale  # [rows i, cols j]
+        return w_r, s, _kappa(s, rmask[:, None], lse_r, KERNEL)
+
+    @triton.jit
+    def _dk_pair(
+        dk, a, s, w_r, gb_hi, gb_lo, u_c, RT, rowoffs, rmask, W,
+        C: tl.constexpr, KERNEL: tl.constexpr, LOWP: tl.constexpr, HAS_LO: tl.constexpr, PREC: tl.constexpr,
+    ):  # fmt: skip
+        """dk + dS^T w_r for one later row chunk (DKW), dA = -(beta G_r) u_c^T; the row term read past L1."""
+        rt_r = tl.zeros((C,), dtype=tl.float32)
+        if KERNEL == 0:
+            rt_r = tl.load(RT + rowoffs, mask=rmask, other=0.0, cache_modifier=".cg")
+        gb_r = gb_hi
+        if HAS_LO and not LOWP:
+            gb_r = gb_hi.to(tl.float32) + gb_lo.to(tl.float32)
+        da = -_mm(gb_r, tl.trans(u_c), W, LOWP, PREC)
+        ds = _dscores(a, s, da, rt_r, rmask[:, None], KERNEL)
+        return dk + _mm(tl.trans(ds), w_r, W, LOWP, PREC)
 
     @triton.jit
     def _row_term(Hs, RT, tile, rowoffs, gb_c, cmask):
@@ -845,13 +796,13 @@ def _triton_cfg(x, chunk, lowp, rec):
 # dk_in_wavefront: 1 = dK accumulated by the backward wavefront (`_bwd_g_kernel` DKW), no dK pass; 0 = the
 # dK pass; None = 1 at D <= 64 (f+b -49 us softmax, -32 relu at 8,12,1024,64), 0 at D = 128 (+80 and +77 us
 # there: the wavefront's extra [C, D] accumulator and u tile; bench_attention.py --graph-variants, V8).
-# fuse_prep: 1 = prep and the forward wavefront in one launch (`_prep_fwd_kernel`), prep of chunk c issued
-# prep_lead groups before the tile of chunk c - 1; fuse_dkdw: 1 = the backward wavefront, dW and (without
-# dk_in_wavefront) dK in one launch (`_bwd_dkdw_kernel`), the blocks of a chunk issued dkdw_lag groups after
-# its tile. Both: `_lead_schedule`; not yet run on a GPU.
+# lookahead: 1 = each wavefront tile forms the scores of the last chunk it waits for, and their product with
+# its X, before that chunk is published: one [C, C] @ [C, D] product (the recurrence's precision) follows the
+# publication instead of scores, kappa, A @ u and X @ rhs (tried in session 2 while the timings were host-
+# bound, judged there "no gain"; re-implemented for GPU timing, V9).
 TUNING = {
     "poll": 0, "num_warps": None, "num_stages": None, "late_loads": 0, "xprec": None,
-    "dk_in_wavefront": None, "fuse_prep": 0, "prep_lead": 2, "fuse_dkdw": 0, "dkdw_lag": 1,
+    "dk_in_wavefront": None, "lookahead": 0,
 }  # fmt: skip
 
 
@@ -895,27 +846,17 @@ def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp, rec):
     lse = torch.empty(B, H, T, **f32) if kernel == "softmax" else torch.zeros(1, **f32)  # placeholder
     xinv = torch.empty(BH, NC, C, C, **f32)
     kid = _KERNEL_IDS[kernel]
-    wave = dict(
-        KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE_LO=store_lo, SPIN_LIMIT=_SPIN_LIMIT,
-        POLL=TUNING["poll"], LATE=TUNING["late_loads"], **launch,
-    )  # fmt: skip
-    fused = TUNING["fuse_prep"]
-    # progress per (b, h); the ticket; with fused prep, its done flag per (b, h, chunk)
-    counters = torch.zeros(BH + 1 + (BH * NC if fused else 0), device=v.device, dtype=torch.int32)
+    counters = torch.zeros(BH + 1, device=v.device, dtype=torch.int32)  # progress per (b, h); the ticket
     with _device_guard(v):
-        if fused:
-            _prep_fwd_kernel[(2 * NC * BH,)](
-                w, k, v, beta, u, u_lo if store_lo else u, h, lse, xinv, counters, counters[BH + 1 :],
-                counters[BH:], scale, T, NC, BH, LEAD=TUNING["prep_lead"], **wave,
-            )  # fmt: skip
-        else:
-            _prep_kernel[(NC, BH)](
-                w, k, beta, lse, xinv, scale, T, NC, KERNEL=kid, D=D, C=C, PREC=prec, XPREC=xprec, **launch,
-            )  # fmt: skip
-            _fwd_kernel[(BH * NC,)](
-                w, k, v, beta, u, u_lo if store_lo else u, h, lse, xinv, counters, counters[BH:],
-                scale, T, NC, BH, **wave,
-            )  # fmt: skip
+        _prep_kernel[(NC, BH)](
+            w, k, beta, lse, xinv, scale, T, NC, KERNEL=kid, D=D, C=C, PREC=prec, XPREC=xprec, **launch,
+        )  # fmt: skip
+        _fwd_kernel[(BH * NC,)](
+            w, k, v, beta, u, u_lo if store_lo else u, h, lse, xinv, counters, counters[BH:],
+            scale, T, NC, BH, KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE_LO=store_lo,
+            SPIN_LIMIT=_SPIN_LIMIT, POLL=TUNING["poll"], LATE=TUNING["late_loads"], LOOK=TUNING["lookahead"],
+            **launch,
+        )  # fmt: skip
     return u, u_lo, h, lse, xinv
 
 
@@ -958,26 +899,17 @@ def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, kernel, scale, chunk, lowp, re
     counters = torch.zeros(BH + 1, device=k.device, dtype=torch.int32)
     with _device_guard(k):
         dkw = D <= 64 if TUNING["dk_in_wavefront"] is None else bool(TUNING["dk_in_wavefront"])
-        wave = dict(
-            KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE_LO=store_lo,
-            SPIN_LIMIT=_SPIN_LIMIT, POLL=TUNING["poll"], LATE=TUNING["late_loads"], DKW=dkw, LOWP=lowp,
-            HAS_LO=store_lo, **launch,
+        _bwd_g_kernel[(BH * NC,)](
+            w, k, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], u, u_lo, dk,
+            scale, T, NC, BH, KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE_LO=store_lo,
+            SPIN_LIMIT=_SPIN_LIMIT, POLL=TUNING["poll"], LATE=TUNING["late_loads"], LOOK=TUNING["lookahead"],
+            DKW=dkw, LOWP=lowp, HAS_LO=store_lo, **launch,
         )  # fmt: skip
-        if TUNING["fuse_dkdw"]:  # the wavefront, dW and dK in one launch
-            _bwd_dkdw_kernel[(2 * NC * BH,)](
-                w, k, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], u, u_lo,
-                dk, dw, scale, T, NC, BH, LEAD=TUNING["dkdw_lag"], **wave,
-            )  # fmt: skip
-        else:
-            _bwd_g_kernel[(BH * NC,)](
-                w, k, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], u, u_lo,
-                dk, scale, T, NC, BH, **wave,
-            )  # fmt: skip
-            args = (w, k, u, u_lo, gb, gb_lo, lse, rowterm, dk, dw, scale, T, NC)
-            consts = dict(KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, HAS_LO=store_lo)
-            if not dkw:  # dK not already done by the wavefront
-                _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=0, **{"num_stages": 2, **launch})
-            _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=1, **launch)
+        args = (w, k, u, u_lo, gb, gb_lo, lse, rowterm, dk, dw, scale, T, NC)
+        consts = dict(KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, HAS_LO=store_lo)
+        if not dkw:  # dK not already done by the wavefront
+            _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=0, **{"num_stages": 2, **launch})
+        _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=1, **launch)
     return dk, dv, dw, dbeta
 
 
