@@ -98,11 +98,9 @@ VARIANTS = [
     ("poll=ld", {}, {"poll": 1}),
     ("lowp=False", {"lowp": False}, {}),
     ("rec=lowp", {"rec": "lowp"}, {}),
-    ("look", {}, {"lookahead": 1}),
-    ("look+poll=ld", {}, {"lookahead": 1, "poll": 1}),
-    ("look+dK_in_wavefront", {}, {"lookahead": 1, "dk_in_wavefront": 1}),
-    ("look+dK_pass", {}, {"lookahead": 1, "dk_in_wavefront": 0}),
-    ("look+xprec=bf16x3", {}, {"lookahead": 1, "xprec": "bf16x3"}),
+    ("dW_in_wavefront", {}, {"dw_in_wavefront": 1}),  # dW by atomic adds in the backward wavefront
+    ("dW+dK_in_wavefront", {}, {"dw_in_wavefront": 1, "dk_in_wavefront": 1}),
+    ("dW_in_wavefront+xprec=bf16x3", {}, {"dw_in_wavefront": 1, "xprec": "bf16x3"}),
     ("num_warps=8", {}, {"num_warps": 8}),
     ("chunk=32", {"chunk": 32}, {}),
 ]

@@ -65,21 +65,21 @@ fi
 B=bench/bench_attention.py
 # graphvar: the variants' f+b times as CUDA graph replays (GPU time; a few s each); "shape kernel variants"
 # per line of GRAPHVAR (VARIANTS names, comma-separated), compiled side by side first.
-GRAPHVAR=${GRAPHVAR:-"0 softmax default,look,poll=ld,look+poll=ld,look+dK_pass,look+xprec=bf16x3
-1 softmax default,look,look+poll=ld,look+dK_in_wavefront,xprec=bf16x3
-0 relu default,look,look+poll=ld,look+dK_pass
-1 relu default,look,look+poll=ld,look+dK_in_wavefront"}
+GRAPHVAR=${GRAPHVAR:-"0 softmax default,dW_in_wavefront,xprec=bf16x3,dW_in_wavefront+xprec=bf16x3
+1 softmax default,dW_in_wavefront,dW+dK_in_wavefront
+0 relu default,dW_in_wavefront
+1 relu default,dW_in_wavefront,dW+dK_in_wavefront"}
 if has graphvar; then
     while read -r shape kernel variants; do
         for v in ${variants//,/ }; do
-            timeout 90 $PY $B --no-fla --graph-variants "$kernel" --variant-shapes "$shape" \
+            timeout 150 $PY $B --no-fla --graph-variants "$kernel" --variant-shapes "$shape" \
                 --profile-variants "$v" --compile-only >/dev/null 2>&1 &
         done
     done <<<"$GRAPHVAR"
     wait
     i=0
     while read -r shape kernel variants; do
-        timeout 100 $PY $B --no-fla --graph-variants "$kernel" --variant-shapes "$shape" \
+        timeout 150 $PY $B --no-fla --graph-variants "$kernel" --variant-shapes "$shape" \
             --profile-variants "$variants" --json "$OUT/graphvar$i.json" 2>&1 | tee -a "$OUT/bench.log"
         i=$((i + 1))
     done <<<"$GRAPHVAR"
