@@ -98,9 +98,6 @@ VARIANTS = [
     ("poll=ld", {}, {"poll": 1}),
     ("lowp=False", {"lowp": False}, {}),
     ("rec=lowp", {"rec": "lowp"}, {}),
-    ("dW_in_wavefront", {}, {"dw_in_wavefront": 1}),  # dW by atomic adds in the backward wavefront
-    ("dW+dK_in_wavefront", {}, {"dw_in_wavefront": 1, "dk_in_wavefront": 1}),
-    ("dW_in_wavefront+xprec=bf16x3", {}, {"dw_in_wavefront": 1, "xprec": "bf16x3"}),
     ("num_warps=8", {}, {"num_warps": 8}),
     ("chunk=32", {"chunk": 32}, {}),
 ]
@@ -112,7 +109,8 @@ VARIANTS = [
 # level: +57 us at D = 64, +32 at D = 128; gone), 8 warps at D = 128 (1.12 vs 0.83 ms) and dK + dW in one
 # launch (one_dk_dw_launch: relu +90 us at D = 128; gone); in session 6 (V9) fuse_prep (prep beside the
 # forward wavefront in one launch: -7 us at D = 64, +13 at D = 128) and fuse_dkdw (dK / dW beside the
-# backward wavefront: +12 and +84 us).
+# backward wavefront: +12 and +84 us), lookahead again (+30 us; the wavefronts are throughput-bound) and
+# dW by atomic adds in the backward wavefront (+4 us softmax at D = 64, +11 relu, +83 / +106 at D = 128).
 
 
 def fn_bwd(fn, inputs, grad_out):

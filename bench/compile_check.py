@@ -127,8 +127,6 @@ def run_deltaformer_variants():
                 configs += [("split", True, {"late_loads": 1}), ("split", True, {"poll": 1})]
                 configs += [("split", True, {"xprec": "bf16x3"})]
             # every dtype (fp32 takes 3-D ieee products in the blocked inverse)
-            configs += [(rec, lowp, {"dw_in_wavefront": 1, "dk_in_wavefront": dkw}) for dkw in (0, 1)
-                        for rec in df.RECS for lowp in (True, False)]  # fmt: skip
             dkw = 1 - (D <= 64)  # the other setting than the default
             configs += [(rec, lowp, {"dk_in_wavefront": dkw}) for rec in df.RECS for lowp in (True, False)]
             for rec, lowp, switches in configs:

@@ -520,18 +520,15 @@ if _HAS_TRITON:
 
     @triton.jit
     def _bwd_g_kernel(
-        W, K, DU, Beta, Hs, LSE, Xinv, GB, GBLO, DV, DBeta, RT, Prog, Ticket, U, ULO, DK, DW,
-        scale, T, NC, BH,
+        W, K, DU, Beta, Hs, LSE, Xinv, GB, GBLO, DV, DBeta, RT, Prog, Ticket, U, ULO, DK, scale, T, NC, BH,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, REC: tl.constexpr, PREC: tl.constexpr,
         XPREC: tl.constexpr, STORE_LO: tl.constexpr, SPIN_LIMIT: tl.constexpr, POLL: tl.constexpr,
-        LATE: tl.constexpr, DKW: tl.constexpr, DWW: tl.constexpr, LOWP: tl.constexpr, HAS_LO: tl.constexpr,
+        LATE: tl.constexpr, DKW: tl.constexpr, LOWP: tl.constexpr, HAS_LO: tl.constexpr,
     ):  # fmt: skip
-        """G_c for one column chunk c (see the section comment). From the S and A of the pairs this program
-        forms anyway, also dS of every (later row chunk, chunk c) pair and with it, DKW
-        (TUNING["dk_in_wavefront"]): dK_c = s sum_{i >= c} dS_ic^T w_i (no dK pass); DWW
-        (TUNING["dw_in_wavefront"]): dW_i += s dS_ic k_c for every later row chunk, by fp32 atomic adds
-        into DW (zeroed; no dW pass; the summation order, so dW's last bits, vary between runs). With
-        either, a chunk's row term is stored before its release, as its readers are in this launch."""
+        """G_c for one column chunk c (see the section comment). DKW (TUNING["dk_in_wavefront"]): also
+        dK_c = s sum_{i >= c} dS_ic^T w_i, from the S and A of the pairs this program forms anyway (then
+        the dK pass is not launched; a chunk's row term is stored before its release, as its readers are
+        in this launch)."""
         ticket = tl.atomic_add(Ticket, 1)
         c = NC - 1 - ticket // BH  # last chunk first
         bh = ticket % BH
@@ -549,10 +546,9 @@ if _HAS_TRITON:
             b_c = tl.load(Beta + bh64 * T + cols, mask=cmask, other=0.0).to(tl.float32)
         acc = tl.zeros((C, D), dtype=tl.float32)  # sum_{i in later chunks} A_ij beta_i G_i
         dk = tl.zeros((C, D), dtype=tl.float32)
-        DS: tl.constexpr = DKW or DWW  # dS of the pairs wanted
-        if DS:
+        if DKW:
             u_c = _load_value(U, ULO, tile, cmask[:, None], LOWP, HAS_LO)
-        WITH_LO: tl.constexpr = REC == 2 or (DS and HAS_LO and not LOWP)  # the split, or dA's fp32 operand
+        WITH_LO: tl.constexpr = REC == 2 or (DKW and HAS_LO and not LOWP)  # the split, or dA's fp32 operand
         done = c * 0  # later chunks consumed, counted from the end
         ok = done + 1
         while done < NC - 1 - c:
@@ -566,10 +562,10 @@ if _HAS_TRITON:
                 w_r, s, a = _later_scores(W, LSE, later, bh64 * T + rows, rmask, k_c, scale, C, KERNEL, PREC)
                 gb_hi, gb_lo = _load_published(GB, GBLO, later, rmask[:, None], WITH_LO)
                 acc += _mm_rec(tl.trans(a), gb_hi, gb_lo, W, REC, PREC)
-                if DS:
+                if DKW:
                     ds = _pair_ds(a, s, gb_hi, gb_lo, u_c, RT, bh64 * T + rows, rmask, W,
                                   C, KERNEL, LOWP, HAS_LO, PREC)  # fmt: skip
-                    dk = _ds_grads(dk, ds, w_r, k_c, DW + later, rmask, scale, W, DKW, DWW, LOWP, PREC)
+                    dk += _mm(tl.trans(ds), w_r, W, LOWP, PREC)
             done = ready
         if LATE:
             x = tl.load(xt)
@@ -579,16 +575,16 @@ if _HAS_TRITON:
         g_c = tl.where(ok != 0, g_c, float("nan"))
         gb_c = g_c * b_c[:, None]
         _store_split(GB, GBLO, tile, gb_c, cmask[:, None], STORE_LO)
-        if DS:  # the other tiles' dS reads this chunk's row term: before the release
+        if DKW:  # the other tiles' dK reads this chunk's row term: before the release
             h_c, rt_c = _row_term(Hs, RT, tile, bh64 * T + cols, gb_c, cmask)
         tl.debug_barrier()
         tl.atomic_xchg(Prog + bh, NC - c, sem="release")
         # off the critical path
         tl.store(DV + tile, g_c.to(DV.dtype.element_ty), mask=cmask[:, None])
-        if not DS:
+        if not DKW:
             h_c, rt_c = _row_term(Hs, RT, tile, bh64 * T + cols, gb_c, cmask)
         tl.store(DBeta + bh64 * T + cols, (-tl.sum(g_c * h_c, axis=1)).to(DBeta.dtype.element_ty), mask=cmask)
-        if DS:  # the diagonal block: rows and columns in chunk c, j < i
+        if DKW:  # the diagonal block: rows and columns in chunk c, j < i
             w_c = tl.load(W + tile, mask=cmask[:, None], other=0.0)
             lse_c = tl.zeros((C,), dtype=tl.float32)
             if KERNEL == 0:
@@ -599,9 +595,8 @@ if _HAS_TRITON:
             ds = _dscores_block(
                 w_c, gb_own, lse_c, rt_c, cols, k_c, u_c, cols, T, scale, W, KERNEL, LOWP, PREC
             )  # fmt: skip
-            dk = _ds_grads(dk, ds, w_c, k_c, DW + tile, cmask, scale, W, DKW, DWW, LOWP, PREC)
-            if DKW:
-                tl.store(DK + tile, (dk * scale).to(DK.dtype.element_ty), mask=cmask[:, None])
+            dk += _mm(tl.trans(ds), w_c, W, LOWP, PREC)
+            tl.store(DK + tile, (dk * scale).to(DK.dtype.element_ty), mask=cmask[:, None])
 
     @triton.jit
     def _later_scores(
@@ -621,8 +616,8 @@ if _HAS_TRITON:
         a, s, gb_hi, gb_lo, u_c, RT, rowoffs, rmask, W,
         C: tl.constexpr, KERNEL: tl.constexpr, LOWP: tl.constexpr, HAS_LO: tl.constexpr, PREC: tl.constexpr,
     ):  # fmt: skip
-        """dS of one (later row chunk, chunk c) pair of the wavefront, dA = -(beta G_r) u_c^T; the row term
-        read past L1."""
+        """dS of one (later row chunk, chunk c) pair of the wavefront (DKW), dA = -(beta G_r) u_c^T; the row
+        term read past L1."""
         rt_r = tl.zeros((C,), dtype=tl.float32)
         if KERNEL == 0:
             rt_r = tl.load(RT + rowoffs, mask=rmask, other=0.0, cache_modifier=".cg")
@@ -631,18 +626,6 @@ if _HAS_TRITON:
             gb_r = gb_hi.to(tl.float32) + gb_lo.to(tl.float32)
         da = -_mm(gb_r, tl.trans(u_c), W, LOWP, PREC)
         return _dscores(a, s, da, rt_r, rmask[:, None], KERNEL)
-
-    @triton.jit
-    def _ds_grads(
-        dk, ds, w_r, k_c, dw_ptrs, rmask, scale, W,
-        DKW: tl.constexpr, DWW: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-    ):  # fmt: skip
-        """One pair's dS into dK_c (DKW: returns dk + dS^T w_r) and dW_r (DWW: s dS k_c added at dw_ptrs)."""
-        if DKW:
-            dk += _mm(tl.trans(ds), w_r, W, LOWP, PREC)
-        if DWW:
-            tl.atomic_add(dw_ptrs, _mm(ds, k_c, W, LOWP, PREC) * scale, mask=rmask[:, None], sem="relaxed")
-        return dk
 
     @triton.jit
     def _row_term(Hs, RT, tile, rowoffs, gb_c, cmask):
@@ -781,11 +764,9 @@ def _triton_cfg(x, chunk, lowp, rec):
 # dk_in_wavefront: 1 = dK accumulated by the backward wavefront (`_bwd_g_kernel` DKW), no dK pass; 0 = the
 # dK pass; None = 1 at D <= 64 (f+b -49 us softmax, -32 relu at 8,12,1024,64), 0 at D = 128 (+80 and +77 us
 # there: the wavefront's extra [C, D] accumulator and u tile; bench_attention.py --graph-variants, V8).
-# dw_in_wavefront: 1 = dW accumulated by the backward wavefront with fp32 atomic adds (`_bwd_g_kernel` DWW),
-# no dW pass (not under torch.use_deterministic_algorithms: the adds' order varies).
 TUNING = {
     "poll": 0, "num_warps": None, "num_stages": None, "late_loads": 0, "xprec": None,
-    "dk_in_wavefront": None, "dw_in_wavefront": 0,
+    "dk_in_wavefront": None,
 }  # fmt: skip
 
 
@@ -880,24 +861,18 @@ def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, kernel, scale, chunk, lowp, re
     rowterm = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
     counters = torch.zeros(BH + 1, device=k.device, dtype=torch.int32)
     dkw = D <= 64 if TUNING["dk_in_wavefront"] is None else bool(TUNING["dk_in_wavefront"])
-    # dW by atomic adds: its last bits vary between runs, so not under torch.use_deterministic_algorithms
-    dww = bool(TUNING["dw_in_wavefront"]) and not torch.are_deterministic_algorithms_enabled()
-    dw_acc = torch.zeros(B, H, T, D, device=k.device, dtype=torch.float32) if dww else dw
     with _device_guard(k):
         _bwd_g_kernel[(BH * NC,)](
             w, k, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], u, u_lo, dk,
-            dw_acc, scale, T, NC, BH, KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec,
-            STORE_LO=store_lo, SPIN_LIMIT=_SPIN_LIMIT, POLL=TUNING["poll"], LATE=TUNING["late_loads"],
-            DKW=dkw, DWW=dww, LOWP=lowp, HAS_LO=store_lo, **launch,
+            scale, T, NC, BH, KERNEL=kid, D=D, C=C, REC=rec_id, PREC=prec, XPREC=xprec, STORE_LO=store_lo,
+            SPIN_LIMIT=_SPIN_LIMIT, POLL=TUNING["poll"], LATE=TUNING["late_loads"], DKW=dkw, LOWP=lowp,
+            HAS_LO=store_lo, **launch,
         )  # fmt: skip
         args = (w, k, u, u_lo, gb, gb_lo, lse, rowterm, dk, dw, scale, T, NC)
         consts = dict(KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, HAS_LO=store_lo)
         if not dkw:  # dK not already done by the wavefront
             _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=0, **{"num_stages": 2, **launch})
-        if dww:
-            dw.copy_(dw_acc)
-        else:
-            _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=1, **launch)
+        _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=1, **launch)
     return dk, dv, dw, dbeta
 
 

@@ -218,8 +218,7 @@ def test_triton_fp16_recurrence_precisions(rec):
 
 
 # each: TUNING settings away from the defaults
-CPU_SWITCHES = [{"late_loads": 1}, {"xprec": "bf16x3"}, {"dk_in_wavefront": 0}, {"dw_in_wavefront": 1}]
-CPU_SWITCHES += [{"dw_in_wavefront": 1, "dk_in_wavefront": 0}]
+CPU_SWITCHES = [{"late_loads": 1}, {"xprec": "bf16x3"}, {"dk_in_wavefront": 0}]
 
 
 @pytest.mark.parametrize("switch", CPU_SWITCHES)
@@ -236,44 +235,18 @@ def test_triton_speed_switches(kernel, switch, monkeypatch, request):
     check_triton_against_reference(kernel, 1, 1, 45, 16, torch.float16, "cpu", chunk=32, tol=1e-2)
 
 
-@pytest.mark.parametrize("switch", [{"dk_in_wavefront": 1}, {"dw_in_wavefront": 1, "dk_in_wavefront": 0}])
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_wavefront_switches_more_cases(kernel, switch, monkeypatch):
-    # TUNING["dk_in_wavefront"] and ["dw_in_wavefront"] beyond the switch test above: every kernel in the
-    # reflection regime (fp32, several chunks, a partial last one) and fp32 operands for dK (lowp=False)
-    # with fp16 inputs
+def test_dk_in_wavefront_more_cases(kernel, monkeypatch):
+    # TUNING["dk_in_wavefront"] beyond the switch test above: every kernel in the reflection regime (fp32,
+    # several chunks, a partial last one) and fp32 operands for dK (lowp=False) with fp16 inputs
     import kernels.deltaformer as df
 
-    for key, value in switch.items():
-        monkeypatch.setitem(df.TUNING, key, value)
+    monkeypatch.setitem(df.TUNING, "dk_in_wavefront", 1)
     check_reflection(kernel, 1, 2, 90, 16, 32, torch.float32, "cpu", tol=1e-5, reference="loop")
     for rec in df.RECS:  # the low half of beta G is read for dK whether or not the recurrence splits
         check_triton_against_reference(
             kernel, 1, 2, 45, 16, torch.float16, "cpu", chunk=16, tol=1e-2, lowp=False, rec=rec
         )
-
-
-def test_dw_in_wavefront_off_when_deterministic(monkeypatch):
-    # dW by atomic adds varies in its last bits between runs: under torch.use_deterministic_algorithms the
-    # dW pass runs instead, bit for bit the result without the switch
-    import kernels.deltaformer as df
-
-    k, v, w = (torch.randn(1, 2, 45, 16, requires_grad=True) for _ in range(3))
-    beta = (0.5 * torch.rand(1, 2, 45)).requires_grad_()
-
-    def dw():
-        w.grad = None
-        df.deltaformer_u_triton(k, v, w, beta, kernel="softmax", chunk=16).sum().backward()
-        return w.grad.clone()
-
-    plain = dw()
-    monkeypatch.setitem(df.TUNING, "dw_in_wavefront", 1)
-    assert not torch.equal(dw(), plain)  # (else this test could not tell the two paths apart)
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert torch.equal(dw(), plain)
-    finally:
-        torch.use_deterministic_algorithms(False)
 
 
 def reflection_inputs(B, H, T, D, kernel, device="cpu"):
@@ -386,28 +359,22 @@ def test_triton_bf16_u_stage_reflection(kernel, lowp, gpu_like_bf16_interpreter,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch", [{}, {"dw_in_wavefront": 1}])
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("lowp", [True, False])
-def test_triton_gpu_reflection_same_stage2(kernel, lowp, switch, request, monkeypatch):
+def test_triton_gpu_reflection_same_stage2(kernel, lowp, request):
     # bf16 in the reflection regime against a reference with a float64 stage 1 and the *same* bf16 stage 2
     # (SDPA on bf16 q, k, u): what our u-stage adds. The float64 comparison above cannot reach 1e-2 here
     # with any SDPA stage 2 (bf16 u and du, FlashAttention's bf16 dS: 1.7e-2 for relu/linear at T = 1024 in
     # bench/bf16_error_attribution.py). Predicted by that emulation: lowp=True (default) dw 2.0e-2 for
     # relu/linear, 9.9e-3 for softmax (bf16 dA/dS operands, the known defect), lowp=False <= 5.4e-3.
-    # (switch: the speed switches that change the recurrence's rounding)
-    import kernels.deltaformer as df
-
     if lowp:  # softmax sits at the bound (9.4e-3 here, 9.9e-3..1.1e-2 in the emulation): not a pass either
         request.applymarker(pytest.mark.xfail(reason="known defect: bf16 dK/dW operands (issue 5)"))
-    for key, value in switch.items():
-        monkeypatch.setitem(df.TUNING, key, value)
     inputs = reflection_inputs(2, 3, 1024, 64, kernel, "cuda")
     errs = check_triton_against_reference(
         kernel, 2, 3, 1024, 64, torch.bfloat16, "cuda", chunk=64, tol=1e-2, reference="same_stage2",
         lowp=lowp, inputs=inputs,
     )  # fmt: skip
-    print("reflection same-stage2", kernel, lowp, switch, {n: f"{e:.1e}" for n, e in errs.items()})
+    print("reflection same-stage2", kernel, lowp, {n: f"{e:.1e}" for n, e in errs.items()})
 
 
 @pytest.mark.parametrize("switch", [{}, {"xprec": "bf16x3"}])
@@ -415,7 +382,7 @@ def test_triton_bf16_reflection_same_stage2_cpu(gpu_like_bf16_interpreter, switc
     # the GPU test above on the CPU (its reference path; PyTorch's CPU SDPA in bf16 as stage 2 on both
     # sides), lowp=False: ~3e-3 at T = 512 (lowp=True: dw ~1.4e-2, the defect); also with the speed
     # switches that change the recurrence's rounding: the in-chunk inverse in bf16x3 instead of tf32x3
-    # (TUNING["xprec"]; session 6 also had the lookahead here, o 1.3e-3 -> 1.8e-3)
+    # (TUNING["xprec"]; session 6 had the lookahead here too: o 1.3e-3 -> 1.8e-3, since removed)
     import kernels.deltaformer as df
 
     for key, value in switch.items():
