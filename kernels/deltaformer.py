@@ -184,7 +184,9 @@ def deltaformer_attention(q, k, v, w, beta, kernel="softmax", scale=None, backen
 #      may software-pipeline safely), then waits for the next one. Once all are in,
 #      u_c = X_c (v_c - beta_c * sum_{j < chunk} A_cj u_j); it publishes u_c, then computes
 #      h_c = sum_{j<i} A_ij u_j for the backward. The critical path per chunk is one block of scores and
-#      A @ u plus one product with X_c.
+#      A @ u plus one product with X_c; but most tiles find their earlier chunks already published, so the
+#      wavefront runs at the SMs' throughput for its work (bench/NOTES_deltaformer.md V9: running prep
+#      beside it, or shortening the chain with extra products, only cost time).
 # Each program takes a ticket from an atomic counter and maps it to (chunk, batch*head) in chunk order, so
 # a tile only waits on tiles holding smaller tickets, which are already running: no deadlock, whatever the
 # number of resident programs. Each (batch, head) has a progress counter (chunks published): a tile
