@@ -98,7 +98,6 @@ VARIANTS = [
     ("poll=ld", {}, {"poll": 1}),
     ("lowp=False", {"lowp": False}, {}),
     ("rec=lowp", {"rec": "lowp"}, {}),
-    ("inverse_blocks", {}, {"inverse_blocks": 1}),  # the inverse's levels >= 16 on the changing blocks
     ("num_warps=8", {}, {"num_warps": 8}),
     ("chunk=32", {"chunk": 32}, {}),
 ]

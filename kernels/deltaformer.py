@@ -390,48 +390,6 @@ if _HAS_TRITON:
         return y
 
     @triton.jit
-    def _unit_lower_inverse_blocks(n, C: tl.constexpr, PREC: tl.constexpr):
-        """`_unit_lower_inverse` (C >= 32) with its levels b >= 16 on the blocks that change alone
-        (TUNING["inverse_blocks"], a speed candidate): the [C, C] products of a level b multiply mostly
-        zeros (E_b is b x b blocks below the diagonal [2b, 2b] blocks), so each [2b, 2b] diagonal block's
-        inverse is formed from its two halves' as [[Z0, 0], [-Z1 E Z0, Z1]]: two [b, b] products per
-        block, batched, instead of two [C, C] products (C = 64: ~12x fewer MACs; the same nonzero terms)."""
-        d = _diagonal_blocks(n, C)
-        z = _doubling_levels(d, d, 16, 0, PREC, True)  # [C // 16, 16, 16]
-        z = _pair_blocks(n, z, C, 16, PREC)
-        if C > 32:
-            z = _pair_blocks(n, z, C, 32, PREC)
-        if C > 64:
-            z = _pair_blocks(n, z, C, 64, PREC)
-        return tl.reshape(z, (C, C))
-
-    @triton.jit
-    def _pair_blocks(n, z, C: tl.constexpr, b: tl.constexpr, PREC: tl.constexpr):
-        """From z [C // b, b, b], the inverses of the [b, b] diagonal blocks of I + n (n [C, C]), those of
-        the [2b, 2b] ones: [C // 2b, 2b, 2b]."""
-        G: tl.constexpr = C // (2 * b)
-        p = tl.arange(0, G)
-        two = tl.arange(0, 2)
-        # e[p] = n[2b p + b + r, 2b p + c], the lower-left quarter of diagonal block p
-        n6 = tl.reshape(n, (G, 2, b, G, 2, b))  # n6[p, a, r, q, h, c] = n[2b p + b a + r, 2b q + b h + c]
-        pick = (p[:, None, None, None, None, None] == p[None, None, None, :, None, None]) & (
-            (two[None, :, None, None, None, None] == 1) & (two[None, None, None, None, :, None] == 0)
-        )
-        e = tl.sum(tl.sum(tl.sum(tl.where(pick, n6, 0.0), axis=4), axis=3), axis=1)
-        z4 = tl.reshape(z, (G, 2, b, b))  # z4[p, a] = z[2 p + a]
-        z0 = tl.sum(tl.where(two[None, :, None, None] == 0, z4, 0.0), axis=1)
-        z1 = tl.sum(tl.where(two[None, :, None, None] == 1, z4, 0.0), axis=1)
-        x21 = -_dot_x(z1, _dot_x(e, z0, PREC), PREC)
-        a = two[None, :, None, None, None]  # [p, a, r, h, c]: row half a, column half h
-        h = two[None, None, None, :, None]
-        y5 = tl.where(
-            (a == 0) & (h == 0),
-            z0[:, None, :, None, :],
-            tl.where(a == 1, tl.where(h == 1, z1[:, None, :, None, :], x21[:, None, :, None, :]), 0.0),
-        )
-        return tl.reshape(y5, (G, 2 * b, 2 * b))
-
-    @triton.jit
     def _doubling_levels(
         n, y, C: tl.constexpr, FIRST: tl.constexpr, PREC: tl.constexpr, BATCHED: tl.constexpr
     ):  # fmt: skip
@@ -475,7 +433,6 @@ if _HAS_TRITON:
     def _prep_kernel(
         W, K, Beta, LSE, Xinv, scale, T, NC,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
-        BLOCKS: tl.constexpr,
     ):  # fmt: skip
         """Chunk c of head bh: the softmax lse of its rows over every j < i, and X_c (section comment)."""
         c = NC - 1 - tl.program_id(0)  # the longest rows (most earlier chunks) first: a shorter tail
@@ -503,10 +460,7 @@ if _HAS_TRITON:
             lse = m + tl.log(tl.where(l > 0, l, 1.0))  # row 0 of the sequence has no j < i
             tl.store(LSE + bh * T + rows, lse, mask=rmask)
         a_cc = _kappa(s_cc, lower, lse, KERNEL)
-        if BLOCKS and C >= 32:
-            x = _unit_lower_inverse_blocks(b[:, None] * a_cc, C, XPREC)
-        else:
-            x = _unit_lower_inverse(b[:, None] * a_cc, C, XPREC)
+        x = _unit_lower_inverse(b[:, None] * a_cc, C, XPREC)
         tl.store(Xinv + (bh * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :], x)
 
     @triton.jit
@@ -812,11 +766,9 @@ def _triton_cfg(x, chunk, lowp, rec):
 # dk_in_wavefront: 1 = dK accumulated by the backward wavefront (`_bwd_g_kernel` DKW), no dK pass; 0 = the
 # dK pass; None = 1 at D <= 64 (f+b -49 us softmax, -32 relu at 8,12,1024,64), 0 at D = 128 (+80 and +77 us
 # there: the wavefront's extra [C, D] accumulator and u tile; bench_attention.py --graph-variants, V8).
-# inverse_blocks: 1 = the in-chunk inverse's levels b >= 16 on the changing [b, b] blocks alone
-# (`_unit_lower_inverse_blocks`), not on [C, C] tiles.
 TUNING = {
     "poll": 0, "num_warps": None, "num_stages": None, "late_loads": 0, "xprec": None,
-    "dk_in_wavefront": None, "inverse_blocks": 0,
+    "dk_in_wavefront": None,
 }  # fmt: skip
 
 
@@ -863,8 +815,7 @@ def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp, rec):
     counters = torch.zeros(BH + 1, device=v.device, dtype=torch.int32)  # progress per (b, h); the ticket
     with _device_guard(v):
         _prep_kernel[(NC, BH)](
-            w, k, beta, lse, xinv, scale, T, NC, KERNEL=kid, D=D, C=C, PREC=prec, XPREC=xprec,
-            BLOCKS=TUNING["inverse_blocks"], **launch,
+            w, k, beta, lse, xinv, scale, T, NC, KERNEL=kid, D=D, C=C, PREC=prec, XPREC=xprec, **launch,
         )  # fmt: skip
         _fwd_kernel[(BH * NC,)](
             w, k, v, beta, u, u_lo if store_lo else u, h, lse, xinv, counters, counters[BH:],

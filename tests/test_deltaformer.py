@@ -218,7 +218,7 @@ def test_triton_fp16_recurrence_precisions(rec):
 
 
 # each: TUNING settings away from the defaults
-CPU_SWITCHES = [{"late_loads": 1}, {"xprec": "bf16x3"}, {"dk_in_wavefront": 0}, {"inverse_blocks": 1}]
+CPU_SWITCHES = [{"late_loads": 1}, {"xprec": "bf16x3"}, {"dk_in_wavefront": 0}]
 
 
 @pytest.mark.parametrize("switch", CPU_SWITCHES)
@@ -277,16 +277,12 @@ def test_triton_reflection_regime(kernel, C):
     check_reflection(kernel, 1, 2, 96, 16, C, torch.float32, "cpu", tol=1e-5, reference="loop")
 
 
-@pytest.mark.parametrize("blocks", [0, 1])
 @pytest.mark.parametrize("C", [16, 32, 64, 128])
-def test_in_chunk_inverse_against_torch(C, blocks, monkeypatch):
+def test_in_chunk_inverse_against_torch(C):
     # the in-chunk inverse itself, through the forward at T = C (one chunk: u = X v exactly), in the
     # reflection regime where entries of the inverse reach ~1e2: compared with the float64 chunked solve
-    # (C = 16: the doubling on one block; larger C: its first levels on the [16, 16] diagonal blocks, the
-    # rest on [C, C] tiles or, with TUNING["inverse_blocks"], on the changing blocks alone)
+    # (C = 16: the doubling on one block; larger C: its first levels on the [16, 16] diagonal blocks)
     import kernels.deltaformer as df
-
-    monkeypatch.setitem(df.TUNING, "inverse_blocks", blocks)
 
     q, k, v, w, beta = reflection_inputs(1, 1, C, 16, "linear")
     u = df.deltaformer_u_triton(*(x.float() for x in (k, v, w, beta)), kernel="linear", chunk=C)
