@@ -110,7 +110,8 @@ VARIANTS = [
 # launch (one_dk_dw_launch: relu +90 us at D = 128; gone); in session 6 (V9) fuse_prep (prep beside the
 # forward wavefront in one launch: -7 us at D = 64, +13 at D = 128) and fuse_dkdw (dK / dW beside the
 # backward wavefront: +12 and +84 us), lookahead again (+30 us; the wavefronts are throughput-bound) and
-# dW by atomic adds in the backward wavefront (+4 us softmax at D = 64, +11 relu, +83 / +106 at D = 128).
+# dW by atomic adds in the backward wavefront (+4 us softmax at D = 64, +11 relu, +83 / +106 at D = 128),
+# inverse_blocks (the inverse's levels >= 16 on the changing blocks alone, ~12x fewer MACs: +-2 us).
 
 
 def fn_bwd(fn, inputs, grad_out):
