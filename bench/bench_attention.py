@@ -98,6 +98,8 @@ VARIANTS = [
     ("poll=ld", {}, {"poll": 1}),
     ("lowp=False", {"lowp": False}, {}),
     ("rec=lowp", {"rec": "lowp"}, {}),
+    ("lse_kernel=64", {}, {"lse_kernel": 64}),  # the softmax lse by its own kernel, 64 rows per program
+    ("lse_kernel=128", {}, {"lse_kernel": 128}),
     ("num_warps=8", {}, {"num_warps": 8}),
     ("chunk=32", {"chunk": 32}, {}),
 ]

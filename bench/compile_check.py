@@ -127,6 +127,7 @@ def run_deltaformer_variants():
                 configs += [("split", True, {"late_loads": 1}), ("split", True, {"poll": 1})]
                 configs += [("split", True, {"xprec": "bf16x3"})]
             # every dtype (fp32 takes 3-D ieee products in the blocked inverse)
+            configs += [("split", True, {"lse_kernel": 64}), ("split", True, {"lse_kernel": 128})]
             dkw = 1 - (D <= 64)  # the other setting than the default
             configs += [(rec, lowp, {"dk_in_wavefront": dkw}) for rec in df.RECS for lowp in (True, False)]
             for rec, lowp, switches in configs:

@@ -65,10 +65,9 @@ fi
 B=bench/bench_attention.py
 # graphvar: the variants' f+b times as CUDA graph replays (GPU time; a few s each); "shape kernel variants"
 # per line of GRAPHVAR (VARIANTS names, comma-separated), compiled side by side first.
-GRAPHVAR=${GRAPHVAR:-"0 softmax default,xprec=bf16x3,dK_pass
-1 softmax default,xprec=bf16x3,dK_in_wavefront
-0 relu default,dK_pass
-1 relu default,dK_in_wavefront"}
+GRAPHVAR=${GRAPHVAR:-"0 softmax default,lse_kernel=64,lse_kernel=128,xprec=bf16x3
+1 softmax default,lse_kernel=64,lse_kernel=128
+4 softmax default,lse_kernel=64,lse_kernel=128"}
 if has graphvar; then
     while read -r shape kernel variants; do
         for v in ${variants//,/ }; do

@@ -433,8 +433,10 @@ if _HAS_TRITON:
     def _prep_kernel(
         W, K, Beta, LSE, Xinv, scale, T, NC,
         KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
+        LSE_READY: tl.constexpr,
     ):  # fmt: skip
-        """Chunk c of head bh: the softmax lse of its rows over every j < i, and X_c (section comment)."""
+        """Chunk c of head bh: the softmax lse of its rows over every j < i (unless LSE_READY: then
+        `_lse_kernel` stored it), and X_c (section comment)."""
         c = NC - 1 - tl.program_id(0)  # the longest rows (most earlier chunks) first: a shorter tail
         bh = tl.program_id(1).to(tl.int64)
         offs_c = tl.arange(0, C)
@@ -448,20 +450,53 @@ if _HAS_TRITON:
         lower = offs_c[:, None] > offs_c[None, :]
         s_cc = tl.dot(w, tl.trans(k_c), input_precision=PREC) * scale
         lse = tl.zeros((C,), dtype=tl.float32)
-        if KERNEL == 0:
-            m = tl.maximum(tl.max(tl.where(lower, s_cc, -1e30), axis=1), -1e30)
-            l = tl.sum(tl.exp(tl.where(lower, s_cc - m[:, None], float("-inf"))), axis=1)
+        if KERNEL == 0 and LSE_READY:
+            lse = tl.load(LSE + bh * T + rows, mask=rmask, other=0.0)
+        elif KERNEL == 0:
+            m = tl.full((C,), -1e30, dtype=tl.float32)
+            l = tl.zeros((C,), dtype=tl.float32)
+            m, l = _lse_update(m, l, tl.where(lower, s_cc, float("-inf")))
             for cp in range(0, c):
                 k_p = tl.load(K + bh * T * D + (cp * C + offs_c)[:, None] * D + offs_d[None, :])
-                s = tl.dot(w, tl.trans(k_p), input_precision=PREC) * scale
-                m_new = tl.maximum(m, tl.max(s, axis=1))
-                l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
-                m = m_new
+                m, l = _lse_update(m, l, tl.dot(w, tl.trans(k_p), input_precision=PREC) * scale)
             lse = m + tl.log(tl.where(l > 0, l, 1.0))  # row 0 of the sequence has no j < i
             tl.store(LSE + bh * T + rows, lse, mask=rmask)
         a_cc = _kappa(s_cc, lower, lse, KERNEL)
         x = _unit_lower_inverse(b[:, None] * a_cc, C, XPREC)
         tl.store(Xinv + (bh * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :], x)
+
+    @triton.jit
+    def _lse_update(m, l, s):
+        """Online softmax statistics: the running row max m (finite) and sum l of exp(s - m) after one more
+        block of scores s (-inf where not a j < i)."""
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        return m_new, l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+
+    @triton.jit
+    def _lse_kernel(
+        W, K, LSE, scale, T, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr,
+    ):  # fmt: skip
+        """The softmax lse of every row i over j < i on its own, FlashAttention-style (TUNING["lse_kernel"],
+        a speed candidate: in prep it costs 63 us at 8,12,1024,64, more than cuDNN's whole forward): BM rows
+        per program, keys in blocks of BN, the longest rows first."""
+        mb = tl.cdiv(T, BM) - 1 - tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        rows = mb * BM + tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        w = tl.load(W + bh * T * D + rows[:, None] * D + offs_d[None, :], mask=(rows < T)[:, None], other=0.0)
+        m = tl.full((BM,), -1e30, dtype=tl.float32)
+        l = tl.zeros((BM,), dtype=tl.float32)
+        for start in range(0, mb * BM, BN):  # keys before the block's first row: every j < i
+            cols = start + tl.arange(0, BN)
+            k = tl.load(K + bh * T * D + cols[:, None] * D + offs_d[None, :])
+            m, l = _lse_update(m, l, tl.dot(w, tl.trans(k), input_precision=PREC) * scale)
+        for start in range(mb * BM, tl.minimum(mb * BM + BM, T), BN):  # the diagonal blocks: masked
+            cols = start + tl.arange(0, BN)
+            keys = K + bh * T * D + cols[:, None] * D + offs_d[None, :]
+            k = tl.load(keys, mask=(cols < T)[:, None], other=0.0)
+            s = tl.dot(w, tl.trans(k), input_precision=PREC) * scale
+            m, l = _lse_update(m, l, tl.where(cols[None, :] < rows[:, None], s, float("-inf")))
+        tl.store(LSE + bh * T + rows, m + tl.log(tl.where(l > 0, l, 1.0)), mask=rows < T)
 
     @triton.jit
     def _fwd_kernel(
@@ -766,9 +801,11 @@ def _triton_cfg(x, chunk, lowp, rec):
 # dk_in_wavefront: 1 = dK accumulated by the backward wavefront (`_bwd_g_kernel` DKW), no dK pass; 0 = the
 # dK pass; None = 1 at D <= 64 (f+b -49 us softmax, -32 relu at 8,12,1024,64), 0 at D = 128 (+80 and +77 us
 # there: the wavefront's extra [C, D] accumulator and u tile; bench_attention.py --graph-variants, V8).
+# lse_kernel: 64 or 128 = the softmax lse by `_lse_kernel` with that many rows per program (64 / 128 rows:
+# 4 / 8 warps) before prep, which then only forms X; 0 = inside prep.
 TUNING = {
     "poll": 0, "num_warps": None, "num_stages": None, "late_loads": 0, "xprec": None,
-    "dk_in_wavefront": None,
+    "dk_in_wavefront": None, "lse_kernel": 0,
 }  # fmt: skip
 
 
@@ -813,9 +850,15 @@ def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp, rec):
     xinv = torch.empty(BH, NC, C, C, **f32)
     kid = _KERNEL_IDS[kernel]
     counters = torch.zeros(BH + 1, device=v.device, dtype=torch.int32)  # progress per (b, h); the ticket
+    lse_block = TUNING["lse_kernel"] if kernel == "softmax" else 0
     with _device_guard(v):
+        if lse_block:
+            _lse_kernel[(triton.cdiv(T, lse_block), BH)](
+                w, k, lse, scale, T, BM=lse_block, BN=64, D=D, PREC=prec, num_warps=lse_block // 16,
+            )  # fmt: skip
         _prep_kernel[(NC, BH)](
-            w, k, beta, lse, xinv, scale, T, NC, KERNEL=kid, D=D, C=C, PREC=prec, XPREC=xprec, **launch,
+            w, k, beta, lse, xinv, scale, T, NC, KERNEL=kid, D=D, C=C, PREC=prec, XPREC=xprec,
+            LSE_READY=bool(lse_block), **launch,
         )  # fmt: skip
         _fwd_kernel[(BH * NC,)](
             w, k, v, beta, u, u_lo if store_lo else u, h, lse, xinv, counters, counters[BH:],

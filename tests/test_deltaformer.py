@@ -218,7 +218,8 @@ def test_triton_fp16_recurrence_precisions(rec):
 
 
 # each: TUNING settings away from the defaults
-CPU_SWITCHES = [{"late_loads": 1}, {"xprec": "bf16x3"}, {"dk_in_wavefront": 0}]
+CPU_SWITCHES = [{"late_loads": 1}, {"xprec": "bf16x3"}, {"dk_in_wavefront": 0}, {"lse_kernel": 64}]
+CPU_SWITCHES += [{"lse_kernel": 128}]
 
 
 @pytest.mark.parametrize("switch", CPU_SWITCHES)
@@ -247,6 +248,25 @@ def test_dk_in_wavefront_more_cases(kernel, monkeypatch):
         check_triton_against_reference(
             kernel, 1, 2, 45, 16, torch.float16, "cpu", chunk=16, tol=1e-2, lowp=False, rec=rec
         )
+
+
+@pytest.mark.parametrize("block", [64, 128])
+def test_lse_kernel(block):
+    # `_lse_kernel` (TUNING["lse_kernel"]) alone against float64: the log-sum-exp of every row over j < i,
+    # for T below, at and across its row blocks (full key blocks, then the masked diagonal ones), D 16 / 64
+    import triton
+
+    from kernels.deltaformer import _lse_kernel
+
+    for T, D in [(1, 16), (37, 16), (block, 64), (300, 16)]:
+        w, k = torch.randn(2, T, D), torch.randn(2, T, D)
+        lse = torch.full((2, T), float("nan"))
+        _lse_kernel[(triton.cdiv(T, block), 2)](w, k, lse, 0.5, T, BM=block, BN=64, D=D, PREC="ieee")
+        s = 0.5 * w.double() @ k.double().transpose(-1, -2)
+        s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(-1), float("-inf"))
+        ref = torch.logsumexp(s, dim=-1)
+        assert torch.allclose(lse[:, 1:].double(), ref[:, 1:], rtol=1e-6, atol=1e-6), (T, D)
+        assert (lse[:, 0] < -1e29).all()  # row 0: no j < i (the kernels' -1e30, as prep stores it)
 
 
 def reflection_inputs(B, H, T, D, kernel, device="cpu"):
