@@ -296,19 +296,13 @@ if _HAS_TRITON:
         return x
 
     @triton.jit
-    def _load_fresh(ptr, mask, FRESH: tl.constexpr):
-        """A load (masked unless mask is None); FRESH: of data another program of this launch wrote, so past
-        the (incoherent) L1 with .cg."""
+    def _load_cg(ptr, mask):
+        """A load past the (incoherent) L1, of data another program of this launch wrote; masked (0) unless
+        mask is None."""
         if mask is None:
-            if FRESH:
-                x = tl.load(ptr, cache_modifier=".cg")
-            else:
-                x = tl.load(ptr)
+            x = tl.load(ptr, cache_modifier=".cg")
         else:
-            if FRESH:
-                x = tl.load(ptr, mask=mask, other=0.0, cache_modifier=".cg")
-            else:
-                x = tl.load(ptr, mask=mask, other=0.0)
+            x = tl.load(ptr, mask=mask, other=0.0, cache_modifier=".cg")
         return x
 
     @triton.jit
@@ -323,11 +317,11 @@ if _HAS_TRITON:
     @triton.jit
     def _load_published(HI, LO, offs, mask, WITH_LO: tl.constexpr):
         """A block another tile of this launch published (u, or beta G) as (hi, lo); lo only WITH_LO (else
-        hi again); .cg, past the (incoherent) L1."""
-        hi = _load_fresh(HI + offs, mask, True)
+        hi again)."""
+        hi = _load_cg(HI + offs, mask)
         lo = hi
         if WITH_LO:
-            lo = _load_fresh(LO + offs, mask, True)
+            lo = _load_cg(LO + offs, mask)
         return hi, lo
 
     @triton.jit
@@ -457,9 +451,9 @@ if _HAS_TRITON:
             l = tl.zeros((C,), dtype=tl.float32)
             m, l = _lse_update(m, l, tl.where(lower, s_cc, float("-inf")))
             for cp in range(0, c):
-                k_p = tl.load(K + bh * T * D + (cp * C + offs_c)[:, None] * D + offs_d[None, :])
-                m, l = _lse_update(m, l, tl.dot(w, tl.trans(k_p), input_precision=PREC) * scale)
-            lse = m + tl.log(tl.where(l > 0, l, 1.0))  # row 0 of the sequence has no j < i
+                keys = K + bh * T * D + (cp * C + offs_c)[:, None] * D + offs_d[None, :]
+                m, l = _lse_update(m, l, _scores(w, keys, None, scale, PREC))
+            lse = _lse_of(m, l)
             tl.store(LSE + bh * T + rows, lse, mask=rmask)
         a_cc = _kappa(s_cc, lower, lse, KERNEL)
         x = _unit_lower_inverse(b[:, None] * a_cc, C, XPREC)
@@ -471,6 +465,11 @@ if _HAS_TRITON:
         block of scores s (-inf where not a j < i)."""
         m_new = tl.maximum(m, tl.max(s, axis=1))
         return m_new, l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+
+    @triton.jit
+    def _lse_of(m, l):
+        """The log-sum-exp from the online statistics; -1e30 for a row with no j < i (row 0)."""
+        return m + tl.log(tl.where(l > 0, l, 1.0))
 
     @triton.jit
     def _lse_kernel(
@@ -487,16 +486,14 @@ if _HAS_TRITON:
         m = tl.full((BM,), -1e30, dtype=tl.float32)
         l = tl.zeros((BM,), dtype=tl.float32)
         for start in range(0, mb * BM, BN):  # keys before the block's first row: every j < i
-            cols = start + tl.arange(0, BN)
-            k = tl.load(K + bh * T * D + cols[:, None] * D + offs_d[None, :])
-            m, l = _lse_update(m, l, tl.dot(w, tl.trans(k), input_precision=PREC) * scale)
+            keys = K + bh * T * D + (start + tl.arange(0, BN))[:, None] * D + offs_d[None, :]
+            m, l = _lse_update(m, l, _scores(w, keys, None, scale, PREC))
         for start in range(mb * BM, tl.minimum(mb * BM + BM, T), BN):  # the diagonal blocks: masked
             cols = start + tl.arange(0, BN)
             keys = K + bh * T * D + cols[:, None] * D + offs_d[None, :]
-            k = tl.load(keys, mask=(cols < T)[:, None], other=0.0)
-            s = tl.dot(w, tl.trans(k), input_precision=PREC) * scale
+            s = _scores(w, keys, (cols < T)[:, None], scale, PREC)
             m, l = _lse_update(m, l, tl.where(cols[None, :] < rows[:, None], s, float("-inf")))
-        tl.store(LSE + bh * T + rows, m + tl.log(tl.where(l > 0, l, 1.0)), mask=rows < T)
+        tl.store(LSE + bh * T + rows, _lse_of(m, l), mask=rows < T)
 
     @triton.jit
     def _fwd_kernel(
@@ -516,7 +513,6 @@ if _HAS_TRITON:
         rmask = rows < T
         tile = bh64 * T * D + rows[:, None] * D + offs_d[None, :]
         w = tl.load(W + tile, mask=rmask[:, None], other=0.0)
-        ok = c * 0 + 1
         lse = tl.zeros((C,), dtype=tl.float32)
         if KERNEL == 0:
             lse = tl.load(LSE + bh64 * T + rows, mask=rmask, other=0.0)
@@ -529,6 +525,7 @@ if _HAS_TRITON:
         acc = tl.zeros((C, D), dtype=tl.float32)
         SPLIT: tl.constexpr = REC == 2
         done = c * 0  # earlier chunks consumed
+        ok = done + 1
         while done < c:  # consume chunks as they are published
             seen = _wait_progress(Prog + bh, done + 1, SPIN_LIMIT, POLL)
             ok = ok & (seen > done).to(tl.int32)
