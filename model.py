@@ -3,77 +3,49 @@
 One file, read top to bottom: config -> small pieces (RMSNorm, RoPE, MLP, attention) -> the residual
 interface (the only place the residual variants differ) -> Block -> GPT (forward, generate, counts).
 
-Architecture shared by every variant (the DDL paper's GPT-2 setup):
-- pre-norm RMSNorm with a weight and no bias; RoPE (base 10000) on queries and keys; QK-RMSNorm per head;
-  SwiGLU MLP; no biases in the linear layers; head_dim 128; tied token embedding / LM head; vocab 50304.
-- SwiGLU hidden size: floor(8 d / 3), the size that gives the MLP the 8 d^2 parameters of GPT-2's 4x MLP
-  (d 768 -> 2048 exactly; d 1024 -> 2730) and matches the paper's counts: 123.6M (small) and 353.4M
-  (medium) for additive + softmax. `mlp_hidden` overrides it (e.g. 2752 = a multiple of 64).
-- The attention width n_head * head_dim is its own number; n_embd need not equal it (presets: equal).
+The defaults are the model the DDL paper trained (arXiv 2601.00417), as the authors' released code
+builds it; where the paper's text says otherwise, the text is a named option (README, "Paper recipes").
+Every variant, the additive baseline included, shares:
+- pre-norm RMSNorm (eps `norm_eps`, learnable weight); RoPE (base 10000) on queries and keys, then a
+  learnable per-head QK-RMSNorm (after RoPE); causal SDPA with scale 1/sqrt(head_dim); SwiGLU MLP with
+  hidden floor(8 d / 3); no biases in the linear layers; tied token embedding / LM head; vocab 50304.
+- init="scaled": every matrix N(0, 0.5/sqrt(d)), the two output projections of a block N(0, 0.5/sqrt(d L)),
+  the embedding N(0, 0.02); init="nanogpt": N(0, 0.02) and N(0, 0.02/sqrt(2 L)).
 
-Residual variants (cfg.residual). The stream is either a vector x [B, T, d] ("additive") or, for DDL, a
-matrix state X [B, T, d, d_v] per token. Every sublayer F (attention or MLP) runs as
+Residual variants (cfg.residual). The stream is a vector x [B, T, d] ("additive") or, for DDL, a matrix
+state X [B, T, d, d_v] per token. Every sublayer F (attention or MLP) runs as
 
     additive:  x <- x + F(RMSNorm(x))
     DDL:       x_in = compress(X);  c = RMSNorm(x_in);  h = F(c)
-               k = h (ddl_update normalises it: khat = h / sqrt(|h|^2 + eps^2))
-               v = W_v c  (d -> d_v, no bias; ddl_v="sigmoid": v = 4 sigmoid(W_v c + b_v))
-               beta = 2 sigmoid(w_beta . c + b_beta)          (fp32; in (0, 2): identity .. reflection)
-               X <- X + beta khat (v^T - khat^T X)             (ddl_erase=False: X <- X + beta khat v^T)
+               khat = h / sqrt(|h|^2 + eps^2)                   (in the kernels, kernels/ddl.py)
+               v = 4 sigmoid(W_v x_in + b_v)                     (ddl_v="linear": v = W_v c, the paper's text)
+               beta = 2 sigmoid(W_beta c + b_beta)               (fp32; (0, 2): identity .. reflection)
+               X <- X + beta khat (v^T - khat^T X)               (ddl_erase=False: X <- X + beta khat v^T)
 
-    compress:  "ddl"    (d_v = 1)  x_in = X[..., 0]
-               "ddl-cc" (channel)  x_in[i] = sum_v weight[i, v] X[i, v]              weight init 1/d_v
-               "ddl-tc" (temporal) causal depthwise conv over tokens (K = ddl_conv_size) then a read
-                                   over v; conv init = identity (last tap 1), read init 1/d_v
-    The embedding becomes X0 = emb repeated d_v times, or with EC (ddl_ec, "ddl-cc"/"ddl-tc" only) a
-    causal depthwise conv of the embeddings (identity init = the repetition). A last compressor reads
-    X out before the final norm and the LM head. For DDL-CC each update is fused with the CC read that
-    follows it (kernels.ddl.ddl_update_compress_cc: one pass over the state instead of two).
+    compress (one compressor per block, read before attention and before the MLP, and one more before
+    the final norm):
+        "ddl"    (d_v = 1)  x_in = X[..., 0]
+        "ddl-cc" (channel)  a depthwise conv along d_v (kernel d_v, centred) then a read over d_v: a
+                            per-feature weight W[i, v] = sum_j read[j] conv[i, v - j + (d_v - 1) // 2]
+        "ddl-tc" (temporal) a causal depthwise conv over tokens (kernel ddl_conv_size) then the read
+    X0 = the embedding repeated d_v times, or with EC (ddl_ec, d_v > 1) a causal depthwise conv of the
+    embeddings, identity-initialised. Init: W_beta as any matrix, b_beta = logit(ddl_beta_init / 2);
+    W_v as any matrix, b_v ~ U(+-1/sqrt(d)); compressor convs as any matrix (nanogpt: identity), reads 1/d_v.
+    For DDL-CC each update is fused with the read that follows it (one pass over the state).
 
-    The value v. The spec (DEVELOPERS.md, from the paper) is the plain projection v = W_v c, and that is
-    the default. The DDL authors' code (deep-delta-learning) instead uses v = 4 sigmoid(W_v c + b_v), here
-    ddl_v="sigmoid". Why it may matter: h only sets the direction khat; the amount written along it is
-    beta (v - khat^T X). With a zero-mean v that amount has a random sign per token, so what F computed
-    reaches the stream with a random sign; a positive v keeps it. `python bench/copy_task.py` (2-layer d=64
-    models learning to copy; loss floor 2.08, chance 4.16), loss at step 100 / 200: additive 2.33 / 2.06;
-    v = W_v c: ddl 4.16 / 3.98, ddl-cc 4.17 / 2.93; v = 4 sigmoid(.): ddl 2.31 / 2.16, ddl-cc 2.27 / 2.14,
-    ddl-tc 2.25 / 2.10. One small task, 200 steps: a lead for pretraining runs, not a verdict.
+Attention variants (cfg.attention): "softmax" = causal SDPA. "deltaformer" = two-stage attention
+(kernels/deltaformer.py): u_i = v_i - beta_i sum_{j<i} kappa(w_i, k_j) u_j, then causal softmax attention
+of q over (k, u). w is q, k (the delta rule: each token erases what its own key reads back) or a separate
+projection treated like a query (same RoPE and QK-norm). beta_i per head = deltaformer_beta_max *
+sigmoid(Linear(c)) (fp32); max 2 lets a head reflect, which swap tracking needs.
 
-Attention variants (cfg.attention): "softmax" = causal SDPA. "deltaformer" = the Deltaformer paper's
-two-stage attention (kernels/deltaformer.py): u_i = v_i - beta_i sum_{j<i} kappa(w_i, k_j) u_j, then causal
-softmax attention of q over (k, u). w is q, k (default: the delta rule as in DeltaNet, where each token
-reads the memory with its own key and erases what that key reads back) or a separate projection. w is
-treated as a query: it gets the same per-head RMSNorm and RoPE as q (with w = q or k it *is* the normed,
-rotated q or k), so w_i . k_j depends on content and relative position only. beta_i per head =
-deltaformer_beta_max * sigmoid(Linear(c)) (fp32). Default max 2: beta in (0, 2) lets a head reflect
-(eigenvalue 1 - beta < 0), which parity and permutation (swap) tracking need; deltaformer_beta_max=1
-gives the classic (0, 1) delta rule.
+Mixed precision: the norms and both gates run in fp32; the additive stream stays in the parameter dtype;
+the DDL kernels compute in fp32 and store X in `ddl_state_dtype` ("float32" = the parameter dtype, or
+"bfloat16": half the state's memory traffic, each update rounding once).
 
-Init (nanoGPT): linear and embedding weights N(0, 0.02); the two output projections of every block
-(attention c_proj, MLP c_proj) N(0, 0.02 / sqrt(2 n_layer)); norm weights 1. DDL: W_v N(0, 0.02) (an input
-projection of c like q/k/v; with ddl_v="sigmoid" also b_v = 0, so v starts near 2); w_beta = 0 and
-b_beta = logit(ddl_beta_init / 2), so beta starts at exactly ddl_beta_init for every token.
-ddl_beta_init defaults to 0.5: halfway between identity (0: the sublayer is silent and k, v get no
-gradient) and a full projection (1: every sublayer erases the stream's component along khat from the
-first step). Deltaformer beta projection:
-N(0, 0.02) weight, zero bias (beta ~ max/2).
-
-Mixed precision: training runs under bf16 autocast; the norms and both betas are computed in fp32, the
-additive stream x stays in the parameter dtype (fp32); the DDL kernels normalise h and update X in fp32
-whatever dtype X, h and v come in (bf16 h from the autocast matmuls) and store the result in X's dtype.
-ddl_state_dtype chooses that dtype for DDL: "float32" (default: the parameter dtype, i.e. fp32, or float64
-for a .double() model) or "bfloat16": X0 (EC or the repetition), every X between sublayers, the fused CC
-reads and the last read-out are stored in bf16 (each update still computes in fp32 and rounds once). The
-state is the DDL model's dominant memory traffic (d_v numbers per channel, read and written by every
-sublayer), so bf16 halves it (bench/NOTES_ddl.md); the default stays fp32 because rounding X to 8 bits of
-mantissa after every sublayer is a numerical change of the architecture (the additive baseline keeps an
-fp32 stream), to be validated by a training run before it becomes the default.
-
-Decoding (`generate`) keeps a cache per module: keys/values for softmax attention (RoPE at absolute
-positions); keys/u's for Deltaformer (the prompt's u from stage 1 at once, then deltaformer_step per
-token); the last K-1 states each DDL-TC compressor saw; the last K-1 embeddings for EC. Beyond block_size
-it crops like nanoGPT: the logits come from a plain forward over the last block_size tokens (there is no
-cache to reuse once the window slides).
+Decoding (`generate`) keeps a cache per module: keys/values for softmax attention; keys/u's for
+Deltaformer; the last K-1 states each DDL-TC read saw; the last K-1 embeddings for EC. Beyond block_size
+it crops like nanoGPT (a plain forward over the last block_size tokens).
 """
 
 import math
@@ -91,16 +63,21 @@ ATTENTIONS = ("softmax", "deltaformer")
 DELTAFORMER_WS = ("q", "k", "proj")
 DELTAFORMER_KERNELS = ("softmax", "relu", "linear")
 BACKENDS = ("auto", "torch", "triton")
+INITS = ("scaled", "nanogpt")
 DDL_EPS = 1e-5  # khat = h / sqrt(|h|^2 + eps^2)
-DDL_V_SCALE = 4.0  # v = 4 sigmoid(.) in (0, 4), as in the DDL authors' code
-DDL_VS = ("linear", "sigmoid")
+DDL_V_SCALE = 4.0  # v = 4 sigmoid(.) in (0, 4)
+DDL_VS = ("sigmoid", "linear")
 DDL_STATE_DTYPES = ("float32", "bfloat16")
-NORM_EPS = 1e-6
+INIT_STD_FACTOR = 0.5  # init="scaled": std = 0.5 / sqrt(d)
+EMBED_STD = 0.02
 
 PRESETS = {
     "gpt2-small": dict(n_layer=12, n_embd=768, n_head=6, head_dim=128),
     "gpt2-medium": dict(n_layer=24, n_embd=1024, n_head=8, head_dim=128),
 }
+# Fields whose meaning or default changed since checkpoints were first written: a checkpoint without
+# them was built by an older model.py (QK-norm before RoPE, eps 1e-6, a compressor per sublayer).
+CHECKPOINT_FIELDS = ("init", "norm_eps")
 
 
 @dataclass
@@ -113,13 +90,15 @@ class GPTConfig:
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64
     mlp_hidden: int | None = None  # None -> floor(8 n_embd / 3)
     rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    init: str = "scaled"  # "scaled" (the DDL code's, every row) | "nanogpt"
     dropout: float = 0.0
     residual: str = "additive"
     ddl_dv: int | None = None  # None -> 1 for "ddl", 4 for "ddl-tc"/"ddl-cc"; must be None for additive
     ddl_ec: bool = True  # EC expansion of the embedding ("ddl-tc"/"ddl-cc" only)
     ddl_erase: bool = True  # False: the write-only control X <- X + beta khat v^T
-    ddl_beta_init: float = 0.5  # in (0, 2)
-    ddl_v: str = "linear"  # v = W_v c (the spec); "sigmoid": 4 sigmoid(W_v c + b_v) (authors' code)
+    ddl_beta_init: float = 1.0  # b_beta = logit(beta0 / 2): beta starts near beta0 (exactly, if W_beta = 0)
+    ddl_v: str = "sigmoid"  # "sigmoid": 4 sigmoid(W_v x_in + b_v) (the code) | "linear": W_v c (the text)
     ddl_conv_size: int = 4  # K of the TC compressor and of EC
     ddl_state_dtype: str = "float32"  # dtype X is stored in: "float32" (= parameter dtype) | "bfloat16"
     attention: str = "softmax"
@@ -143,11 +122,17 @@ class GPTConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
 
+        def number(name, ok, allowed):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+                raise ValueError(f"GPTConfig.{name} must be a number {allowed}, got {value!r}")
+
         choice("residual", RESIDUALS)
         choice("attention", ATTENTIONS)
         choice("deltaformer_w", DELTAFORMER_WS)
         choice("deltaformer_kernel", DELTAFORMER_KERNELS)
         choice("backend", BACKENDS)
+        choice("init", INITS)
         choice("ddl_v", DDL_VS)
         choice("ddl_state_dtype", DDL_STATE_DTYPES)
         for name in ("n_layer", "n_head", "n_embd", "head_dim", "block_size", "vocab_size", "ddl_conv_size"):
@@ -158,14 +143,9 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
         if self.mlp_hidden is not None:
             positive_int("mlp_hidden")
-
-        def number(name, ok, allowed):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-                raise ValueError(f"GPTConfig.{name} must be a number {allowed}, got {value!r}")
-
         number("dropout", lambda x: 0 <= x < 1, "in [0, 1)")
         number("rope_base", lambda x: x > 0, "> 0")
+        number("norm_eps", lambda x: x > 0, "> 0")
         number("ddl_beta_init", lambda x: 0 < x < 2, "in (0, 2) (beta = 2 sigmoid(.))")
         number("deltaformer_beta_max", lambda x: x > 0, "> 0")
         # d_v: resolved here so that asdict() -> GPTConfig(**) round-trips to the same model.
@@ -197,6 +177,22 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.preset: unknown field(s) {unknown}; known fields: {sorted(known)}")
         return cls(**{**PRESETS[name], **overrides})
 
+    @classmethod
+    def from_checkpoint(cls, model_args):
+        """The config a checkpoint's model_args describe; a clear error for one this model.py cannot build."""
+        missing = [name for name in CHECKPOINT_FIELDS if name not in model_args]
+        if missing:
+            raise ValueError(
+                f"checkpoint model_args lack the field(s) {missing}: the checkpoint was written by an older "
+                "model.py (QK-norm before RoPE, RMSNorm eps 1e-6, a DDL compressor per sublayer), which this "
+                "one does not build; load it with the model.py of its commit"
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(model_args) - known)
+        if unknown:
+            raise ValueError(f"checkpoint model_args have unknown field(s) {unknown}")
+        return cls(**model_args)
+
     @property
     def is_ddl(self):
         return self.residual != "additive"
@@ -211,23 +207,23 @@ class GPTConfig:
 
 
 class Cache:
-    """Decoding state: `pos` tokens seen so far, and per-module tensors (keyed by the module)."""
+    """Decoding: `pos` tokens seen so far, and per-module tensors (keyed by module or (module, slot))."""
 
     def __init__(self):
         self.pos = 0
         self.store = {}
 
 
-def with_history(cache, module, x, n):
-    """x [B, T, ...] with the module's last n cached steps in front (zeros at the start of the sequence,
+def with_history(cache, key, x, n):
+    """x [B, T, ...] with the last n steps cached under key in front (zeros at the start of the sequence,
     i.e. the same zero padding a causal conv uses at t < 0); remembers the last n steps for next time."""
     if n == 0:
         return x
-    past = cache.store.get(module)
+    past = cache.store.get(key)
     if past is None:
         past = x.new_zeros((x.shape[0], n) + tuple(x.shape[2:]))
     full = torch.cat([past, x], dim=1)
-    cache.store[module] = full[:, -n:]
+    cache.store[key] = full[:, -n:]
     return full
 
 
@@ -238,13 +234,14 @@ def with_history(cache, module, x, n):
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 (or float64), returned in x's dtype."""
 
-    def __init__(self, dim):
+    def __init__(self, dim, eps):
         super().__init__()
+        self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + NORM_EPS) * self.weight.to(xf.dtype)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(xf.dtype)
         return y.to(x.dtype)
 
 
@@ -284,7 +281,7 @@ class MLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal self-attention: softmax (SDPA) or Deltaformer, with RoPE and QK-RMSNorm per head."""
+    """Causal self-attention: softmax (SDPA) or Deltaformer; RoPE, then a learnable QK-RMSNorm per head."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -295,12 +292,12 @@ class Attention(nn.Module):
         n_proj = 4 if (self.deltaformer and cfg.deltaformer_w == "proj") else 3  # q, k, v (, w)
         self.c_attn = nn.Linear(cfg.n_embd, n_proj * width, bias=False)
         self.c_proj = nn.Linear(width, cfg.n_embd, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim)
-        self.k_norm = RMSNorm(cfg.head_dim)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         if n_proj == 4:
-            self.w_norm = RMSNorm(cfg.head_dim)
+            self.w_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         if self.deltaformer:
-            self.beta = nn.Linear(cfg.n_embd, cfg.n_head, bias=True)  # per-head gate, a bias like b_beta
+            self.beta = nn.Linear(cfg.n_embd, cfg.n_head, bias=True)  # per-head gate
         # RoPE angles of positions 0..block_size-1, computed once (recomputing the sines inside the compiled
         # q/k kernels cost 12% of a GPT-2 small training step, measured). Not saved in checkpoints.
         for name, table in zip(
@@ -317,8 +314,8 @@ class Attention(nn.Module):
         heads = self.c_attn(c).view(B, T, -1, self.n_head, self.head_dim)
         heads = heads.permute(2, 0, 3, 1, 4)  # [n, B, H, T, D], n = q, k, v (, w)
         cos, sin = self.rope(pos, T)
-        q = apply_rope(self.q_norm(heads[0]), cos, sin)
-        k = apply_rope(self.k_norm(heads[1]), cos, sin)
+        q = self.q_norm(apply_rope(heads[0], cos, sin))
+        k = self.k_norm(apply_rope(heads[1], cos, sin))
         v = heads[2]
         if self.deltaformer:
             y = self._deltaformer(c, q, k, v, heads, (cos, sin), cache)
@@ -346,7 +343,7 @@ class Attention(nn.Module):
         elif cfg.deltaformer_w == "k":
             w = k
         else:
-            w = apply_rope(self.w_norm(heads[3]), *rope)
+            w = self.w_norm(apply_rope(heads[3], *rope))
         beta = cfg.deltaformer_beta_max * torch.sigmoid(fp32_linear(c, self.beta.weight, self.beta.bias))
         beta = beta.transpose(1, 2)  # [B, H, T], fp32
         if cache is None:
@@ -379,29 +376,39 @@ class Compressor(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.kind, d, dv, K = cfg.residual, cfg.n_embd, cfg.ddl_dv, cfg.ddl_conv_size
+        self.kind, d, dv = cfg.residual, cfg.n_embd, cfg.ddl_dv
         self.backend = cfg.backend
-        if self.kind == "ddl-cc":
-            self.weight = nn.Parameter(torch.full((d, dv), 1.0 / dv))
-        elif self.kind == "ddl-tc":
-            self.conv = nn.Parameter(identity_conv(d, dv, K))
+        if self.kind == "ddl-cc":  # depthwise conv along d_v (kernel d_v, centred), then the read
+            self.conv = nn.Parameter(identity_conv(d, 1, dv, tap=(dv - 1) // 2)[:, 0])
+        elif self.kind == "ddl-tc":  # causal depthwise conv over tokens (tap K-1 = now), then the read
+            self.conv = nn.Parameter(identity_conv(d, dv, cfg.ddl_conv_size))
+        if self.kind != "ddl":
             self.read = nn.Parameter(torch.full((dv,), 1.0 / dv))
 
-    def forward(self, X, cache=None):
+    def cc_weight(self):
+        """DDL-CC's conv and read as the one linear map they are: W [d, d_v] with
+        W[i, v] = sum_j read[j] conv[i, v - j + (d_v - 1) // 2] (taps outside the kernel are 0)."""
+        dv = self.read.shape[0]
+        ar = torch.arange(dv, device=self.conv.device)
+        tap = ar[:, None] - ar[None, :] + (dv - 1) // 2  # [v, j]
+        taps = self.conv[:, tap.clamp(0, dv - 1)] * ((tap >= 0) & (tap < dv)).to(self.conv.dtype)
+        return taps @ self.read
+
+    def forward(self, X, cache=None, slot=None):
         if self.kind == "ddl":
             return X[..., 0]
         if self.kind == "ddl-cc":
-            return compress_cc(X, self.weight, backend=self.backend)
+            return compress_cc(X, self.cc_weight(), backend=self.backend)
         T, K = X.shape[1], self.conv.shape[-1]
-        if cache is not None:  # the conv needs the K-1 states before the new ones
-            X = with_history(cache, self, X, K - 1)
+        if cache is not None:  # the conv needs the K-1 states before the new ones (one history per slot)
+            X = with_history(cache, (self, slot), X, K - 1)
         return compress_tc(X, self.conv, self.read, backend=self.backend)[:, X.shape[1] - T :]
 
 
-def identity_conv(d, dv, K):
-    """[d, d_v, K] causal conv weight that passes the current token through (last tap 1, others 0)."""
+def identity_conv(d, dv, K, tap=None):
+    """[d, d_v, K] depthwise conv weight that passes its input through: tap `tap` (default K-1) is 1."""
     w = torch.zeros(d, dv, K)
-    w[:, :, K - 1] = 1.0
+    w[:, :, K - 1 if tap is None else tap] = 1.0
     return w
 
 
@@ -411,57 +418,46 @@ class Residual(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.norm = RMSNorm(cfg.n_embd)
+        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.drop = nn.Dropout(cfg.dropout)
         if cfg.is_ddl:
-            self.compress = Compressor(cfg)
             self.v_proj = nn.Linear(cfg.n_embd, cfg.ddl_dv, bias=cfg.ddl_v == "sigmoid")  # W_v (, b_v)
-            self.beta = nn.Linear(cfg.n_embd, 1, bias=True)  # w_beta, b_beta
+            self.beta = nn.Linear(cfg.n_embd, 1, bias=True)  # W_beta, b_beta
 
-    def forward(self, X, sublayer, cache=None, x_in=None, next_read=None):
+    def forward(self, X, sublayer, read=None, x_in=None, next_read=None, cache=None, slot=None):
         """Returns (new stream, the next sublayer's input if this write computed it already, else None).
 
-        x_in: this sublayer's compressed input when the previous write produced it; next_read: the
-        Compressor that reads the stream after this sublayer (DDL-CC fuses that read into the update).
+        read: the block's Compressor (DDL); x_in: this sublayer's input when the previous write produced
+        it; next_read: the Compressor that reads the stream after this sublayer (a CC read is fused into
+        the update); slot: which of the Compressor's reads this is (its decoding history).
         """
         if not self.cfg.is_ddl:
             return X + self.drop(sublayer(self.norm(X))), None
         if x_in is None:
-            x_in = self.compress(X, cache)
-        c = self.norm(x_in.to(self.norm.weight.dtype))  # a bf16 state's read joins the parameter dtype
+            x_in = read(X, cache, slot)
+        x_in = x_in.to(self.norm.weight.dtype)  # a bf16 state's read joins the parameter dtype
+        c = self.norm(x_in)
         h = self.drop(sublayer(c))
-        return self.ddl_write(X, c, h, next_read)
-
-    def value_and_gate(self, c):
-        """(v [B, T, d_v], beta [B, T]), fp32: v = W_v c (ddl_v="sigmoid": 4 sigmoid(W_v c + b_v)) and
-        beta = 2 sigmoid(w_beta . c + b_beta). One fp32 matmul with W_v and w_beta stacked, so that c is
-        read once (forward and backward), not twice: these thin matmuls are memory-bound."""
-        dv = self.cfg.ddl_dv
-        weight = torch.cat([self.v_proj.weight, self.beta.weight])
-        v_bias = self.v_proj.bias if self.v_proj.bias is not None else self.beta.bias.new_zeros(dv)
-        logits = fp32_linear(c, weight, torch.cat([v_bias, self.beta.bias]))
-        v, beta_logit = logits[..., :dv], logits[..., dv]
-        if self.cfg.ddl_v == "sigmoid":
-            v = DDL_V_SCALE * torch.sigmoid(v)
-        return v, 2.0 * torch.sigmoid(beta_logit)
-
-    def ddl_write(self, X, c, h, next_read=None):
-        """X + beta khat (v^T - khat^T X) with k = h, (v, beta) = value_and_gate(c): where the update runs.
-
-        The kernels normalise h and do the update in fp32 whatever the input dtypes; the new state comes
-        back in X's dtype. When the next reader is a CC compressor, one fused kernel also returns its read
-        (saves a pass over the d x d_v state). Returns (X_new, next x_in or None).
-        """
-        v, beta = self.value_and_gate(c)
+        v, beta = self.value_and_gate(x_in, c)
         kw = dict(eps=DDL_EPS, erase=self.cfg.ddl_erase, backend=self.cfg.backend)
         if next_read is not None and next_read.kind == "ddl-cc":
-            return ddl_update_compress_cc(X, h, v, beta, next_read.weight, **kw)
+            return ddl_update_compress_cc(X, h, v, beta, next_read.cc_weight(), **kw)
         return ddl_update(X, h, v, beta, **kw), None
+
+    def value_and_gate(self, x_in, c):
+        """(v [B, T, d_v], beta [B, T]) in fp32: v = 4 sigmoid(W_v x_in + b_v) of the compressed input
+        before its norm (ddl_v="linear": W_v c) and beta = 2 sigmoid(W_beta c + b_beta)."""
+        beta = 2.0 * torch.sigmoid(fp32_linear(c, self.beta.weight, self.beta.bias)[..., 0])
+        if self.cfg.ddl_v == "linear":
+            return fp32_linear(c, self.v_proj.weight), beta
+        return DDL_V_SCALE * torch.sigmoid(fp32_linear(x_in, self.v_proj.weight, self.v_proj.bias)), beta
 
 
 class Block(nn.Module):
     def __init__(self, cfg):
         super().__init__()
+        if cfg.is_ddl:  # one compressor per block: it reads the stream before attention and before the MLP
+            self.compress = Compressor(cfg)
         self.res_attn = Residual(cfg)
         self.attn = Attention(cfg)
         self.res_mlp = Residual(cfg)
@@ -469,9 +465,10 @@ class Block(nn.Module):
 
     def forward(self, X, x_in=None, pos=0, cache=None, next_read=None):
         """(stream, precomputed input or None) -> the same after attention and MLP (see Residual)."""
-        mlp_read = getattr(self.res_mlp, "compress", None)
-        X, x_in = self.res_attn(X, lambda c: self.attn(c, pos, cache), cache, x_in, mlp_read)
-        return self.res_mlp(X, self.mlp, cache, x_in, next_read)
+        read = getattr(self, "compress", None)
+        attn = lambda c: self.attn(c, pos, cache)
+        X, x_in = self.res_attn(X, attn, read, x_in, next_read=read, cache=cache, slot="attn")
+        return self.res_mlp(X, self.mlp, read, x_in, next_read=next_read, cache=cache, slot="mlp")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -491,29 +488,47 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         if cfg.is_ddl:
             self.readout = Compressor(cfg)
-        self.ln_f = RMSNorm(cfg.n_embd)
+        self.ln_f = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
         self._init_weights()
 
     @torch.no_grad()
     def _init_weights(self):
+        """init="scaled" (the DDL code's, for every row): matrices N(0, 0.5/sqrt(d)), output projections
+        N(0, 0.5/sqrt(d L)), W_beta random, b_v ~ U(+-1/sqrt(d)), compressor convs random; the embedding
+        N(0, 0.02). init="nanogpt": N(0, 0.02), N(0, 0.02/sqrt(2 L)), W_beta = b_v = 0, identity convs.
+        Both: norms 1, reads 1/d_v, EC identity, b_beta = logit(ddl_beta_init / 2), Deltaformer's bias 0."""
         cfg = self.config
         if self.wte.weight.is_meta:  # built on the meta device (to count or to materialise later): no data
             return
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, mean=0.0, std=0.02)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
+        scaled = cfg.init == "scaled"
+        d, L = cfg.n_embd, cfg.n_layer
+        std = INIT_STD_FACTOR / math.sqrt(d) if scaled else EMBED_STD
+        out_std = std / math.sqrt(L) if scaled else EMBED_STD / math.sqrt(2 * L)
+        for name, p in self.named_parameters():
+            if p.dim() >= 2 and name != "ec_conv":
+                nn.init.normal_(p, mean=0.0, std=std)
+        nn.init.normal_(self.wte.weight, mean=0.0, std=EMBED_STD)
         for block in self.blocks:
             for proj in (block.attn.c_proj, block.mlp.c_proj):
-                nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-            if cfg.is_ddl:
-                for res in (block.res_attn, block.res_mlp):
+                nn.init.normal_(proj.weight, mean=0.0, std=out_std)
+            if block.attn.deltaformer:
+                nn.init.zeros_(block.attn.beta.bias)
+            if not cfg.is_ddl:
+                continue
+            if not scaled and block.compress.kind != "ddl":
+                block.compress.conv.copy_(Compressor(cfg).conv)  # identity
+            for res in (block.res_attn, block.res_mlp):
+                p = cfg.ddl_beta_init / 2
+                res.beta.bias.fill_(math.log(p / (1 - p)))
+                if not scaled:
                     nn.init.zeros_(res.beta.weight)
-                    p = cfg.ddl_beta_init / 2
-                    res.beta.bias.fill_(math.log(p / (1 - p)))
+                if res.v_proj.bias is not None:
+                    bound = 1 / math.sqrt(d) if scaled else 0.0
+                    nn.init.uniform_(res.v_proj.bias, -bound, bound)
+        if cfg.is_ddl and not scaled and self.readout.kind != "ddl":
+            self.readout.conv.copy_(Compressor(cfg).conv)
 
     def embed(self, idx, cache=None):
         """The initial stream: emb [B, T, d] (additive) or X0 [B, T, d, d_v] (DDL)."""
@@ -540,7 +555,7 @@ class GPT(nn.Module):
         """The Compressor that reads the DDL state after block i (None for additive)."""
         if not self.config.is_ddl:
             return None
-        return self.blocks[i + 1].res_attn.compress if i + 1 < len(self.blocks) else self.readout
+        return self.blocks[i + 1].compress if i + 1 < len(self.blocks) else self.readout
 
     def hidden_states(self, idx, cache=None):
         """Final-normed features [B, T, d] of tokens idx; with a cache, idx continues the cached sequence."""
@@ -551,7 +566,7 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {pos + T} tokens exceeds block_size {cfg.block_size}")
         X, x_in = self.embed(idx, cache), None
         if cfg.is_ddl:  # the first read here, so every Block gets an x_in (one compiled Block serves all)
-            x_in = self.blocks[0].res_attn.compress(X, cache)
+            x_in = self.blocks[0].compress(X, cache, "attn")
         for i, block in enumerate(self.blocks):
             X, x_in = block(X, x_in, pos, cache, next_read=self.reader_after(i))
         if not cfg.is_ddl:

@@ -113,7 +113,7 @@ def test_bf16_autocast_close_to_fp32():
     res = model.blocks[0].res_attn
     hook = res.register_forward_hook(lambda m, args, out: seen.update(X=out[0].dtype))
     orig = res.value_and_gate
-    res.value_and_gate = lambda c: seen.setdefault("v_beta", orig(c))
+    res.value_and_gate = lambda x_in, c: seen.setdefault("v_beta", orig(x_in, c))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, loss16 = model(idx, targets)
     hook.remove()
@@ -154,13 +154,19 @@ def test_triton_backend_matches_torch_backend(overrides):
 # The DDL sublayer, checked against the formula with values captured at run time
 
 
-def naive_compress(residual, res_module, X):
-    """x_in = compress(X), written out independently of kernels/ddl.py."""
-    comp = res_module.compress
+def naive_compress(residual, comp, X):
+    """x_in = compress(X), written out independently of kernels/ddl.py and of Compressor.cc_weight."""
     if residual == "ddl":
         return X[..., 0]
-    if residual == "ddl-cc":
-        return (X * comp.weight).sum(-1)
+    if residual == "ddl-cc":  # conv along d_v (kernel d_v, left pad (d_v-1)//2, zeros outside), then read
+        dv = X.shape[-1]
+        conv_out = torch.zeros_like(X)
+        for out in range(dv):
+            for tap in range(dv):
+                src = out + tap - (dv - 1) // 2
+                if 0 <= src < dv:
+                    conv_out[..., out] += comp.conv[:, tap] * X[..., src]
+        return (conv_out * comp.read).sum(-1)
     K, T = comp.conv.shape[-1], X.shape[1]
     out = torch.zeros_like(X)
     for t in range(T):
@@ -174,9 +180,9 @@ def naive_compress(residual, res_module, X):
 def capture(model):
     """Per DDL sublayer: X in, X out, the norm's input x_in and output c, the sublayer output h."""
     records, hooks = [], []
-    for m in model.modules():
-        if isinstance(m, Residual):
-            rec = {"module": m}
+    for block in model.blocks:
+        for m in (block.res_attn, block.res_mlp):
+            rec = {"module": m, "compress": block.compress}
             records.append(rec)
             hooks.append(
                 m.register_forward_hook(lambda mod, args, out, r=rec: r.update(X=args[0], X_new=out[0]))
@@ -188,12 +194,12 @@ def capture(model):
     return records, hooks
 
 
-def value(m, c):
-    """v = 4 sigmoid(W_v c + b_v), or W_v c for ddl_v="linear" (no bias then)."""
+def value(m, x_in, c):
+    """v = 4 sigmoid(W_v x_in + b_v) of the norm's input, or W_v c for ddl_v="linear" (no bias then)."""
     if m.cfg.ddl_v == "linear":
         assert m.v_proj.bias is None
         return c @ m.v_proj.weight.T
-    return 4 * torch.sigmoid(c @ m.v_proj.weight.T + m.v_proj.bias)
+    return 4 * torch.sigmoid(x_in @ m.v_proj.weight.T + m.v_proj.bias)
 
 
 @pytest.mark.parametrize(
@@ -202,7 +208,8 @@ def value(m, c):
 )
 def test_ddl_sublayer_matches_formula(residual, erase, ddl_v):
     """Every sublayer: x_in = compress(X), c = RMSNorm(x_in), X' = X + beta khat (v^T - khat^T X) with
-    khat = h/sqrt(|h|^2+eps^2), v = value(c), beta = 2 sigmoid(w.c + b); erase=False: X' = X + beta khat v."""
+    khat = h/sqrt(|h|^2+eps^2), v = value(x_in, c), beta = 2 sigmoid(w.c + b); erase=False: X' = X + beta
+    khat v. The two sublayers of a block read through the same compressor."""
     model = make(tiny(residual=residual, ddl_erase=erase, ddl_v=ddl_v, attention="deltaformer"))
     records, hooks = capture(model)
     with torch.no_grad():
@@ -213,11 +220,13 @@ def test_ddl_sublayer_matches_formula(residual, erase, ddl_v):
     for r in records:
         m, X, X_new, c, h = r["module"], r["X"], r["X_new"], r["c"], r["h"]
         assert X.shape == (2, 11, 32, model.config.ddl_dv)
-        torch.testing.assert_close(r["x_in"], naive_compress(residual, m, X), rtol=1e-12, atol=1e-12)
-        rms = torch.sqrt((r["x_in"] ** 2).mean(-1, keepdim=True) + 1e-6)
+        torch.testing.assert_close(
+            r["x_in"], naive_compress(residual, r["compress"], X), rtol=1e-12, atol=1e-12
+        )
+        rms = torch.sqrt((r["x_in"] ** 2).mean(-1, keepdim=True) + model.config.norm_eps)
         torch.testing.assert_close(c, r["x_in"] / rms * m.norm.weight, rtol=1e-12, atol=1e-12)
         khat = h / torch.sqrt((h * h).sum(-1, keepdim=True) + DDL_EPS**2)
-        v = value(m, c)
+        v = value(m, r["x_in"], c)
         beta = 2 * torch.sigmoid(c @ m.beta.weight[0] + m.beta.bias[0])
         assert beta.std() > 0.01  # the gates really differ per token
         target = v - torch.einsum("btiv,bti->btv", X, khat) if erase else v
@@ -265,7 +274,7 @@ def test_ddl_beta_one_overwrites(residual):
         assert (h * h).sum(-1).min() > 1e-4  # so eps^2/|h|^2 < 1e-6
         khat = h / torch.sqrt((h * h).sum(-1, keepdim=True) + DDL_EPS**2)
         read = torch.einsum("bti,btiv->btv", khat, X_new)
-        v = value(m, c)
+        v = value(m, r["x_in"], c)
         torch.testing.assert_close(read, v, rtol=0, atol=1e-8)
         assert (r["X"] - X_new).abs().max() > 1e-3  # it did write
 
@@ -425,12 +434,12 @@ def expected_params(cfg):
         if cfg.deltaformer_w == "proj":
             attn += d * H * D + D
     per_sublayer = d  # pre-norm weight
-    compressor = 0
+    compressor = 0  # one per block (read before attention and before the MLP) and the readout
     if cfg.residual != "additive":
-        compressor = {"ddl": 0, "ddl-cc": d * dv, "ddl-tc": d * dv * K + dv}[cfg.residual]
+        compressor = {"ddl": 0, "ddl-cc": d * dv + dv, "ddl-tc": d * dv * K + dv}[cfg.residual]
         b_v = dv if cfg.ddl_v == "sigmoid" else 0
-        per_sublayer += compressor + d * dv + b_v + d + 1  # + W_v, b_v, w_beta, b_beta
-    layer = attn + 3 * d * hidden + 2 * per_sublayer
+        per_sublayer += d * dv + b_v + d + 1  # + W_v, b_v, w_beta, b_beta
+    layer = attn + 3 * d * hidden + 2 * per_sublayer + compressor
     total = cfg.vocab_size * d + L * layer + d  # tied embedding, blocks, final norm
     if cfg.residual != "additive":
         total += compressor  # the readout before the final norm
