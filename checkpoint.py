@@ -1,0 +1,202 @@
+"""train.py's run files, out_dir/ckpt.pt and log.jsonl: read and written with one-line errors naming the file.
+
+    from checkpoint import CheckpointError, load_checkpoint, load_model
+    model, ckpt = load_model("out/ckpt.pt", device="cuda")   # GPT in eval mode, the checkpoint dict
+    ckpt = load_checkpoint("out/ckpt.pt")   # model, optimizer, model_args, config, iter_num, ...
+
+Imports torch and model.py only (no training code), so evaluation scripts can use it too.
+
+load_checkpoint unpickles tensors and plain containers only (torch.load with weights_only=True): a
+truncated, empty, random or foreign file raises CheckpointError saying so, never a raw traceback or the
+advice to load it unsafely. save_checkpoint is atomic (temp file, fsync, rename): ckpt.pt is always the
+last complete checkpoint, a failed write removes its temp file, and a full disk is reported in one line
+with the space needed. On resume, log_lines_before keeps the log up to the checkpoint and start_log
+replaces the log with them plus the first new record, atomically too.
+"""
+
+import contextlib
+import errno
+import json
+import os
+import pickle
+import random
+import shutil
+import warnings
+import zipfile
+
+import numpy as np
+import torch
+
+from model import GPT, GPTConfig
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be read or written; the message (one line) names the file."""
+
+
+def load_checkpoint(path, required=("model", "model_args")):
+    """The checkpoint dict at `path` (tensors on the CPU); CheckpointError if it is missing or unreadable."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"no checkpoint at {path}")
+    size = os.path.getsize(path)
+    if size == 0:
+        raise CheckpointError(f"{path}: empty file (0 bytes), not a checkpoint")
+    try:
+        with warnings.catch_warnings():  # torch warns about the pickle protocol of foreign files
+            warnings.simplefilter("ignore")
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(
+            f"{path}: holds objects other than tensors and plain containers; not a checkpoint of train.py "
+            "(refused: unpickling arbitrary objects can run code)"
+        ) from None
+    except EOFError:
+        raise CheckpointError(f"{path}: ends early ({size:,} bytes): truncated or corrupt") from None
+    except RuntimeError as e:  # torch's zip reader: "PytorchStreamReader failed reading zip archive: ..."
+        first = str(e).split(". ")[0].splitlines()[0]
+        raise CheckpointError(f"{path}: truncated or corrupt ({size:,} bytes): {first}") from None
+    except (ValueError, KeyError, IndexError, OSError, zipfile.BadZipFile):  # not torch.save's format
+        raise CheckpointError(f"{path}: not a checkpoint ({size:,} bytes torch.load cannot read)") from None
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"{path}: holds a {type(ckpt).__name__}, not a checkpoint dict")
+    missing = [k for k in required if k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path}: not a checkpoint of train.py (no {', '.join(map(repr, missing))})")
+    return ckpt
+
+
+def model_config(model_args, path="checkpoint"):
+    """The GPTConfig of a checkpoint's model_args; CheckpointError naming `path` if model.py rejects them."""
+    if not isinstance(model_args, dict):
+        raise CheckpointError(f"{path}: model_args is a {type(model_args).__name__}, not a dict")
+    try:
+        return GPTConfig.from_checkpoint(model_args)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: model_args do not fit this model.py: {e}") from None
+
+
+def load_model(path, device="cpu"):
+    """(GPT with the checkpoint's weights, in eval mode on `device`; the checkpoint dict)."""
+    ckpt = load_checkpoint(path)
+    model = GPT(model_config(ckpt["model_args"], path))
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        first = str(e).splitlines()[0]
+        raise CheckpointError(f"{path}: its weights do not fit its model_args: {first}") from None
+    return model.eval().to(device), ckpt
+
+
+def tensor_bytes(obj):
+    """Bytes of all tensors in a nest of dicts, lists and tuples (about the size torch.save writes)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def size_text(n):
+    """Bytes as '1.2 GB', '345 MB', '3.4 MB', '12 KB' or '0 bytes'."""
+    for unit, scale in (("GB", 2**30), ("MB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.{0 if n >= 10 * scale else 1}f} {unit}"
+    return f"{round(n / 2**10)} KB" if n >= 2**10 else f"{n} bytes"
+
+
+def write_error(path, e, need_bytes):
+    """One line for an OSError `e` raised while writing `path` (about need_bytes long)."""
+    directory, name = os.path.split(os.path.abspath(path))
+    need = f"need ~{size_text(need_bytes)} for {name}"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        with contextlib.suppress(OSError):
+            need += f" ({size_text(shutil.disk_usage(directory).free)} free)"
+        return f"no space left on {directory}: {need}"
+    if e.errno == errno.EFBIG:
+        return f"cannot write {path}: over the file size limit (ulimit -f): {need}"
+    return f"cannot write {path}: {e.strerror or e}"
+
+
+def save_checkpoint(ckpt, path):
+    """Write `ckpt` to `path` atomically; on failure remove the temp file and raise CheckpointError."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes on disk before the name says the checkpoint is complete
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        cause = e  # torch.save's zip writer can raise a RuntimeError while handling the write's OSError
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__context__
+        if cause is None:
+            raise
+        kept = f"the previous {os.path.basename(path)} is kept" if os.path.exists(path) else "nothing written"
+        raise CheckpointError(f"{write_error(path, cause, tensor_bytes(ckpt))}; {kept}") from None
+
+
+def rng_state(cuda_device=None):
+    """Python, numpy, torch (and this rank's CUDA device's) RNG states, loadable with weights_only=True."""
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),  # as a tensor
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(cuda_device) if cuda_device is not None else None,
+    }
+
+
+def set_rng_state(state, cuda_device=None):
+    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if cuda_device is not None and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], cuda_device)
+
+
+def log_lines_before(path, iter_num, warn=print):
+    """The lines of the log at `path` that a run resumed at `iter_num` keeps: every record before it
+    and the evaluation at it (a crashed run's later records run again). A cut-short last line (the run
+    stopped while writing it) is dropped with warn(message); any other bad line raises CheckpointError."""
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+    kept = []
+    for n, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+            keep = rec["iter"] < iter_num or ("val_loss" in rec and rec["iter"] == iter_num)
+        except (ValueError, KeyError, TypeError) as e:
+            if not line.strip():
+                continue
+            if n == len(lines) and not line.endswith(b"\n"):
+                warn(f"warning: {path}:{n}: dropped a cut-short last line (a run stopped while writing it)")
+                continue
+            raise CheckpointError(f"{path}:{n}: not a log record ({e}); fix or delete that line") from None
+        if keep:
+            kept.append(line.decode())
+    return kept
+
+
+def start_log(path, lines):
+    """Replace the file at `path` by `lines` atomically; return it opened for appending. On an OSError the
+    temp file is removed and the previous file left as it was."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    return open(path, "a")  # noqa: SIM115 (the caller keeps it open)
