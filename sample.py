@@ -11,12 +11,13 @@ incremental cache (model.generate). --top_k=1 is greedy decoding.
 
 import argparse
 import os
+import re
 import sys
 
 import torch
 
+from checkpoint import CheckpointError, load_model
 from data.tokenizer import get_encoding
-from model import GPT, GPTConfig
 
 
 def parse_args(argv=None):
@@ -38,32 +39,41 @@ def parse_args(argv=None):
         p.error(f"--temperature must be > 0, got {args.temperature}")
     if args.top_k < 0:
         p.error(f"--top_k must be >= 0 (0 = no top-k filter), got {args.top_k}")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        p.error(f"--device must be 'cpu', 'cuda' or 'cuda:N', got {args.device!r}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device={args.device} but CUDA is not available (use --device=cpu)")
     return p, args
 
 
-def load_model(out_dir, device):
-    path = os.path.join(out_dir, "ckpt.pt")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no checkpoint at {path} (train one with train.py, or set --out_dir)")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    model = GPT(GPTConfig(**ckpt["model_args"]))
-    model.load_state_dict(ckpt["model"])
-    return model.eval().to(device), ckpt
+def read_prompt(start):
+    """The prompt text: `start` itself, or the contents of the UTF-8 file it names as FILE:path."""
+    if not start.startswith("FILE:"):
+        return start
+    path = start[len("FILE:") :]
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"--start=FILE:{path}: cannot read the prompt file ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--start=FILE:{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
 
 
 def main(argv=None):
     parser, args = parse_args(argv)
-    try:
-        model, ckpt = load_model(args.out_dir, args.device)
-    except FileNotFoundError as e:
+    try:  # everything that can fail on the user's input first, before the model is loaded
+        start = read_prompt(args.start)
+        enc = get_encoding()
+    except (ValueError, ImportError, OSError) as e:
         parser.error(str(e))
-    start = args.start
-    if start.startswith("FILE:"):
-        with open(start[len("FILE:") :], encoding="utf-8") as f:
-            start = f.read()
-    enc = get_encoding()
+    path = os.path.join(args.out_dir, "ckpt.pt")
+    if not os.path.exists(path):
+        parser.error(f"no checkpoint at {path} (train one with train.py, or set --out_dir)")
+    try:
+        model, ckpt = load_model(path, args.device)
+    except CheckpointError as e:
+        parser.error(str(e))
     ids = enc.encode(start, allowed_special={"<|endoftext|>"})
     vocab_size = model.config.vocab_size
     if not ids:
@@ -71,7 +81,7 @@ def main(argv=None):
     if max(ids) >= vocab_size:
         parser.error(f"the prompt has token ids >= the model's vocab_size ({vocab_size}): {sorted(set(ids))}")
     print(
-        f"# {args.out_dir}/ckpt.pt: iteration {ckpt['iter_num']}, {model.num_params() / 1e6:.2f}M params, "
+        f"# {path}: iteration {ckpt.get('iter_num', '?')}, {model.num_params() / 1e6:.2f}M params, "
         f"{model.config.residual} residual, {model.config.attention} attention",
         file=sys.stderr,
     )

