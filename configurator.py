@@ -12,6 +12,9 @@ a key whose default is None takes any literal. An unknown key fails with the clo
 
 import ast
 import difflib
+import io
+import tokenize
+import traceback
 import types
 
 
@@ -85,7 +88,16 @@ def apply_file(path, config, defaults):
     except OSError as e:
         raise ConfigError(f"cannot read config file '{path}': {e.strerror}") from None
     namespace = dict(config)  # a file may read earlier values, e.g. n_embd = 2 * n_embd
-    exec(compile(source, path, "exec"), namespace)
+    try:
+        code = compile(source, path, "exec")
+    except SyntaxError as e:
+        raise ConfigError(f"config file '{path}', line {e.lineno}: syntax error: {e.msg}") from None
+    try:
+        exec(code, namespace)
+    except Exception as e:
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
+        line = frames[-1].lineno if frames else "?"
+        raise ConfigError(f"config file '{path}', line {line}: {type(e).__name__}: {e}") from None
     new = dict(config)
     for key, value in namespace.items():
         if key.startswith("_") or isinstance(value, (types.ModuleType, types.FunctionType, type)):
@@ -106,3 +118,28 @@ def load_config(defaults, argv):
         else:
             config = apply_file(arg, config, defaults)
     return config
+
+
+def key_help(defaults, sources):
+    """One line per key: `name = default  # comment`, the comment taken from the key's assignment in the
+    source files `sources`, [(path, class name or None for the module level)] (the first one found)."""
+    comments = {}
+    for path, class_name in sources:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        notes = {  # line number -> the comment that ends it
+            tok.start[0]: tok.string.lstrip("#").strip()
+            for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+            if tok.type == tokenize.COMMENT
+        }
+        body = ast.parse(source).body
+        if class_name is not None:
+            body = next((n.body for n in body if isinstance(n, ast.ClassDef) and n.name == class_name), [])
+        for node in body:
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for target in targets:
+                if isinstance(target, ast.Name) and target.id in defaults:
+                    comments.setdefault(target.id, notes.get(node.end_lineno, ""))
+    items = [(f"{key} = {value!r}", comments.get(key, "")) for key, value in defaults.items()]
+    width = max(len(a) for a, _ in items) + 2
+    return "\n".join(f"  {a:<{width}}{'# ' + b if b else ''}".rstrip() for a, b in items)

@@ -89,3 +89,40 @@ def test_check_value_float_key_rejects_bool():
     with pytest.raises(ConfigError):
         check_value("learning_rate", True, 1e-3)
     assert check_value("learning_rate", 3, 1e-3) == 3.0
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("batch_size = 4\nif True\n    batch_size = 8\n", r"bad.py', line 2: syntax error"),
+        ("batch_size = 4\nlearning_rate = 1 / 0\n", r"bad.py', line 2: ZeroDivisionError: division by zero"),
+        ("import os\nbatch_size = int(os.environ['NOPE_NOT_SET'])\n", r"bad.py', line 2: KeyError"),
+    ],
+)
+def test_config_file_that_raises_names_the_file_and_line(tmp_path, source, message):
+    bad = tmp_path / "bad.py"
+    bad.write_text(source)
+    with pytest.raises(ConfigError, match=message):
+        load_config(DEFAULTS, [str(bad)])
+
+
+def test_key_help_lists_defaults_with_the_comment_of_their_assignment(tmp_path):
+    from configurator import key_help
+
+    source = tmp_path / "keys.py"
+    source.write_text(
+        "batch_size = 8  # rows per step\n"
+        "# a block comment is not a key's line\n"
+        "learning_rate = 1e-3\n"
+        "class Config:\n"
+        "    ddl_dv: int | None = None  # None: the variant's default\n"
+    )
+    text = key_help(DEFAULTS, [(str(source), None), (str(source), "Config")])
+    lines = {line.split()[0]: line for line in text.splitlines()}
+    assert set(lines) == set(DEFAULTS)
+    batch, dv = lines["batch_size"], lines["ddl_dv"]
+    assert batch.startswith("  batch_size = 8 ") and batch.endswith("# rows per step")
+    assert dv.startswith("  ddl_dv = None ") and dv.endswith("# None: the variant's default")
+    assert batch.index("#") == dv.index("#")  # the comments in one column
+    assert lines["learning_rate"] == "  learning_rate = 0.001"  # no comment on its line
+    assert lines["betas"] == "  betas = (0.9, 0.95)"
