@@ -19,11 +19,14 @@ run makes the resident memory grow with every page touched (nanoGPT issue #287).
 import numpy as np
 import torch
 
-from data.shards import read_header, read_shard
+from data.shards import ShardError, find_shards, read_header, read_shard
 
 
 class ShardLoader:
-    def __init__(self, files, block_size, seed=0):
+    """vocab_size: every token id of a shard must be below it, checked when the shard is first read
+    (its max, once; a shard of another tokenizer would otherwise fail deep inside the model)."""
+
+    def __init__(self, files, block_size, seed=0, vocab_size=None):
         files = [str(f) for f in files]
         if not files:
             raise ValueError("ShardLoader needs at least one shard file, got an empty list")
@@ -32,6 +35,8 @@ class ShardLoader:
         self.files = files
         self.block_size = block_size
         self.seed = int(seed)
+        self.vocab_size = vocab_size
+        self._checked = set()  # shards whose token range has been checked
         self.shard_tokens = [read_header(f) for f in files]  # validates every shard up front
         # A shard of n tokens holds (n - 1) // block_size windows; shorter ones (e.g. a small last shard)
         # hold none and are skipped, but there must be at least one window in all.
@@ -90,8 +95,22 @@ class ShardLoader:
         buf = np.empty((row_count, self.block_size + 1), dtype=np.int64)
         for s in np.unique(shard):
             tokens = read_shard(self.files[s])  # fresh memmap, released when this loop moves on
+            if self.vocab_size is not None and s not in self._checked:
+                top = int(tokens.max()) if len(tokens) else -1
+                if top >= self.vocab_size:
+                    raise ShardError(
+                        f"{self.files[s]}: token id {top} >= vocab_size {self.vocab_size} (a shard of "
+                        "another tokenizer? prepare the data again, or raise vocab_size)"
+                    )
+                self._checked.add(s)
             for r in np.nonzero(shard == s)[0]:
                 buf[r] = tokens[offset[r] : offset[r] + self.block_size + 1]
             del tokens
         buf = torch.from_numpy(buf)
         return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
+
+
+def shard_loaders(directory, block_size, seed=0, vocab_size=None):
+    """(train, val) ShardLoaders of the shards in `directory` (FileNotFoundError when there are none)."""
+    train_files, val_files = find_shards(directory, "train"), find_shards(directory, "val")
+    return tuple(ShardLoader(f, block_size, seed, vocab_size) for f in (train_files, val_files))

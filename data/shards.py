@@ -92,7 +92,6 @@ def find_shards(directory, split):
     names = sorted(n for n in os.listdir(directory) if pattern.fullmatch(n))
     if not names:
         raise FileNotFoundError(
-            f"no '{split}' shards in {directory} (looked for {split}.bin or *_{split}_NNNNNN.bin); "
-            "prepare them first, e.g. python data/shakespeare.py"
+            f"no '{split}' shards in {directory} (looked for {split}.bin or *_{split}_NNNNNN.bin)"
         )
     return [os.path.join(directory, n) for n in names]

@@ -118,3 +118,32 @@ def test_validation_errors(shards, tmp_path):
     bad.write_bytes(b"junk")
     with pytest.raises(ValueError, match="bad.bin"):
         ShardLoader(files + [str(bad)], T)
+
+
+def test_token_ids_are_checked_against_vocab_size_once_per_shard(tmp_path, monkeypatch):
+    from data import loader as loader_module
+    from data.shards import ShardError
+
+    good, bad = str(tmp_path / "a_train_000000.bin"), str(tmp_path / "a_train_000001.bin")
+    write_shard(good, np.arange(100) % 50)
+    tokens = np.arange(100) % 50
+    tokens[57] = 65535  # e.g. a shard written with another tokenizer
+    write_shard(bad, tokens)
+    ShardLoader([good, bad], T).get_batch(0, 0, 24, 24)  # no vocab_size: no check
+    loader = ShardLoader([good, bad], T, vocab_size=50)
+    with pytest.raises(ShardError, match=r"a_train_000001.bin: token id 65535 >= vocab_size 50"):
+        loader.get_batch(0, 0, 24, 24)  # one epoch: every window, both shards
+    loader = ShardLoader([good], T, vocab_size=50)
+    maxima = []
+    real_read = loader_module.read_shard
+
+    def counting_read(path):
+        tokens = real_read(path)
+        real_max = tokens.max
+        tokens.max = lambda *a, **k: maxima.append(path) or real_max(*a, **k)
+        return tokens
+
+    monkeypatch.setattr(loader_module, "read_shard", counting_read)
+    for step in range(5):
+        loader.get_batch(step, 0, 4, 4)
+    assert maxima == [good]  # the range of a shard is checked the first time it is read, and only then
