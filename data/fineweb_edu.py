@@ -294,6 +294,27 @@ def _write_json_atomic(path, obj):
     os.replace(tmp, path)
 
 
+STATE_KEYS = {"args_hash": str, "shards_done": int, "next_doc": int, "next_offset": int, "tokens": int}
+
+
+def read_state(path):
+    """The state file's dict; ValueError naming the file when it is not valid JSON of the expected shape."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+    except (ValueError, OSError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
+        raise ValueError(
+            f"{path}: corrupt state file ({e}); delete the --out directory's contents to start over"
+        ) from None
+    bad = [k for k, t in STATE_KEYS.items() if not isinstance(state, dict) or not isinstance(state.get(k), t)]
+    if bad or not isinstance(state.get("complete"), bool):
+        raise ValueError(
+            f"{path}: corrupt state file (missing or wrong {', '.join(bad) or 'complete'}); delete the --out "
+            "directory's contents to start over"
+        )
+    return state
+
+
 def prepare(
     out,
     inputs=None,
@@ -333,8 +354,7 @@ def prepare(
         if name.startswith("fineweb_edu_") and ".tmp." in name:
             os.remove(os.path.join(out, name))
     if os.path.exists(state_path):
-        with open(state_path) as f:
-            state = json.load(f)
+        state = read_state(state_path)
         if state.get("args_hash") != args_hash:
             raise ValueError(
                 f"{state_path} was written by a run with different arguments ({state.get('args')}); "
@@ -374,7 +394,9 @@ def prepare(
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(unit=" docs", desc="fineweb-edu", dynamic_ncols=True)
+            # on a terminal, redrawn up to 10 times a second; into a file (a batch job's log), a line a minute
+            tty = sys.stderr.isatty()
+            bar = tqdm(unit=" docs", desc="fineweb-edu", dynamic_ncols=True, mininterval=0.1 if tty else 60)
         buf = np.empty(shard_tokens, dtype=np.uint16)
         fill, tokens_seen, bytes_seen, t0 = 0, 0, 0, time.time()
         for index, tokens, lengths, nbytes in tokenized(tasks, min_int_score, pool, workers):
@@ -399,7 +421,8 @@ def prepare(
             bytes_seen += nbytes
             if bar is not None:
                 mb_s = bytes_seen / 1e6 / max(time.time() - t0, 1e-9)
-                bar.set_postfix_str(f"{tokens_seen:,} tokens, {state['shards_done']} shards, {mb_s:.1f} MB/s")
+                postfix = f"{tokens_seen:,} tokens, {state['shards_done']} shards, {mb_s:.1f} MB/s"
+                bar.set_postfix_str(postfix, refresh=False)  # drawn by update(), at most every mininterval
                 bar.update(len(index))
         if bar is not None:
             bar.close()

@@ -279,3 +279,28 @@ def test_hub_path_streams_through_datasets(monkeypatch, corpus, tmp_path):
     expected = dict(path="HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train", streaming=True)
     assert calls == [expected, expected]
     check_output(out, reference_stream(docs))
+
+
+@pytest.mark.parametrize("content", ['{"args_hash": "ab', "", "[1, 2]", '{"args_hash": "x"}'])
+def test_corrupt_state_file_is_named(corpus, tmp_path, capsys, content):
+    files, _, _ = corpus
+    out = tmp_path / "out"
+    out.mkdir()
+    state = out / fineweb_edu.STATE_NAME
+    state.write_text(content)
+    with pytest.raises(ValueError, match=rf"{state}: corrupt state file"):
+        prepare(str(out), inputs=files, shard_tokens=SHARD, progress=False)
+    with pytest.raises(SystemExit) as e:  # the command line: one line, no traceback
+        fineweb_edu.main(["--out", str(out), "--input", *files, "--shard-tokens", str(SHARD), "--workers=1"])
+    assert str(e.value).startswith(f"error: {state}: corrupt state file")
+
+
+def test_progress_into_a_file_is_throttled(tmp_path, capsys):
+    path = tmp_path / "docs.jsonl"
+    with open(path, "w") as f:  # 40 tasks of 64 documents
+        for i in range(40 * fineweb_edu.BATCH_DOCS):
+            f.write(json.dumps({"text": f"document {i}"}) + "\n")
+    prepare(str(tmp_path / "out"), inputs=[str(path)], shard_tokens=10**6, progress=True)
+    err = capsys.readouterr().err  # not a terminal (captured), like a batch job's log file
+    assert err.count("fineweb-edu:") <= 3, err  # drawn at the start and the end, not once per task
+    assert "fineweb-edu: 2560 docs" in err
