@@ -11,23 +11,28 @@ a line, validation loss as markers of the same colour. A curve is labelled with 
 import argparse
 import json
 import os
+import sys
 
 
 def read_log(path):
     """(train, val): lists of (iter, loss) from a log.jsonl; a bad line raises ValueError naming it."""
     train, val = [], []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if "train_loss" in record:
+                train.append((record["iter"], record["train_loss"]))
+            if "val_loss" in record:
+                val.append((record["iter"], record["val_loss"]))
+        except (ValueError, KeyError, TypeError) as e:
+            if n == len(lines) and not line.endswith(b"\n"):  # being written, or cut short by a crash
+                print(f"warning: {path}:{n}: skipped a cut-short last line", file=sys.stderr)
                 continue
-            try:
-                record = json.loads(line)
-                if "train_loss" in record:
-                    train.append((record["iter"], record["train_loss"]))
-                if "val_loss" in record:
-                    val.append((record["iter"], record["val_loss"]))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: not a train.py log record ({e})") from None
+            raise ValueError(f"{path}:{n}: not a train.py log record ({e})") from None
     return train, val
 
 
@@ -65,9 +70,13 @@ def plot(paths, output, labels=None, smoothing=0.0, ymax=None):
     ax.legend(fontsize=8)
     fig.tight_layout()
     tmp = output + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, output)
+    try:
+        fig.savefig(tmp, dpi=120)
+        os.replace(tmp, output)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):  # a failed write (a full disk) leaves nothing behind
+            os.remove(tmp)
 
 
 def main(argv=None):
@@ -85,10 +94,15 @@ def main(argv=None):
     for path in args.logs:
         if not os.path.isfile(path):
             p.error(f"no such log file: {path}")
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(folder):
+        p.error(f"-o {args.output}: folder {folder} does not exist")
     try:
         plot(args.logs, args.output, args.labels, args.smooth, args.ymax)
     except ValueError as e:
         p.error(str(e))
+    except OSError as e:
+        p.error(f"-o {args.output}: cannot write it ({e.strerror or e})")
     print(f"wrote {args.output}")
 
 

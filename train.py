@@ -1,12 +1,17 @@
 """
 Train a GPT with any residual x attention variant, on one CPU/GPU or with DDP.
 
-    python train.py configs/shakespeare.py                       # 2 CPU cores, a few minutes
-    python train.py configs/gpt2_small.py --residual=ddl-cc      # one GPU
+usage: python train.py [CONFIG.py ...] [--key=value ...]   (config files and overrides apply left to right)
+
+    python data/shakespeare.py && python train.py configs/shakespeare.py    # start here: 2 CPU cores, ~8 min
+    python train.py configs/gpt2_small.py --residual=ddl-cc                 # one GPU
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_small.py
+    python train.py --help                                   # every config key, its default and meaning
 
 Every module-level name in the "config keys" section below, and every GPTConfig field, is a config key:
-set it in a config file (plain Python) or with --key=value (see configurator.py).
+set it in a config file (plain Python) or with --key=value (see configurator.py). A fresh run refuses an
+out_dir that holds a previous run (ckpt.pt or log.jsonl): --init_from=resume continues it,
+--overwrite=True replaces it (its files go when the new run writes its first log record).
 
 Reproducibility contract:
   * global batch `iter_num` is a pure function of (data, seed, iter_num) and holds
@@ -21,6 +26,7 @@ Reproducibility contract:
 import contextlib
 import dataclasses
 import functools
+import inspect
 import json
 import math
 import os
@@ -33,7 +39,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from configurator import ConfigError, load_config
+import checkpoint as ck
+from configurator import ConfigError, key_help, load_config
 from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -41,19 +48,20 @@ _names_before_config = set(globals())
 # -----------------------------------------------------------------------------
 # config keys (defaults); every GPTConfig field is a key too (model shape and variant)
 # I/O
-out_dir = "out"
+out_dir = "out"  # checkpoint (ckpt.pt) and log (log.jsonl) of the run
 init_from = "scratch"  # "scratch" or "resume" (from out_dir/ckpt.pt)
+overwrite = False  # let a fresh run replace a previous run in out_dir (else it refuses to start)
 eval_interval = 250  # evaluate and checkpoint every eval_interval iterations and at the end
 eval_iters = 20  # val loss = mean over val global batches 0..eval_iters-1 (the same ones every time)
 log_interval = 10  # console line every log_interval iterations; log.jsonl gets every iteration
-wandb_log = False
-wandb_project = "ddl"
-wandb_run_name = "run"
+wandb_log = False  # also log to Weights & Biases
+wandb_project = "ddl"  # wandb project name
+wandb_run_name = "run"  # wandb run name
 # data
-dataset = "shakespeare"  # "shakespeare" | "fineweb_edu"
+dataset = "shakespeare"  # "shakespeare" | "fineweb_edu" | "state_tracking"
 data_dir = ""  # "" = data/<dataset> in the repo
 batch_size = 8  # rows per micro-step per rank
-block_size = 1024
+block_size = 1024  # tokens per row (the model's context length; a resumed run keeps the checkpoint's)
 gradient_accumulation_steps = 1  # GLOBAL micro-steps per iteration; divided among the ranks
 # state tracking (dataset="state_tracking", data/state_tracking.py): per-position targets, accuracy
 st_task = "swap"  # "swap" (track n elements under swaps) | "dag" (reachability from node 0)
@@ -61,28 +69,28 @@ st_n = 5  # swap: number of elements
 st_n_nodes = 32  # dag: number of nodes
 st_length = 32  # training sequence length (the curriculum's start)
 st_curriculum = False  # double st_length when val_acc >= st_curriculum_acc, up to st_max_length
-st_curriculum_acc = 0.99
-st_max_length = 256
+st_curriculum_acc = 0.99  # validation accuracy that doubles the curriculum's length
+st_max_length = 256  # the curriculum's longest training length
 st_eval_lengths = (256, 512)  # accuracy at these lengths at the end (512: extrapolation)
 # AdamW, warmup + cosine schedule
-learning_rate = 1e-3
-min_lr = 1e-4
-warmup_iters = 100
+learning_rate = 1e-3  # peak learning rate, after warmup
+min_lr = 1e-4  # learning rate at and after lr_decay_iters
+warmup_iters = 100  # linear warmup from ~0 to learning_rate
 lr_decay_iters = 5000  # cosine from learning_rate (after warmup) to min_lr at lr_decay_iters, then flat
-max_iters = 5000
+max_iters = 5000  # total training iterations
 max_seconds = 0.0  # also stop (evaluate, checkpoint) after this much training wall time; 0 = off
 weight_decay = 0.1  # only on >= 2-D parameters (matrices, embeddings, convolutions)
-betas = (0.9, 0.95)
-grad_clip = 1.0  # 0 = off
+betas = (0.9, 0.95)  # AdamW betas
+grad_clip = 1.0  # clip the global gradient norm to this; 0 = off
 # system
-seed = 1337
+seed = 1337  # initial weights, data order and dropout
 device = "cuda" if torch.cuda.is_available() else "cpu"  # "cpu", "cuda", "cuda:1", ...
 dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast dtype: "bfloat16" | "float32"
 compile = torch.cuda.is_available()  # torch.compile the model
 # compile + DDP: let Dynamo split the graph at DDP's gradient buckets so the all-reduce overlaps the
 # backward (DDPOptimizer). Off: one graph, all-reduce after the backward. Measured on 2 H200s
 # (bench/bench_ddp.py, gpt2-small): the split cost ddl-cc 0.98 -> 0.73 of linear scaling, additive nothing
-ddp_split_graph = False
+ddp_split_graph = False  # compile + DDP: split the graph at DDP's buckets (see above)
 dry_run = False  # print the resolved config and the model size, then exit (needs no data)
 # -----------------------------------------------------------------------------
 _train_keys = [k for k in globals() if k not in _names_before_config and not k.startswith("_")]
@@ -91,6 +99,7 @@ _defaults = {k: globals()[k] for k in _train_keys}
 _defaults.update({f.name: f.default for f in _model_fields})
 DATASETS = ("shakespeare", "fineweb_edu", "state_tracking")
 RUN_FIELDS = ("dropout", "backend")  # GPTConfig fields that a resumed run may change
+USAGE = __doc__.split("Reproducibility")[0].strip()  # printed by --help and without arguments
 
 
 def fail(message):
@@ -101,6 +110,12 @@ def fail(message):
     sys.exit(1)
 
 
+if not sys.argv[1:] or {"-h", "--help"} & set(sys.argv[1:]):  # usage, not a 124M-parameter run on a CPU
+    if not sys.argv[1:]:
+        sys.exit(USAGE)
+    sources = [(__file__, None), (inspect.getsourcefile(GPTConfig), "GPTConfig")]
+    print(f"{USAGE}\n\nconfig keys (default, meaning):\n{key_help(_defaults, sources)}")
+    sys.exit(0)
 try:
     config = load_config(_defaults, sys.argv[1:])
 except ConfigError as e:
@@ -114,15 +129,8 @@ if dataset not in DATASETS:
     fail(f"dataset must be one of {', '.join(DATASETS)}; got {dataset!r}")
 if dtype not in ("float32", "bfloat16"):
     fail(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
-_positive = (
-    "batch_size",
-    "block_size",
-    "gradient_accumulation_steps",
-    "eval_interval",
-    "eval_iters",
-    "log_interval",
-)
-for _key in _positive:
+_positive = ("batch_size", "block_size", "gradient_accumulation_steps", "eval_interval", "eval_iters")
+for _key in (*_positive, "log_interval"):
     if config[_key] < 1:
         fail(f"{_key} must be >= 1, got {config[_key]}")
 for _key in ("max_iters", "warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip"):
@@ -140,6 +148,40 @@ try:  # resolved (e.g. ddl_dv=None -> 4), so model_args round-trips through the 
     )
 except (ValueError, TypeError) as e:
     fail(f"model config: {e}")
+
+# ---- the run directory: resume from it, or refuse to start over a previous run ----
+ckpt_path = os.path.join(out_dir, "ckpt.pt")
+log_path = os.path.join(out_dir, "log.jsonl")
+checkpoint = None
+if init_from == "resume":
+    try:
+        checkpoint = ck.load_checkpoint(ckpt_path, required=("model", "model_args", "optimizer", "iter_num"))
+        # the architecture comes from the checkpoint; dropout and the kernel backend from this run's config
+        resumed = {**checkpoint["model_args"], **{k: model_args[k] for k in RUN_FIELDS if k in model_args}}
+        resumed = dataclasses.asdict(ck.model_config(resumed, ckpt_path))
+    except ck.CheckpointError as e:
+        fail(f"init_from='resume': {e}")
+    changed = {k: (v, resumed[k]) for k, v in model_args.items() if k in resumed and resumed[k] != v}
+    if changed and os.environ.get("RANK", "0") == "0":
+        _values = ", ".join(f"{k}={new!r} (not {old!r})" for k, (old, new) in changed.items())
+        print(f"resume: the model comes from {ckpt_path}: {_values}", flush=True)
+    model_args = resumed
+    block_size = model_args["block_size"]  # the loaders cut rows of the model's length
+elif not dry_run:
+    previous = [p for p in (ckpt_path, log_path) if os.path.isfile(p) and os.path.getsize(p) > 0]
+    if previous and not overwrite:
+        fail(
+            f"{out_dir} holds a previous run ({', '.join(map(os.path.basename, previous))}); continue it "
+            "with --init_from=resume, replace it with --overwrite=True, or choose another --out_dir"
+        )
+
+if dry_run:
+    with torch.device("meta"):  # shapes only: instant, even for the large presets
+        meta_model = GPT(GPTConfig(**model_args))
+    print("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in {**config, **model_args}.items()))
+    print(f"parameters: {meta_model.num_params():,}")
+    print(f"forward+backward FLOPs per token at T={block_size}: {meta_model.flops_per_token(block_size):,}")
+    sys.exit(0)
 
 # ---- distributed setup: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE ----
 ddp = "RANK" in os.environ
@@ -166,16 +208,21 @@ if device_type == "cuda":
     torch.backends.cudnn.allow_tf32 = True
     if dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         fail("dtype='bfloat16' but this GPU does not support bfloat16; use --dtype=float32")
-autocast = (
-    torch.autocast(device_type=device_type, dtype=torch.bfloat16)
-    if dtype == "bfloat16"
-    else contextlib.nullcontext()
-)
+cuda_device = device if device_type == "cuda" else None  # for the CUDA RNG state
+bf16 = dtype == "bfloat16"
+autocast = torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
 def log(*args):
     if master:
         print(*args, flush=True)
+
+
+if master:  # temp files of a run killed while writing them
+    os.makedirs(out_dir, exist_ok=True)
+    for _tmp in (ckpt_path + ".tmp", log_path + ".tmp"):
+        if os.path.exists(_tmp):
+            os.remove(_tmp)
 
 
 # ---- data ----
@@ -198,24 +245,24 @@ def make_loaders():
                 f"for its lengths; got vocab_size {model_args['vocab_size']}, block_size {block_size}"
             )
         return train, val
-    from data.loader import ShardLoader
-    from data.shards import find_shards
+    from data.loader import shard_loaders
 
-    directory = data_dir or os.path.join(REPO, "data", dataset)
     prepare = {"shakespeare": "python data/shakespeare.py", "fineweb_edu": "python data/fineweb_edu.py"}
-    try:
-        train_files, val_files = find_shards(directory, "train"), find_shards(directory, "val")
+    try:  # every token id must be < vocab_size (checked when a shard is first used)
+        directory = data_dir or os.path.join(REPO, "data", dataset)
+        return shard_loaders(directory, block_size, seed=seed, vocab_size=model_args["vocab_size"])
     except FileNotFoundError as e:
         fail(f"{e}\n  dataset={dataset!r}: prepare it first with `{prepare[dataset]}` (or set data_dir)")
-    try:
-        return ShardLoader(train_files, block_size, seed=seed), ShardLoader(val_files, block_size, seed=seed)
     except ValueError as e:
         fail(f"dataset={dataset!r}: {e}")
 
 
 def micro_batch(loader, step, m):
     """This rank's m-th micro-batch of global batch `step`, on the CPU."""
-    return loader.get_batch(step, (m * world_size + rank) * batch_size, batch_size, global_rows)
+    try:
+        return loader.get_batch(step, (m * world_size + rank) * batch_size, batch_size, global_rows)
+    except ValueError as e:  # e.g. a shard with token ids >= vocab_size, named in the message
+        fail(f"dataset={dataset!r}: {e}")
 
 
 def to_device(t):
@@ -231,35 +278,15 @@ def all_reduce_sum(t):
 
 
 # ---- model, optimizer, resume ----
-ckpt_path = os.path.join(out_dir, "ckpt.pt")
-checkpoint = None
-if init_from == "resume":
-    if not os.path.exists(ckpt_path):
-        fail(f"init_from='resume' but there is no checkpoint at {ckpt_path}")
-    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-    # the architecture comes from the checkpoint; dropout and the kernel backend from this run's config
-    resumed_args = {**checkpoint["model_args"], **{k: model_args[k] for k in RUN_FIELDS if k in model_args}}
-    changed = {k: v for k, v in model_args.items() if resumed_args.get(k) != v}
-    if changed:
-        log(f"resume: the model comes from the checkpoint; ignoring config values {changed}")
-    model_args = resumed_args
-
-if dry_run:
-    with torch.device("meta"):  # shapes only: instant, even for the large presets
-        meta_model = GPT(GPTConfig(**model_args))
-    log("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in config.items()))
-    log(f"parameters: {meta_model.num_params():,}")
-    log(f"forward+backward FLOPs per token at T={block_size}: {meta_model.flops_per_token(block_size):,}")
-    if ddp:
-        dist.destroy_process_group()
-    sys.exit(0)
-
 random.seed(seed)
 np.random.seed(seed)
 torch.manual_seed(seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
 raw_model = GPT(GPTConfig(**model_args))
 if checkpoint is not None:
-    raw_model.load_state_dict(checkpoint["model"])
+    try:
+        raw_model.load_state_dict(checkpoint["model"])
+    except RuntimeError as e:
+        fail(f"{ckpt_path}: its weights do not fit its model_args: {str(e).splitlines()[0]}")
 raw_model.to(device)
 train_loader, val_loader = make_loaders()
 
@@ -287,34 +314,12 @@ eval_model = model  # evaluation skips DDP: no gradients to sync
 if ddp:
     model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
 
-
-# ---- RNG state (per rank) for exact resume ----
-def rng_state():
-    np_state = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        # numpy's key array as a tensor, so torch.load(weights_only=True) can read the checkpoint
-        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state(device) if device_type == "cuda" else None,  # this rank's GPU only
-    }
-
-
-def set_rng_state(state):
-    random.setstate(state["python"])
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
-    if device_type == "cuda" and state["cuda"] is not None:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 random.seed(seed + rank)
 np.random.seed(seed + rank)
 torch.manual_seed(seed + rank)  # per-rank randomness from here on (dropout)
 if checkpoint is not None:
     if len(checkpoint["rng"]) == world_size:
-        set_rng_state(checkpoint["rng"][rank])
+        ck.set_rng_state(checkpoint["rng"][rank], cuda_device)
     else:
         log(
             f"resume: checkpoint has RNG states of {len(checkpoint['rng'])} ranks, not {world_size}: reseeded"
@@ -322,13 +327,11 @@ if checkpoint is not None:
     del checkpoint
 
 
-def save_checkpoint():
-    """Atomic: write ckpt.pt.tmp, fsync, rename; a crash leaves the previous checkpoint intact."""
-    states = [None] * world_size
+def save():
+    """ckpt.pt, atomically; a failed write (full disk) stops the run and leaves the previous one intact."""
+    states = [ck.rng_state(cuda_device)] * world_size
     if ddp:
-        dist.all_gather_object(states, rng_state())
-    else:
-        states[0] = rng_state()
+        dist.all_gather_object(states, states[rank])
     if not master:
         return
     ckpt = {
@@ -341,12 +344,10 @@ def save_checkpoint():
         "st_length": getattr(train_loader, "length", None),  # state-tracking curriculum position
         "rng": states,
     }
-    tmp = ckpt_path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(ckpt, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, ckpt_path)
+    try:
+        ck.save_checkpoint(ckpt, ckpt_path)
+    except ck.CheckpointError as e:
+        fail(f"iteration {iter_num}: {e}")
 
 
 # ---- schedule, evaluation, one training iteration ----
@@ -448,21 +449,12 @@ def peak_flops():
     return None
 
 
-log_path = os.path.join(out_dir, "log.jsonl")
-if master:
-    os.makedirs(out_dir, exist_ok=True)
-    kept = []
-    if init_from == "resume" and os.path.exists(log_path):
-        # drop what a crashed run logged after its last checkpoint: those iterations run again now
-        with open(log_path) as f:
-            for line in f:
-                rec = json.loads(line)
-                if rec["iter"] < iter_num or ("val_loss" in rec and rec["iter"] == iter_num):
-                    kept.append(line)
-    with open(log_path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(log_path + ".tmp", log_path)
-    log_file = open(log_path, "a")  # noqa: SIM115 (open for the whole run)
+log_file, log_kept = None, []  # the previous log's lines that a resumed run keeps
+if master and init_from == "resume":
+    try:
+        log_kept = ck.log_lines_before(log_path, iter_num, warn=log)
+    except ck.CheckpointError as e:
+        fail(f"{e} to resume")
 wandb = None
 if wandb_log and master:
     try:
@@ -473,11 +465,27 @@ if wandb_log and master:
 
 
 def write_log(record):
-    if master:
-        log_file.write(json.dumps(record) + "\n")
-        log_file.flush()
-        if wandb is not None:
-            wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
+    """Append a record to log.jsonl; until the first one, a previous run's files stay as they were."""
+    global log_file
+    if not master:
+        return
+    line = json.dumps(record) + "\n"
+    try:
+        if log_file is None:  # the first record: only now is a previous run's log replaced
+            if init_from == "scratch" and os.path.exists(ckpt_path):
+                os.remove(ckpt_path)  # --overwrite=True: the previous run's checkpoint goes with its log
+            log_file = ck.start_log(log_path, log_kept + [line])
+        else:
+            log_file.write(line)
+            log_file.flush()
+    except OSError as e:
+        fail(ck.write_error(log_path, e, len(line) + sum(map(len, log_kept))))
+    if wandb is not None:
+        wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
+
+
+def hms(seconds):
+    return f"{int(seconds // 3600)}:{int(seconds % 3600 // 60):02d}:{int(seconds % 60):02d}"
 
 
 peak = peak_flops()
@@ -493,6 +501,7 @@ log(
 
 # ---- training loop ----
 resumed_at = iter_num if init_from == "resume" else None
+timed_from = iter_num + 2  # the ETA leaves out this process's first iterations (compilation, warm-up)
 dt_avg = None
 train_start = time.time()  # for max_seconds (counts this process only, not earlier resumed runs)
 while True:
@@ -506,7 +515,7 @@ while True:
         log(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         write_log({"iter": iter_num, **metrics})
         if iter_num > 0:
-            save_checkpoint()
+            save()
     if iter_num >= max_iters:
         break
 
@@ -527,29 +536,19 @@ while True:
     if device_type == "cuda":
         torch.cuda.synchronize()
     dt = time.time() - t0
-    if iter_num > (resumed_at or 0):  # the first iteration includes compilation and warm-up
+    if iter_num >= timed_from:
         dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
     # state tracking trains at the curriculum's length, not block_size
     length = train_loader.length if dataset == "state_tracking" else block_size
     tok_per_s = global_rows * length / dt
     mfu = flops_per_token(length) * tok_per_s / (peak * world_size) if peak else None
-    write_log(
-        {
-            "iter": iter_num,
-            "train_loss": train_loss,
-            "lr": lr,
-            "tok_per_s": tok_per_s,
-            "grad_norm": grad_norm,
-            "dt_ms": 1000 * dt,
-            "mfu": mfu,
-        }
-    )
+    record = dict(iter=iter_num, train_loss=train_loss, lr=lr, tok_per_s=tok_per_s, grad_norm=grad_norm)
+    write_log({**record, "dt_ms": 1000 * dt, "mfu": mfu})
     if iter_num % log_interval == 0:
-        eta = (max_iters - iter_num - 1) * (dt_avg or dt)
+        eta = hms((max_iters - iter_num - 1) * dt_avg) if dt_avg is not None else "-"
         log(
             f"iter {iter_num}: loss {train_loss:.4f}, lr {lr:.2e}, {tok_per_s:,.0f} tok/s, "
-            f"mfu {f'{100 * mfu:.1f}%' if mfu is not None else '-'}, {1000 * dt:.0f} ms, "
-            f"eta {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}"
+            f"mfu {f'{100 * mfu:.1f}%' if mfu is not None else '-'}, {1000 * dt:.0f} ms, eta {eta}"
         )
     iter_num += 1
     if max_seconds:
@@ -570,7 +569,8 @@ if device_type == "cuda":
     log(f"peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
 log(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f}, checkpoint {ckpt_path}")
 if master:
-    log_file.close()
+    if log_file is not None:
+        log_file.close()
     if wandb is not None:
         wandb.finish()
 if ddp:

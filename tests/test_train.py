@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -67,13 +68,27 @@ def env():
     return e
 
 
-def train(out_dir, data_dir, *args, nproc=1, check=True, extra_env=None):
+def train(out_dir, data_dir, *args, nproc=1, check=True, extra_env=None, file_size_limit=None):
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd = launcher + ["train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out_dir}", *args]
+    limit = None
+    if file_size_limit is not None:  # RLIMIT_FSIZE: writing past it fails with EFBIG, as a full disk would
+
+        def limit():
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
     result = subprocess.run(
-        cmd, cwd=REPO, env={**env(), **(extra_env or {})}, capture_output=True, text=True, timeout=240
+        cmd,
+        cwd=REPO,
+        env={**env(), **(extra_env or {})},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        preexec_fn=limit,
     )
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{result.stdout}\n{result.stderr}")
@@ -312,3 +327,250 @@ def test_readme_variant_table_overrides_are_valid():
         _, loss = GPT(cfg)(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
         assert torch.isfinite(loss)
     assert len(seen) == len(overrides)  # every row is a different model
+
+
+# ---- what a user hits: previous runs, bad files, full disks (each error one line, nothing lost) ----
+
+
+def file_bytes(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], result.stderr
+
+
+def test_fresh_run_refuses_a_previous_run_and_overwrite_replaces_it(tmp_path, data_dir):
+    out = str(tmp_path / "out")
+    train(out, data_dir, "--max_iters=3", "--eval_interval=3")
+    ckpt, log = file_bytes(os.path.join(out, "ckpt.pt")), file_bytes(os.path.join(out, "log.jsonl"))
+    refused = train(out, data_dir, "--max_iters=3", "--eval_interval=3", check=False)
+    assert_one_line_error(refused, "holds a previous run", "--init_from=resume", "--overwrite=True")
+    # asked to overwrite, a run that fails before logging anything (a shard with ids >= vocab_size at
+    # the first batch) still leaves the previous run as it was
+    crashed = train(out, data_dir, "--overwrite=True", "--vocab_size=32", check=False)
+    assert_one_line_error(crashed, "val.bin", "token id", ">= vocab_size 32")
+    assert file_bytes(os.path.join(out, "ckpt.pt")) == ckpt
+    assert file_bytes(os.path.join(out, "log.jsonl")) == log
+    train(out, data_dir, "--max_iters=2", "--eval_interval=100", "--overwrite=True")
+    records, train_loss, val_loss = read_log(out)
+    assert sorted(train_loss) == [0, 1] and sorted(val_loss) == [0, 2] and len(records) == 4
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 2
+
+
+def test_help_lists_every_key_and_no_arguments_prints_usage(tmp_path):
+    def run(*args):
+        cmd = [sys.executable, os.path.join(REPO, "train.py"), *args]
+        return subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)
+
+    for flag in ("--help", "-h"):
+        result = run(flag)
+        assert result.returncode == 0, result.stderr
+        assert "usage: python train.py" in result.stdout and "configs/shakespeare.py" in result.stdout
+        lines = {line.split()[0]: line for line in result.stdout.splitlines() if " = " in line}
+        assert "eval_interval = 250" in lines["eval_interval"]
+        assert "evaluate and checkpoint" in lines["eval_interval"]  # the key's comment in train.py
+        assert "vocab_size = 50304" in lines["vocab_size"] and "GPT-2" in lines["vocab_size"]
+        assert "overwrite = False" in lines["overwrite"]
+        assert {"learning_rate", "dry_run", "residual", "ddl_dv", "attention"} <= set(lines)
+    bare = run()
+    assert bare.returncode != 0 and "usage: python train.py" in bare.stderr and "--help" in bare.stderr
+    assert "Traceback" not in bare.stderr
+    assert os.listdir(tmp_path) == []  # no run started, no ./out
+
+
+def test_resume_takes_block_size_from_the_checkpoint(tmp_path, data_dir):
+    out = str(tmp_path / "out")
+    train(out, data_dir, "--max_iters=3", "--eval_interval=3")
+    result = train(out, data_dir, "--max_iters=5", "--init_from=resume", "--block_size=8")
+    assert "block_size=16 (not 8)" in result.stdout
+    assert "micro-steps of 4 x 16" in result.stdout  # the loaders cut rows of the model's length
+    _, train_loss, _ = read_log(out)
+    assert sorted(train_loss) == list(range(5))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random", "empty"])
+def test_corrupt_checkpoint_is_one_line_naming_it(tmp_path, data_dir, damage):
+    out = str(tmp_path / "out")
+    train(out, data_dir, "--max_iters=2", "--eval_interval=2")
+    path = os.path.join(out, "ckpt.pt")
+    good = file_bytes(path)
+    bad = {"truncated": good[: len(good) // 2], "random": os.urandom(4096), "empty": b""}[damage]
+    with open(path, "wb") as f:
+        f.write(bad)
+    result = train(out, data_dir, "--max_iters=4", "--init_from=resume", check=False)
+    assert_one_line_error(result, path)
+    assert "weights_only" not in result.stderr
+
+
+def test_torn_last_log_line_is_dropped_and_other_bad_lines_are_named(tmp_path, data_dir):
+    out = str(tmp_path / "out")
+    train(out, data_dir, "--max_iters=4", "--eval_interval=2")
+    log_path = os.path.join(out, "log.jsonl")
+    good = file_bytes(log_path)
+    with open(log_path, "ab") as f:
+        f.write(b'{"iter": 4, "train_lo')  # a crash in the middle of writing a record
+    result = train(out, data_dir, "--max_iters=6", "--eval_interval=2", "--init_from=resume")
+    assert "log.jsonl:8: dropped a cut-short last line" in result.stdout
+    records, train_loss, _ = read_log(out)  # every line parses again
+    assert sorted(train_loss) == list(range(6))
+    lines = good.split(b"\n")
+    lines[2] = b"garbage"
+    with open(log_path, "wb") as f:
+        f.write(b"\n".join(lines))
+    result = train(out, data_dir, "--max_iters=8", "--eval_interval=2", "--init_from=resume", check=False)
+    assert_one_line_error(result, "log.jsonl:3: not a log record")
+
+
+def test_token_ids_beyond_vocab_size_name_the_shard(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    tokens = counting_tokens(4_000, 0)
+    tokens[1234] = 65535  # a shard of another tokenizer
+    write_shard(str(d / "train.bin"), tokens)
+    write_shard(str(d / "val.bin"), counting_tokens(2_000, 1))
+    result = train(str(tmp_path / "out"), str(d), "--max_iters=2", check=False)
+    assert_one_line_error(result, "train.bin: token id 65535 >= vocab_size 64")
+
+
+def test_missing_val_shards_hint_once_and_dry_run_shows_resolved_values(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    write_shard(str(d / "train.bin"), counting_tokens(2_000, 0))
+    result = train(str(tmp_path / "out"), str(d), "--max_iters=2", check=False)
+    assert result.returncode != 0 and "no 'val' shards" in result.stderr
+    assert result.stderr.count("prepare") == 1, result.stderr
+    cmd = [sys.executable, "train.py", "--residual=ddl-cc", "--dry_run=True", "--device=cpu"]
+    dry = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 0 and "ddl_dv = 4" in dry.stdout and "ddl_dv = None" not in dry.stdout
+
+
+def test_config_file_errors_name_the_file_and_line(tmp_path, data_dir):
+    cases = [("a = 1\nif True\n", "line 2: syntax error"), ("x = 1\ny = 1 / 0\n", "line 2: ZeroDivision")]
+    for source, message in cases:
+        path = tmp_path / "config.py"
+        path.write_text(source)
+        result = train(str(tmp_path / "out"), data_dir, str(path), check=False)
+        assert_one_line_error(result, f"config file '{path}', {message}")
+
+
+def test_eta_leaves_out_the_first_iterations(tmp_path, data_dir):
+    result = train(str(tmp_path / "out"), data_dir, "--max_iters=6", "--log_interval=1")
+    etas = [line.split("eta ")[1] for line in result.stdout.splitlines() if line.startswith("iter ")]
+    assert etas[:2] == ["-", "-"]  # compilation and warm-up would make it meaningless
+    assert all(e.count(":") == 2 for e in etas[2:]) and len(etas) == 6
+
+
+@pytest.mark.parametrize("micro_steps", [2, 4])
+def test_accumulated_gradients_equal_one_step_over_the_global_batch(tmp_path, data_dir, micro_steps):
+    # the global batch of 8 rows as 2 x 4 or 4 x 2 micro-steps: the first update's gradient (read back from
+    # Adam's first moment, m = (1 - beta1) g) and the logged norm must be those of the mean loss over all 8
+    out = str(tmp_path / "out")
+    args = [f"--batch_size={8 // micro_steps}", f"--gradient_accumulation_steps={micro_steps}"]
+    train(out, data_dir, "--max_iters=1", "--eval_interval=1", "--grad_clip=0", *args)
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    grad_norm = [r["grad_norm"] for r in read_log(out)[0] if "grad_norm" in r][0]
+
+    from data.loader import ShardLoader
+
+    torch.manual_seed(1337)  # train.py's seed: the same initial weights
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    loader = ShardLoader([os.path.join(data_dir, "train.bin")], 16, seed=1337)
+    x, y = loader.get_batch(0, 0, 8, 8)
+    model(x, y)[1].backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    expected_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])).item()
+    assert grad_norm == pytest.approx(expected_norm, rel=1e-5)
+    state = ckpt["optimizer"]["state"]  # indexed in the order of train.py's two parameter groups
+    order = [p for p in params if p.dim() >= 2] + [p for p in params if p.dim() < 2]
+    assert len(state) == len(order)
+    for index, p in enumerate(order):
+        torch.testing.assert_close(state[index]["exp_avg"] / (1 - 0.9), p.grad, rtol=1e-4, atol=1e-8)
+
+
+def test_checkpoint_over_the_file_size_limit_keeps_the_previous_one(tmp_path, data_dir):
+    pytest.importorskip("resource")
+    out = str(tmp_path / "out")
+    train(out, data_dir, "--max_iters=2", "--eval_interval=2")
+    ckpt_path = os.path.join(out, "ckpt.pt")
+    good = file_bytes(ckpt_path)
+    for stale in ("ckpt.pt.tmp", "log.jsonl.tmp"):  # left by a run killed while writing them
+        with open(os.path.join(out, stale), "wb") as f:
+            f.write(b"partial")
+    args = ["--max_iters=4", "--eval_interval=2", "--init_from=resume"]
+    result = train(out, data_dir, *args, file_size_limit=len(good) // 2, check=False)
+    assert_one_line_error(result, ckpt_path, "file size limit", "need ~", "previous ckpt.pt is kept")
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]  # no temp file left behind
+    assert file_bytes(ckpt_path) == good
+    train(out, data_dir, *args)  # the kept checkpoint resumes
+    _, train_loss, val_loss = read_log(out)
+    assert sorted(train_loss) == list(range(4)) and sorted(val_loss) == [0, 2, 4]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (a real full disk); skipped where mounting one is not allowed."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    cmd = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)]
+    try:
+        mounted = subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
+    except OSError:
+        mounted = False
+    if not mounted:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", str(mount)], capture_output=True, timeout=30)
+
+
+def fill(directory, leave):
+    """Grow directory/filler until at most `leave` bytes are free."""
+    with open(os.path.join(directory, "filler"), "ab") as f:
+        try:
+            while shutil.disk_usage(directory).free > leave:
+                f.write(b"\0" * min(4096, shutil.disk_usage(directory).free - leave))
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_full_disk_is_one_line_and_the_last_checkpoint_stays(small_disk, data_dir):
+    out = str(small_disk / "out")
+    train(out, data_dir, "--max_iters=2", "--eval_interval=2")
+    ckpt_path, log_path = os.path.join(out, "ckpt.pt"), os.path.join(out, "log.jsonl")
+    good, log = file_bytes(ckpt_path), file_bytes(log_path)
+    fill(small_disk, leave=len(good) // 4)
+    args = ["--max_iters=4", "--eval_interval=2", "--init_from=resume"]
+    result = train(out, data_dir, *args, check=False)  # the log fits; the checkpoint at 4 does not
+    assert_one_line_error(result, f"no space left on {out}: need ~", "for ckpt.pt", "free")
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"] and file_bytes(ckpt_path) == good
+    fill(small_disk, leave=0)
+    result = train(out, data_dir, *args, check=False)  # now not even the log's first record fits
+    assert_one_line_error(result, f"no space left on {out}", "log.jsonl")
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"] and file_bytes(ckpt_path) == good
+    assert file_bytes(log_path).startswith(log)  # what the previous run logged up to its checkpoint
+    os.remove(small_disk / "filler")
+    train(out, data_dir, *args)
+    _, train_loss, val_loss = read_log(out)
+    assert sorted(train_loss) == list(range(4)) and sorted(val_loss) == [0, 2, 4]
+
+
+def test_plot_logs_missing_output_folder_and_torn_last_line(tmp_path, capsys):
+    import plot_logs
+
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"iter": 0, "train_loss": 2.0}\n{"iter": 1, "train_loss": 1.9}\n{"iter": 2, "train_l')
+    assert plot_logs.read_log(str(log)) == ([(0, 2.0), (1, 1.9)], [])  # a run still writing, or crashed
+    assert "log.jsonl:3: skipped a cut-short last line" in capsys.readouterr().err
+    missing = tmp_path / "missing" / "loss.png"
+    with pytest.raises(SystemExit):
+        plot_logs.main([str(log), "-o", str(missing)])
+    err = capsys.readouterr().err
+    assert f"folder {tmp_path / 'missing'} does not exist" in err and "Traceback" not in err
+    assert os.listdir(tmp_path) == ["log.jsonl"]
