@@ -1,29 +1,36 @@
-"""Train every state-tracking config (swap, n = 5) with train.py and print one results table.
+"""Train the state-tracking configs (swaps of n = 5; DAG reachability) with train.py; print result tables.
 
-    python bench/run_state_tracking.py --seconds 180            # on the GPU: all configs at once
-    python bench/run_state_tracking.py --seconds 20 --only df-softmax-k,tf-1 --extra="--device=cpu"
+    python bench/run_state_tracking.py --seconds 210                 # on the GPU: every task and config
+    python bench/run_state_tracking.py --tasks swap --only df-linear-k,tf-1 --seconds 20 --extra=--device=cpu
 
-Configs: configs/state_tracking.py plus the overrides in CONFIGS below (1-layer Deltaformers over the
-first-stage kernels x w in {k, q}; softmax Transformers with 1, 2, 4 layers; same width). Every run gets
-the same training time budget (train.py's max_seconds), then train.py evaluates per-position accuracy on
-held-out sequences of length 256 and 512 (512: the curriculum stops at 256, so that is extrapolation).
+Configs: configs/state_tracking.py plus, per task, the overrides in TASKS, and per model those in MODELS:
+1-layer Deltaformers over the first-stage kernels {softmax, relu, linear} x w in {k, q, proj}; softmax
+Transformers with 1, 2, 4 layers; same width. A run is named <task>/<model>; --only takes model names (for
+every selected task) or run names. Every run gets the same training time budget (train.py's
+max_seconds), then train.py evaluates per-position accuracy on held-out sequences:
+- swap: curriculum from length 32 (doubled at 99% held-out accuracy) up to 256; accuracy at 256 and 512
+  (512: beyond the curriculum, extrapolation);
+- dag: 32 nodes (30 edges, 61 tokens), a separator, then queries; trained at length 93 (32 queries),
+  accuracy over the queries at 93 and 189 (128 queries: positions beyond training).
 
 The models are tiny, so one of them leaves an H200 mostly idle (launch-bound): by default all runs go at
-once, one process each, sharing the GPU; the table says so. --parallel 1 runs them one after another.
+once, one process each, sharing the GPU; the table says so. --parallel N runs N at a time. A run still
+going --deadline seconds after the first start is killed (its row says so), so the command ends in time.
 
 Before training, a subprocess checks the Triton Deltaformer path against the PyTorch path (bf16 inputs
 as under autocast, forward and backward, every first-stage kernel, keys RMS-normed as in the model and
 beta in the reflection regime) and times both; the Deltaformer runs use Triton only if it agrees and is
 faster, else --backend=torch (--backend forces one). The outcome is in the table header.
 
-Writes to --out (default $OUT, else out-state-tracking-bench): results.md (the table), logs.jsonl (every
-log.jsonl record, tagged with its config), stdout.txt (every run's console output). Checkpoints stay in
---work.
+Writes to --out (default $OUT, else out-state-tracking-bench): results.md (the tables, with the command,
+GPU and versions), logs.jsonl (every log.jsonl record, tagged with its run), stdout.txt (every run's
+console output). Checkpoints stay in --work.
 """
 
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -33,17 +40,26 @@ sys.path.insert(0, REPO)
 
 from common import atomic_write, versions  # noqa: E402  (bench/common.py, this script's folder)
 
-CONFIGS = [  # (name, overrides of configs/state_tracking.py)
-    ("df-softmax-k", ["--attention=deltaformer", "--deltaformer_kernel=softmax", "--deltaformer_w=k"]),
-    ("df-softmax-q", ["--attention=deltaformer", "--deltaformer_kernel=softmax", "--deltaformer_w=q"]),
-    ("df-relu-k", ["--attention=deltaformer", "--deltaformer_kernel=relu", "--deltaformer_w=k"]),
-    ("df-relu-q", ["--attention=deltaformer", "--deltaformer_kernel=relu", "--deltaformer_w=q"]),
-    ("df-linear-k", ["--attention=deltaformer", "--deltaformer_kernel=linear", "--deltaformer_w=k"]),
-    ("df-linear-q", ["--attention=deltaformer", "--deltaformer_kernel=linear", "--deltaformer_w=q"]),
+DF = ["--attention=deltaformer", "--n_layer=1"]
+MODELS = [  # (name, overrides of configs/state_tracking.py)
+    *[
+        (f"df-{kernel}-{w}", [*DF, f"--deltaformer_kernel={kernel}", f"--deltaformer_w={w}"])
+        for kernel in ("softmax", "relu", "linear")
+        for w in ("k", "q", "proj")
+    ],
     ("tf-1", ["--attention=softmax", "--n_layer=1"]),
     ("tf-2", ["--attention=softmax", "--n_layer=2"]),
     ("tf-4", ["--attention=softmax", "--n_layer=4"]),
 ]
+TASKS = {  # name: (title, overrides of configs/state_tracking.py, the curriculum's target length or None)
+    "swap": ("swap, n = 5", [], 256),
+    "dag": (
+        "DAG reachability, 32 nodes",
+        ["--st_task=dag", "--st_n_nodes=32", "--vocab_size=33", "--st_length=93", "--st_curriculum=False"]
+        + ["--st_eval_lengths=(93,189)"],
+        None,
+    ),
+}
 
 CHECK_TRITON = r"""
 import time, torch
@@ -54,12 +70,13 @@ rms = lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))
 emb = torch.randn(10, D, device="cuda")
 for kernel in ("softmax", "relu", "linear"):
     for T in (32, 256):
-        # inputs as in the model: RMS-normed keys of 10 token types, w = k, and beta near 2 / (s |k|^2)
-        # = 0.25, where one token's update is a reflection: the regime swap tracking needs
+        # inputs as in the model: RMS-normed keys of 10 token types, w = k, and beta near 2 (softmax rows
+        # sum to 1; relu / linear kappa(k, k) = 1 on unit keys), where one token's update is a reflection:
+        # the regime swap tracking needs
         k = rms(emb[torch.randint(0, 10, (B, H, T), device="cuda")])
         q, v = rms(torch.randn_like(k)), torch.randn_like(k)
         x = [t.bfloat16() for t in (q, k, v, k)]
-        beta = 0.2 + 0.1 * torch.rand(B, H, T, device="cuda")
+        beta = 1.8 + 0.2 * torch.rand(B, H, T, device="cuda")
         grads, times = [], []
         for backend in ("torch", "triton"):
             ins = [t.clone().requires_grad_() for t in x] + [beta.clone().requires_grad_()]
@@ -100,53 +117,77 @@ def read_log(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def summarise(name, command, records, wall):
+def summarise(name, command, records, wall, target):
     train = [r for r in records if "train_loss" in r]
     evals = [r for r in records if "val_acc" in r]
     final = next((r for r in reversed(records) if r.get("final")), {})
-    reached = [r["iter"] for r in evals if r.get("st_length", 0) >= 256]
     row = {
         "config": name,
         "iters": final.get("iter", len(train)),
         "train_s": f"{sum(r['dt_ms'] for r in train) / 1000:.0f}",
         "wall_s": f"{wall:.0f}",
-        "len": str(max((r["st_length"] for r in evals), default="-")),
-        "256_at": str(reached[0]) if reached else "-",
         "command": command,
     }
+    if target:  # the curriculum: the last training length, and the iteration that reached the target
+        reached = [r["iter"] for r in evals if r.get("st_length", 0) >= target]
+        row["len"] = str(max((r["st_length"] for r in evals), default="-"))
+        row["target_at"] = str(reached[0]) if reached else "-"
     for key, value in final.items():  # val_acc@256, val_acc_last@512, ...: accuracies in %
         if key.startswith("val_acc"):
             row[key[len("val_") :]] = f"{100 * value:.1f}"
     return row
 
 
-COLUMNS = [
-    ("config", "config"),
-    ("iters", "iters"),
-    ("train_s", "train s"),
-    ("wall_s", "wall s"),
-    ("len", "final train len"),
-    ("256_at", "iter len 256 reached"),
-]
-
-
-def table(rows):
+def table(rows, target):
+    columns = [("config", "config"), ("iters", "iters"), ("train_s", "train s"), ("wall_s", "wall s")]
+    if target:
+        columns += [("len", "final train len"), ("target_at", f"iter len {target} reached")]
     lengths = sorted({int(k.split("@")[1]) for r in rows for k in r if k.startswith("acc@")})
-    columns = COLUMNS + [
+    columns += [
         c for L in lengths for c in ((f"acc@{L}", f"acc@{L} %"), (f"acc_last@{L}", f"last-pos acc@{L} %"))
     ]
     lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(r.get(k, "-")) for k, _ in columns) + " |" for r in rows]
-    lines += ["", "Commands (from the repository root):", ""]
+    lines += ["", "Commands (from the repository root; the bench adds --out_dir):", ""]
     lines += [f"- {r['config']}: `{r['command']}`" for r in rows]
     return "\n".join(lines)
 
 
+def select(tasks, only):
+    """[(run name, task, train.py overrides)] of the selected tasks and models."""
+    wanted = {n for n in only.split(",") if n}
+    runs = [
+        (f"{task}/{model}", task, [*TASKS[task][1], *overrides])
+        for task in tasks
+        for model, overrides in MODELS
+        if not wanted or model in wanted or f"{task}/{model}" in wanted
+    ]
+    known = {m for m, _ in MODELS} | {f"{t}/{m}" for t in tasks for m, _ in MODELS}
+    unknown = sorted(wanted - known)
+    if unknown:
+        sys.exit(f"run_state_tracking: unknown config(s) {unknown}; known models: {[m for m, _ in MODELS]}")
+    return runs
+
+
+def stop(proc):
+    """Terminate a run that overran the deadline (kill if it ignores that for 10 s)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tasks", default="swap,dag", help=f"comma-separated, of {list(TASKS)}")
     p.add_argument("--seconds", type=float, default=180.0, help="training time budget per config")
     p.add_argument("--parallel", type=int, default=0, help="runs at once (0 = all)")
-    p.add_argument("--only", default="", help="comma-separated config names (default: all)")
+    p.add_argument(
+        "--deadline", type=float, default=0.0, help="kill runs after this many s (0: seconds + 300)"
+    )
+    p.add_argument("--only", default="", help="comma-separated model or run names (default: all)")
     p.add_argument("--extra", default="", help="more train.py overrides for every run, space-separated")
     p.add_argument("--out", default=os.environ.get("OUT") or "out-state-tracking-bench")
     p.add_argument("--work", default="out-state-tracking-runs", help="out_dir parent of the runs")
@@ -156,42 +197,46 @@ def main():
     p.add_argument("--check-timeout", type=float, default=60.0, help="seconds for the Triton check")
     args = p.parse_args()
 
-    known = dict(CONFIGS)
-    names = [n for n in args.only.split(",") if n] or [n for n, _ in CONFIGS]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        sys.exit(f"run_state_tracking: unknown config(s) {unknown}; known: {list(known)}")
+    tasks = [t for t in args.tasks.split(",") if t]
+    if not tasks or any(t not in TASKS for t in tasks):
+        sys.exit(f"run_state_tracking: --tasks must name some of {list(TASKS)}, got {args.tasks!r}")
+    runs = select(tasks, args.only)
+    deadline = args.deadline or args.seconds + 300
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.work, exist_ok=True)
 
     import torch
 
-    header = [versions()]
+    command = shlex.join(["python", "bench/run_state_tracking.py", *sys.argv[1:]])
+    header = [f"Command: `{command}`", versions()]
     backend = [f"--backend={args.backend}"]
+    deltaformer = lambda overrides: "--attention=deltaformer" in overrides  # noqa: E731
     if args.backend != "check":
         header.append(f"Deltaformer stage 1: --backend={args.backend} (forced)")
     elif not torch.cuda.is_available():
         backend = ["--backend=torch"]
         header.append("Deltaformer stage 1: PyTorch path (no CUDA)")
-    elif any(known[n][0] == "--attention=deltaformer" for n in names):
+    elif any(deltaformer(overrides) for _, _, overrides in runs):
         use_triton, note = check_triton(timeout=args.check_timeout)
         backend = ["--backend=triton" if use_triton else "--backend=torch"]
         header.append(f"Deltaformer stage 1: {note}")
-    parallel = args.parallel or len(names)
+    parallel = args.parallel or len(runs)
     header.append(
-        f"{len(names)} configs, {parallel} at a time on one device, {args.seconds:.0f} s training budget each"
+        f"{len(runs)} runs, {parallel} at a time on one device, {args.seconds:g} s training budget each, "
+        f"killed after {deadline:g} s"
     )
     print("\n".join(header), flush=True)
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    pending, running, done = list(names), {}, {}
+    pending, running, done = list(runs), {}, {}
+    first = time.time()
     while pending or running:
         while pending and len(running) < parallel:
-            name = pending.pop(0)
+            name, task, overrides = pending.pop(0)
             out_dir = os.path.join(args.work, name)
             os.makedirs(out_dir, exist_ok=True)
-            cmd = ["python", "train.py", "configs/state_tracking.py", *known[name]]
-            cmd += backend if known[name][0] == "--attention=deltaformer" else []
+            cmd = ["python", "train.py", "configs/state_tracking.py", *overrides]
+            cmd += backend if deltaformer(overrides) else []
             cmd += [f"--max_seconds={args.seconds:g}", *args.extra.split()]
             log = open(os.path.join(out_dir, "stdout.txt"), "w")  # noqa: SIM115 (closed when it ends)
             proc = subprocess.Popen(
@@ -200,30 +245,39 @@ def main():
             running[name] = (proc, log, time.time(), " ".join(cmd))
             print(f"started {name}: {' '.join(cmd)}", flush=True)
         time.sleep(1.0)
-        for name, (proc, log, t0, command) in list(running.items()):
+        for name, (proc, log, t0, cmd) in list(running.items()):
+            killed = proc.poll() is None and time.time() - first > deadline
+            if killed:
+                stop(proc)
             if proc.poll() is not None:
                 log.close()
-                done[name] = (proc.returncode, time.time() - t0, command)
+                status = "killed at the deadline" if killed else f"exit {proc.returncode}"
+                done[name] = (status, time.time() - t0, cmd)
                 del running[name]
-                print(f"finished {name}: exit {proc.returncode} after {time.time() - t0:.0f} s", flush=True)
+                print(f"finished {name}: {status} after {time.time() - t0:.0f} s", flush=True)
 
-    rows, all_records, stdout = [], [], []
-    for name in names:
-        rc, wall, command = done[name]
-        out_dir = os.path.join(args.work, name)
-        with open(os.path.join(out_dir, "stdout.txt")) as f:
-            text = f.read()
-        stdout.append(f"===== {name} (exit {rc}): {command}\n{text}")
-        log_path = os.path.join(out_dir, "log.jsonl")
-        records = read_log(log_path) if os.path.exists(log_path) else []
-        all_records += [json.dumps({"config": name, **r}) for r in records]
-        row = summarise(name, command, records, wall)
-        if rc != 0:
-            row["config"] += f" (exit {rc})"
-        rows.append(row)
+    sections, all_records, stdout = [], [], []
+    for task in tasks:
+        title, _, target = TASKS[task]
+        rows = []
+        for name, run_task, _ in runs:
+            if run_task != task:
+                continue
+            status, wall, cmd = done[name]
+            out_dir = os.path.join(args.work, name)
+            with open(os.path.join(out_dir, "stdout.txt")) as f:
+                stdout.append(f"===== {name} ({status}): {cmd}\n{f.read()}")
+            log_path = os.path.join(out_dir, "log.jsonl")
+            records = read_log(log_path) if os.path.exists(log_path) else []
+            all_records += [json.dumps({"config": name, **r}) for r in records]
+            row = summarise(name, cmd, records, wall, target)
+            if status != "exit 0":
+                row["config"] += f" ({status})"
+            rows.append(row)
+        sections += [f"## {title}", "", table(rows, target), ""]
 
-    result = "\n".join(["# State tracking: swap, n = 5", "", *[f"- {h}" for h in header], "", table(rows)])
-    atomic_write(os.path.join(args.out, "results.md"), result + "\n")
+    result = "\n".join(["# State tracking", "", *[f"- {h}" for h in header], "", *sections])
+    atomic_write(os.path.join(args.out, "results.md"), result)
     atomic_write(os.path.join(args.out, "logs.jsonl"), "\n".join(all_records) + "\n")
     atomic_write(os.path.join(args.out, "stdout.txt"), "\n".join(stdout))
     print("\n" + result, flush=True)

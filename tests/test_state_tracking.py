@@ -1,5 +1,7 @@
 """data/state_tracking.py against independent naive simulations (explicit lists, graph search)."""
 
+import json
+import os
 import subprocess
 import sys
 
@@ -222,3 +224,64 @@ def test_train_curriculum_and_exact_resume(tmp_path):
     resumed = _train(tmp_path / "split", "--max_iters=12", "--init_from=resume")
     losses = lambda recs: [(r["iter"], r["train_loss"]) for r in recs if "train_loss" in r]  # noqa: E731
     assert losses(resumed) == losses(full)
+
+
+def _bench(tmp_path, *args, extra=""):
+    cmd = [
+        sys.executable,
+        "bench/run_state_tracking.py",
+        f"--out={tmp_path / 'out'}",
+        f"--work={tmp_path / 'w'}",
+    ]
+    extra = (
+        "--device=cpu --dtype=float32 --n_embd=32 --n_head=1 --head_dim=16 --batch_size=4 --eval_iters=1 "
+        + extra
+    )
+    r = subprocess.run([*cmd, *args, f"--extra={extra}"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout, (tmp_path / "out" / "results.md").read_text()
+
+
+def test_bench_configs():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import run_state_tracking as bench
+
+    names = [m for m, _ in bench.MODELS]
+    assert len(names) == 12 and len(set(names)) == 12  # 3 kernels x 3 w, and 1, 2, 4-layer Transformers
+    for kernel in ("softmax", "relu", "linear"):
+        for w in ("k", "q", "proj"):
+            assert f"df-{kernel}-{w}" in names
+    runs = bench.select(["swap", "dag"], "df-linear-k,dag/tf-4")
+    assert [r[0] for r in runs] == ["swap/df-linear-k", "dag/df-linear-k", "dag/tf-4"]
+    assert "--st_task=dag" in runs[1][2] and "--deltaformer_w=k" in runs[1][2]
+    with pytest.raises(SystemExit, match="unknown config"):
+        bench.select(["swap"], "df-linear-x")
+
+
+@pytest.mark.slow
+def test_bench_runs_both_tasks_on_cpu(tmp_path):
+    # the GPU command's code path on the CPU at a tiny width: two iterations per run, both tasks' tables
+    out, results = _bench(
+        tmp_path, "--tasks=swap,dag", "--only=df-linear-k", "--seconds=0", extra="--max_iters=2"
+    )
+    assert out.rstrip().endswith(results.rstrip().splitlines()[-1])  # the tables are printed at the end
+    assert "## swap, n = 5" in results and "## DAG reachability, 32 nodes" in results
+    assert "Command: `python bench/run_state_tracking.py --out=" in results and "torch " in results
+    for name in ("swap/df-linear-k", "dag/df-linear-k"):
+        row = next(line for line in results.splitlines() if line.startswith(f"| {name} |"))
+        assert "(exit" not in row and "killed" not in row
+        assert row.split(" | ")[1] == "2"  # iterations
+    dag_row = next(line for line in results.splitlines() if line.startswith("| dag/df-linear-k |"))
+    assert len(dag_row.split(" | ")) == 8  # no curriculum columns; accuracy at 93 and 189 (all, last)
+    records = [json.loads(line) for line in (tmp_path / "out" / "logs.jsonl").read_text().splitlines()]
+    finals = {r["config"]: r for r in records if r.get("final")}
+    assert set(finals) == {"swap/df-linear-k", "dag/df-linear-k"}
+    assert {"val_acc@256", "val_acc@512"} <= set(finals["swap/df-linear-k"])
+    assert {"val_acc@93", "val_acc_last@189"} <= set(finals["dag/df-linear-k"])
+
+
+def test_bench_deadline_kills(tmp_path):
+    out, results = _bench(
+        tmp_path, "--tasks=swap", "--only=tf-1", "--seconds=0", "--deadline=1", extra="--max_iters=100000"
+    )
+    assert "| swap/tf-1 (killed at the deadline) |" in results
