@@ -5,9 +5,26 @@ Math (q, k, v, w: [B, H, T, D]; beta: [B, H, T]; s = scale, default 1/sqrt(D)):
     stage 1 (delta rule over the past):  u_i = v_i - beta_i * sum_{j<i} kappa(w_i, k_j) u_j,  u_0 = v_0
     stage 2 (causal softmax attention):  o_i = sum_{j<=i} softmax_{j<=i}(s q_i.k_j) u_j
 
-kappa is the first-stage kernel: "softmax" = softmax over j<i of s w_i.k_j, "relu" = relu(s w_i.k_j),
-"linear" = s w_i.k_j. In matrix form stage 1 is a unit lower-triangular solve,
-U = (I + diag(beta) A)^-1 V with A_ij = kappa(w_i, k_j) for j < i and 0 elsewhere.
+kappa is the first-stage kernel: "softmax" = softmax over j<i of s w_i.k_j; "relu" = relu(w^_i.k^_j) and
+"linear" = w^_i.k^_j with unit vectors w^ = w / |w|, k^ = k / |k| (|.| guarded below by NORM_EPS) and scale 1.
+In matrix form stage 1 is a unit lower-triangular solve, U = (I + diag(beta) A)^-1 V with
+A_ij = kappa(w_i, k_j) for j < i and 0 elsewhere. Stage 2 always takes q and k as given, with scale s.
+
+Why relu and linear are normalised: with S_i = sum_{j<=i} u_j k^_j^T, u_i = v_i - beta_i S_{i-1} w^_i and
+S_i = S_{i-1} (I - beta_i w^_i k^_i^T) + v_i k^_i^T. For linear kappa and w = k this is DeltaNet; its
+transition I - beta k^ k^^T has eigenvalues 1 and 1 - beta: norm <= 1 for beta in [0, 2], so
+|S_i| <= |S_{i-1}| + |v_i| (no exponential growth). Unnormalised, the model's RMS-normed keys have
+s k.k = sqrt(D): the eigenvalue along k is 1 - beta sqrt(D) (-7 at D = 64, beta = 1) and u overflows by
+T = 512. With w != k nothing bounds u: the eigenvalue 1 - beta w^.k^ reaches 1 + beta where w and k point
+apart (linear; relu's kappa >= 0 avoids that one). Unrelated w and k grow |u| about (1 + beta^2 / D)^(T / 2);
+a 2-layer model at init with linear kappa and w a projection overflowed fp32 at T = 1024 on some inputs.
+
+The public functions (`deltaformer_reference`, `deltaformer_u_torch`, `deltaformer_u_triton`,
+`deltaformer_step`, `deltaformer_attention`) take the raw k and w; their `scale` is softmax kappa's score
+scale (and stage 2's, where they have one), which relu and linear ignore in stage 1. The normalisation
+(`_inv_norm`) is PyTorch, autograd gives its backward: `stage1_keys` forms the unit vectors for the
+reference, the PyTorch path and the decoding step; `deltaformer_u_triton` folds the same norms into beta,
+v and u around the kernels, which score `scale * w.k` of whatever they are given.
 
 Three implementations of the same function:
 - `deltaformer_reference`: the per-token loop, the spec in code (any dtype; tests use float64).
@@ -24,6 +41,28 @@ import torch.nn.functional as F
 
 KERNELS = ("softmax", "relu", "linear")
 BACKENDS = ("auto", "torch", "triton")
+NORM_EPS = 1e-6  # relu / linear stage 1: x^ = x / max(|x|, NORM_EPS)
+
+
+def _inv_norm(x):
+    """1 / max(|x|, NORM_EPS) over the last dim, [..., 1], in fp32 (or x's wider dtype)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    return 1.0 / x.to(acc).norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
+
+
+def stage1_keys(k, w, kernel, scale, dtype=None):
+    """(k, w, s) as stage 1 scores them, in dtype (default k's): softmax kappa takes k and w as given with
+    s = scale; relu and linear take unit vectors k^, w^ with s = 1 (w^ is k^ itself when w is k)."""
+    dtype = k.dtype if dtype is None else dtype
+    if kernel == "softmax":
+        return k.to(dtype), w.to(dtype), scale
+    k_hat = _unit(k, dtype)
+    return k_hat, (k_hat if w is k else _unit(w, dtype)), 1.0
+
+
+def _unit(x, dtype):
+    r = _inv_norm(x)
+    return (x.to(r.dtype) * r).to(dtype)
 
 
 def _check_inputs(q, k, v, w, beta, kernel):
@@ -61,16 +100,18 @@ def _kappa_rows(scores, valid, kernel):
 
 
 def deltaformer_reference(q, k, v, w, beta, kernel="softmax", scale=None):
-    """Per-token loop over T: u_i from all earlier u_j, then causal softmax attention of q over (k, u)."""
+    """Per-token loop over T: u_i from all earlier u_j, then causal softmax attention of q over (k, u).
+    scale: stage 2's and softmax kappa's (default 1/sqrt(D))."""
     _check_inputs(q, k, v, w, beta, kernel)
     T, D = q.shape[-2], q.shape[-1]
     s = 1.0 / math.sqrt(D) if scale is None else scale
+    k1, w1, s1 = stage1_keys(k, w, kernel, s)
     us = []
     for i in range(T):
         if i == 0:
             us.append(v[:, :, 0])
             continue
-        scores = s * torch.einsum("bhd,bhjd->bhj", w[:, :, i], k[:, :, :i])
+        scores = s1 * torch.einsum("bhd,bhjd->bhj", w1[:, :, i], k1[:, :, :i])
         if kernel == "softmax":
             a = torch.softmax(scores, dim=-1)
         elif kernel == "relu":
@@ -88,13 +129,15 @@ def deltaformer_reference(q, k, v, w, beta, kernel="softmax", scale=None):
 
 
 def deltaformer_u_torch(k, v, w, beta, kernel="softmax", scale=None, chunk=64):
-    """Stage 1 in PyTorch, chunk by chunk: U = (I + diag(beta) A)^-1 V. Returns u [B, H, T, D]."""
+    """Stage 1 in PyTorch, chunk by chunk: U = (I + diag(beta) A)^-1 V. Returns u [B, H, T, D].
+    scale: softmax kappa's (default 1/sqrt(D)); relu and linear ignore it (`stage1_keys`)."""
     T, D = k.shape[-2], k.shape[-1]
     s = 1.0 / math.sqrt(D) if scale is None else scale
     out_dtype = v.dtype
     # bf16/fp16 run in fp32 (solve_triangular has no half-precision kernels; the recurrence wants fp32).
     acc = torch.promote_types(v.dtype, torch.float32)
-    k, v, w, beta = (x.to(acc) for x in (k, v, w, beta))
+    k, w, s = stage1_keys(k, w, kernel, s, acc)
+    v, beta = v.to(acc), beta.to(acc)
     pos = torch.arange(T, device=k.device)
     u_chunks = []
     for r0 in range(0, T, chunk):
@@ -117,7 +160,8 @@ def deltaformer_step(q_t, k_t, v_t, w_t, beta_t, k_cache, u_cache, kernel="softm
     """One decoding step with a cache of the S earlier keys and u's (S may be 0).
 
     q_t, k_t, v_t, w_t: [B, H, 1, D]; beta_t: [B, H, 1]; k_cache, u_cache: [B, H, S, D].
-    Returns (o_t, u_t), both [B, H, 1, D]; the caller appends k_t and u_t to its caches.
+    Returns (o_t, u_t), both [B, H, 1, D]; the caller appends k_t and u_t to its caches (raw k_t: stage 1
+    normalises the keys itself for relu and linear). scale: stage 2's and softmax kappa's (default 1/sqrt(D)).
     """
     _check_inputs(q_t, k_t, v_t, w_t, beta_t, kernel)
     if q_t.shape[2] != 1:
@@ -139,7 +183,8 @@ def deltaformer_step(q_t, k_t, v_t, w_t, beta_t, k_cache, u_cache, kernel="softm
         u_t = v_t
     else:
         acc = torch.promote_types(v_t.dtype, torch.float32)  # bf16/fp16 caches: accumulate in fp32
-        scores = s * (w_t.to(acc) @ k_cache.to(acc).transpose(-1, -2))  # [B, H, 1, S]
+        k1, w1, s1 = stage1_keys(k_cache, w_t, kernel, s, acc)
+        scores = s1 * (w1 @ k1.transpose(-1, -2))  # [B, H, 1, S]
         if kernel == "softmax":
             a = torch.softmax(scores, dim=-1)
         elif kernel == "relu":
@@ -155,7 +200,8 @@ def deltaformer_step(q_t, k_t, v_t, w_t, beta_t, k_cache, u_cache, kernel="softm
 
 
 def deltaformer_attention(q, k, v, w, beta, kernel="softmax", scale=None, backend="auto"):
-    """Deltaformer attention, differentiable in q, k, v, w, beta. Returns o [B, H, T, D]."""
+    """Deltaformer attention, differentiable in q, k, v, w, beta. Returns o [B, H, T, D].
+    scale: stage 2's and softmax kappa's (default 1/sqrt(D))."""
     if backend not in BACKENDS:
         raise ValueError(f"deltaformer_attention: backend must be one of {BACKENDS}, got {backend!r}")
     _check_inputs(q, k, v, w, beta, kernel)
@@ -978,7 +1024,9 @@ def deltaformer_u_triton(k, v, w, beta, kernel="softmax", scale=None, chunk=64, 
     chunk: rows per tile (power of two, 16..128). lowp: half-precision operands in the non-recurrent
     O(T^2) products of the backward (default: when the inputs are bf16/fp16). rec: precision of the
     recurrence's inter-chunk products for half inputs, one of RECS (default DEFAULT_REC). Both are
-    benchmark knobs (bench/bench_attention.py --variants); fp32 inputs ignore them.
+    benchmark knobs (bench/bench_attention.py --variants); fp32 inputs ignore them. scale: softmax kappa's
+    (default 1/sqrt(D)); relu and linear ignore it: their kappa is that of unit k, w at scale 1, the norms
+    folded into beta, v and u in PyTorch around the kernels (below).
     """
     if not _HAS_TRITON:
         raise ValueError("deltaformer: backend='triton' needs the triton package; use backend='torch'")
@@ -993,6 +1041,23 @@ def deltaformer_u_triton(k, v, w, beta, kernel="softmax", scale=None, chunk=64, 
     s = 1.0 / math.sqrt(k.shape[-1]) if scale is None else float(scale)
     half = v.dtype != torch.float32
     lowp = half if lowp is None else bool(lowp) and half
+    if kernel == "softmax":
+        return _u_stage(k, v, w, beta, kernel, s, chunk, lowp, rec)
+    # relu / linear: kappa(w_i, k_j) = r_i kappa(w_i.k_j) c_j with r = 1 / |w|, c = 1 / |k| (`_inv_norm`),
+    # so u = U~ / c with U~ the solution for the raw k, w at scale 1, v~ = c v and beta~ = beta r c (fp32):
+    # the kernels score the inputs exactly. Unit vectors rounded to bf16 instead have kappa(k, k) =
+    # 1 +- ~1e-3, which the reflection regime amplified to ~8e-3 of u at T = 512 (vs 1.7e-3 here: u's own
+    # rounding); what remains is the rounding of v~, ~4e-4 of u before its final rounding.
+    c = _inv_norm(k)
+    r = c if w is k else _inv_norm(w)
+    v_t = (v.to(c.dtype) * c).to(v.dtype)
+    beta_t = beta.to(c.dtype) * (r * c)[..., 0]
+    u_t = _u_stage(k, v_t, w, beta_t, kernel, 1.0, chunk, lowp, rec)
+    return (u_t.to(c.dtype) / c).to(v.dtype)
+
+
+def _u_stage(k, v, w, beta, kernel, scale, chunk, lowp, rec):
+    """The Triton stage 1 of exactly these inputs (`scale * w.k` scores), differentiable."""
     if EAGER_CUSTOM_OP or torch.compiler.is_compiling():
-        return _u_fwd_op(k, v, w, beta, kernel, s, chunk, lowp, rec)[0]
-    return _UStage.apply(k, v, w, beta, kernel, s, chunk, lowp, rec)
+        return _u_fwd_op(k, v, w, beta, kernel, scale, chunk, lowp, rec)[0]
+    return _UStage.apply(k, v, w, beta, kernel, scale, chunk, lowp, rec)
