@@ -147,3 +147,12 @@ def test_start_log_replaces_atomically(tmp_path):
     with open(path) as f:
         assert f.read() == "a\nb\nc\n"
     assert os.listdir(tmp_path) == ["log.jsonl"]
+
+
+def test_a_checkpoint_of_an_older_model_py_is_named(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    ckpt = checkpoint()
+    old_args = {k: v for k, v in ckpt["model_args"].items() if k not in ("init", "norm_eps")}
+    torch.save({**ckpt, "model_args": old_args}, path)
+    with pytest.raises(CheckpointError, match=r"ckpt.pt: model_args do not fit this model.py: .*older"):
+        load_model(path)
