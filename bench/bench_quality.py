@@ -57,6 +57,7 @@ ROWS = {  # name -> GPTConfig overrides; the README's variant table
     "deltaformer-linear": dict(attention="deltaformer", deltaformer_kernel="linear"),
     "ddl-cc+deltaformer": dict(residual="ddl-cc", attention="deltaformer"),
 }
+PARALLEL = {"shakespeare": 10, "corpus": 6}  # runs at a time: ~9-11 GB and ~12-20 GB each on the GPU
 DEFAULT_ROWS = {
     "shakespeare": [r for r in ROWS if r != "ddl-cc-bf16-state"],
     "corpus": ["additive", "ddl", "ddl-tc", "ddl-cc", "ddl-cc-bf16-state", "deltaformer-softmax"],
@@ -172,7 +173,7 @@ def main(argv=None):
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
     p.add_argument("--out", default="out-quality", help="runs go to OUT/<setting>/<row>-s<seed>")
     p.add_argument("--data-dir", help="corpus: the shard folder (data/fineweb_edu.py --out)")
-    p.add_argument("--parallel", type=int, default=4, help="runs at a time on the one GPU")
+    p.add_argument("--parallel", type=int, help="runs at a time on the one GPU (default: what fits an H200)")
     p.add_argument("--max-seconds", type=float, default=0.0, help="stop each run after this training time")
     p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more train.py config keys")
     p.add_argument("--table", nargs="*", help="only print the table of the runs under these folders")
@@ -193,7 +194,7 @@ def main(argv=None):
                         out_dir,
                     )
                 )
-        launch_all(jobs, args.parallel)
+        launch_all(jobs, args.parallel or PARALLEL[args.setting])
     text = "\n".join(
         [
             f"command: `python bench/bench_quality.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
