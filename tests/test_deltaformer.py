@@ -433,15 +433,59 @@ def test_in_chunk_inverse_against_torch(C):
     assert rel_err(u, u_ref) < 1e-5
 
 
+def patch_interpreter_dots(setattr):
+    """Make Triton's CPU interpreter (3.9) round and multiply as an H100/H200 does. Its create_dot
+    multiplies bfloat16 operands as their raw uint16 bit patterns (garbage) and ignores input_precision
+    (fp32 operands always exact); its fp32 -> bf16 cast truncates (the GPU rounds to nearest even).
+    Patched: bf16 operands decoded to fp32; fp32 operands truncated to tf32 (10 explicit mantissa bits)
+    for "tf32", split hi + lo (tf32 each, three products) for "tf32x3"; fp32 accumulation; fp32 -> bf16
+    casts round to nearest even. Must run before any kernel is launched; setattr: pytest's
+    monkeypatch.setattr (undone after the test)."""
+    import numpy as np
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    cast_impl = InterpreterBuilder.cast_impl
+
+    def decode(h):
+        if h.dtype.scalar.name == "bf16":  # stored as uint16
+            return (h.data.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        return h.data.astype(np.float32)
+
+    def trunc_tf32(x):
+        return (x.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        both32 = a.dtype.scalar.name == "fp32" and b.dtype.scalar.name == "fp32"
+        x, y = decode(a), decode(b)
+        mode = str(input_precision).rsplit(".", 1)[-1].upper()
+        if both32 and mode == "TF32":
+            out = np.matmul(trunc_tf32(x), trunc_tf32(y))
+        elif both32 and mode == "TF32X3":
+            x_hi, y_hi = trunc_tf32(x), trunc_tf32(y)
+            x_lo, y_lo = trunc_tf32(x - x_hi), trunc_tf32(y - y_hi)
+            out = np.matmul(x_hi, y_lo) + np.matmul(x_lo, y_hi) + np.matmul(x_hi, y_hi)
+        else:
+            out = np.matmul(x, y)
+        return TensorHandle(out.astype(d.data.dtype) + d.data, d.dtype.scalar)
+
+    def rne_cast(self, src, dst_type):
+        if src.dtype.scalar.name == "fp32" and dst_type.scalar.name == "bf16":
+            bits = src.data.astype(np.float32).view(np.uint32)
+            bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            return TensorHandle(bits.astype(np.uint16), dst_type.scalar)  # (no NaN/inf inputs here)
+        return cast_impl(self, src, dst_type)
+
+    setattr(InterpreterBuilder, "create_dot", create_dot)
+    setattr(InterpreterBuilder, "cast_impl", rne_cast)
+    setattr(InterpreterBuilder, "create_fp_trunc", rne_cast)
+
+
 @pytest.fixture
 def gpu_like_bf16_interpreter(monkeypatch):
-    """The CPU interpreter with tl.dot and bf16 casts as on an H100/H200 (bf16 operands decoded, fp32
-    operands truncated to tf32 for "tf32", round-to-nearest-even casts): unpatched, Triton 3.9's
-    interpreter multiplies bf16 bit patterns as integers. Undone after the test."""
+    """The CPU interpreter with tl.dot and bf16 casts as on an H100/H200 (`patch_interpreter_dots`).
+    Undone after the test."""
     if torch.cuda.is_available():
         pytest.skip("interpreter only")
-    from bench.bf16_error_attribution import patch_interpreter_dots
-
     patch_interpreter_dots(monkeypatch.setattr)
 
 
@@ -473,21 +517,21 @@ def test_gpu_like_interpreter_dots(gpu_like_bf16_interpreter):
     assert torch.equal(rounded, a.to(torch.bfloat16))
 
 
+BF16_DKDW = "known defect: bf16 operands of dA, dK and dW (lowp=True) in the reflection regime"
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("lowp", [True, False])
 def test_triton_bf16_u_stage_reflection(kernel, lowp, gpu_like_bf16_interpreter, request):
     # bf16 u-stage alone (its own outputs u, dk, dv, dw, dbeta; du given) in the reflection regime, on the
-    # CPU with GPU-like dots; bench/bf16_error_attribution.py --triton gives the same numbers as its float64
-    # emulation of the kernel. The defect: bf16 operands in dA = -(beta G) u^T and in dK = s dS^T W,
-    # dW = s dS K (lowp=True, the default) cost relu/linear 2.3e-2 here (T = 512), softmax 9.4e-3; with
-    # tf32 operands (lowp=False) all are <= 4.3e-3 (relu / linear: 3.4e-3 before their normalisation,
-    # whose fold rounds v / |k| to bf16).
+    # CPU with GPU-like dots (deterministic: the inputs come from the seeded generator). The known defect:
+    # bf16 operands in dA = -(beta G) u^T and in dK = s dS^T W, dW = s dS K (lowp=True, the default) cost
+    # relu/linear 2.2e-2..2.3e-2 in dk and dw here (T = 512), softmax 9.4e-3 (passes, close to the bound);
+    # with tf32 operands (lowp=False) all are <= 4.3e-3.
     from kernels.deltaformer import deltaformer_u_triton
 
-    if (
-        lowp and kernel != "softmax"
-    ):  # softmax passes here, close to the bound (9.4e-3; emulation 9.9e-3..1.1e-2)
-        request.applymarker(pytest.mark.xfail(reason="known defect: bf16 dK/dW operands (issue 5)"))
+    if lowp and kernel != "softmax":
+        request.applymarker(pytest.mark.xfail(reason=BF16_DKDW, strict=True))
     q, k, v, w, beta = reflection_inputs(1, 1, 512, 64, kernel)
     k, v, w, beta = (x.to(torch.bfloat16).double() for x in (k, v, w, beta))
     du = torch.randn_like(v).to(torch.bfloat16)
@@ -506,17 +550,16 @@ def test_triton_bf16_u_stage_reflection(kernel, lowp, gpu_like_bf16_interpreter,
 @pytest.mark.parametrize("lowp", [True, False])
 def test_triton_gpu_reflection_same_stage2(kernel, lowp, request):
     # bf16 in the reflection regime against a reference with a float64 stage 1 and the *same* bf16 stage 2
-    # (SDPA on bf16 q, k, u): what our u-stage adds. The float64 comparison above cannot reach 1e-2 here
-    # with any SDPA stage 2 (bf16 u and du, FlashAttention's bf16 dS: 1.7e-2 for relu/linear at T = 1024 in
-    # bench/bf16_error_attribution.py). Predicted by that emulation: lowp=True (default) dw 2.0e-2 for
-    # relu/linear, 9.9e-3 for softmax (bf16 dA/dS operands, the known defect), lowp=False <= 5.4e-3 (relu /
-    # linear before their normalisation). Normalised, relu / linear round v / |k| to bf16 before the kernels
-    # (`deltaformer_u_triton`'s fold): stage 1's u departs from float64 by ~4e-4 before its final rounding,
-    # which this comparison's shared bf16 stage 2 amplifies: the CPU twin (GPU-like dots, B = 1, H = 2) at
-    # T = 1024, lowp=False: dq 9.0e-3 (relu), 8.6e-3 (linear), near the bound; o 3.9e-3 / 3.1e-3; softmax
-    # dq 3.8e-4, o 1.0e-4.
-    if lowp:  # softmax sits at the bound (9.4e-3 here, 9.9e-3..1.1e-2 in the emulation): not a pass either
-        request.applymarker(pytest.mark.xfail(reason="known defect: bf16 dK/dW operands (issue 5)"))
+    # (SDPA on bf16 q, k, u): what our u-stage adds, without the rounding any bf16 SDPA stage 2 costs (bf16
+    # u and du, FlashAttention's bf16 dS). lowp=True (default): relu/linear fail through the bf16 dK/dW
+    # operands (dk and dw 2.2e-2..2.3e-2 at T = 512 in the CPU u-stage test above); softmax passed at
+    # 8.7e-3 on an H200 in every run. lowp=False: relu 5.5e-3, linear 5.8e-3, softmax 2.2e-3 on the H200
+    # before relu / linear were normalised; normalised, they round v / |k| to bf16 before the kernels
+    # (`deltaformer_u_triton`'s fold), ~4e-4 of u, which the shared bf16 stage 2 amplifies: the CPU twin
+    # (GPU-like dots, B = 1, H = 2, T = 1024, lowp=False) gives dq 9.0e-3 (relu), 8.6e-3 (linear), near
+    # the bound; o 3.9e-3 / 3.1e-3; softmax dq 3.8e-4, o 1.0e-4.
+    if lowp and kernel != "softmax":
+        request.applymarker(pytest.mark.xfail(reason=BF16_DKDW, strict=True))
     inputs = reflection_inputs(2, 3, 1024, 64, kernel, "cuda")
     errs = check_triton_against_reference(
         kernel, 2, 3, 1024, 64, torch.bfloat16, "cuda", chunk=64, tol=1e-2, reference="same_stage2",
@@ -531,7 +574,7 @@ def test_triton_bf16_reflection_same_stage2_cpu(gpu_like_bf16_interpreter, switc
     # sides), lowp=False: o 3.6e-3, dq 8.0e-3 at T = 512 (before relu's normalisation o 5e-4, dq 2.0e-3:
     # the fold's bf16 v / |k|, see above; lowp=True: dw ~1.4e-2, the defect); also with the speed
     # switches that change the recurrence's rounding: the in-chunk inverse in bf16x3 instead of tf32x3
-    # (TUNING["xprec"]; session 6 had the lookahead here too: o 1.3e-3 -> 1.8e-3, since removed)
+    # (TUNING["xprec"])
     import kernels.deltaformer as df
 
     for key, value in switch.items():
@@ -548,37 +591,17 @@ def test_triton_bf16_reflection_same_stage2_cpu(gpu_like_bf16_interpreter, switc
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_triton_gpu_reflection_regime(kernel, dtype, request):
-    # bf16 relu/linear failed here at 1.4e-2..2.4e-2 with bf16 operands in the recurrence (rec="lowp");
-    # the default rec ("split") keeps them in (near) fp32 and still fails (H200, this session):
-    # softmax o 3.9e-3 with a gradient above 1e-2, relu/linear 1.0e-2..1.7e-2. Open defect (issue 5).
-    # (relu / linear numbers: before their normalisation.)
-    # bench/bf16_error_attribution.py: not the recurrence but (1) a floor of ~1.7e-2 at T = 1024 for
-    # relu/linear that any bf16 SDPA stage 2 has (bf16 u, du, dS; above the 1e-2 bound, so this comparison
-    # cannot pass with SDPA), plus (2) the bf16 dK/dW operands (test_triton_gpu_reflection_same_stage2).
-    if dtype == "bf16":  # still runs and prints its errors
-        request.applymarker(pytest.mark.xfail(reason="known defect: bf16 reflection regime > 1e-2 (issue 5)"))
+    # against float64 at T = 1024: fp32 passes at 1e-4 (measured 5e-6..1.2e-5). bf16 exceeds 1e-2: the
+    # bf16 dK/dW operands alone cost relu/linear dk and dw > 2e-2 (the CPU u-stage test above), and softmax
+    # had a gradient above 1e-2 on an H200 in every run (o 3.9e-3).
+    if dtype == "bf16":
+        request.applymarker(
+            pytest.mark.xfail(reason="bf16 reflection regime above 1e-2 of float64", strict=True)
+        )
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     errs = check_reflection(kernel, 2, 3, 1024, 64, 64, dtype, "cuda", tol=tol, reference="chunked")
     print("reflection", kernel, dtype, {n: f"{e:.1e}" for n, e in errs.items()})
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["relu", "linear"])
-@pytest.mark.parametrize("rec", ["lowp", "split"])
-def test_triton_gpu_reflection_rec_variants(kernel, rec, request):
-    # the errors of every recurrence precision in bf16 (to choose between them); "lowp" is the known
-    # defect, so only "split" must pass. Measured on the H200 (before relu / linear were normalised): lowp
-    # 2.1e-2..5.0e-2, (the former "tf32" 2.3e-2..3.3e-2), split 1.0e-2..1.7e-2: the recurrence's precision
-    # is not what limits bf16 here.
-    if rec != "lowp":  # still runs and prints its errors
-        request.applymarker(pytest.mark.xfail(reason="known defect: bf16 reflection regime > 1e-2 (issue 5)"))
-    inputs = reflection_inputs(2, 3, 1024, 64, kernel, "cuda")
-    errs = check_triton_against_reference(
-        kernel, 2, 3, 1024, 64, torch.bfloat16, "cuda", chunk=64, tol=1e-2 if rec != "lowp" else 1.0,
-        reference="chunked", inputs=inputs, rec=rec,
-    )  # fmt: skip
-    print("reflection rec", rec, kernel, {n: f"{e:.1e}" for n, e in errs.items()})
 
 
 def test_triton_dispatch_and_errors():
@@ -681,8 +704,8 @@ def test_triton_under_torch_compile(backend, kernel):
 
 
 def test_eager_calls_skip_the_custom_op_and_compile_uses_it(monkeypatch):
-    # eager: the autograd.Function (a custom op call costs host time: NOTES V7); torch.compile: the custom
-    # op, opaque to Dynamo and Inductor
+    # eager: the autograd.Function (a custom op call costs host time, see `_UStage`); torch.compile: the
+    # custom op, opaque to Dynamo and Inductor
     import kernels.deltaformer as df
 
     inputs = make_inputs(1, 2, 21, 16, dtype=torch.float32, beta_max=0.5)
@@ -766,23 +789,28 @@ def loss_and_grads_finite(m, idx, targets, device, autocast):
     return loss.item()
 
 
-LINEAR_W_NOT_K = (
+LINEAR_W_PROJ = (
     "linear kappa with w != k: the transition I - beta w^ k^^T has eigenvalue 1 - beta w^.k^, up to 1 + beta "
-    "where w and k point apart; at init layer 1's u (4e5 here) aligns layer 2's tokens, whose u then reaches "
-    "1e50 at T = 1024 on this input (loss NaN in fp32; 1 of 4 random inputs, linear-q none)"
+    "where w and k point apart; at init with w a projection, layer 1's u (4e5) aligns layer 2's tokens, "
+    "whose u then reaches 1e50 at T = 1024 on the first input row (loss NaN in fp32 and under bf16 autocast)"
 )
 
 
-@pytest.mark.parametrize("w", ["q", "k", "proj"])
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_model_at_init_length_1024_finite(kernel, w, monkeypatch, request):
+def model_inputs(B):
+    """B rows of 1024 tokens (and targets) from a fixed generator: row 0 is the same for every B."""
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (B, 1024), generator=g) for _ in range(2)]
+
+
+W_CASES = [(kernel, w) for kernel in KERNELS for w in ("q", "k", "proj")]
+
+
+@pytest.mark.parametrize("kernel,w", [c for c in W_CASES if c != ("linear", "proj")])  # see below
+def test_model_at_init_length_1024_finite(kernel, w, monkeypatch):
     # loss and every parameter gradient finite in fp32 and under bf16 autocast; and the inputs the first
     # layer's stage 1 gets here overflow fp32 under the unnormalised relu / linear definition, so a model
     # without the normalisation fails this test (it stopped on a non-finite loss at iteration 0)
     import model as model_module
-
-    if kernel == "linear" and w != "k":
-        request.applymarker(pytest.mark.xfail(reason=LINEAR_W_NOT_K))
 
     m = model_at_init(kernel, w, "torch", "cpu")
     seen = []
@@ -793,8 +821,7 @@ def test_model_at_init_length_1024_finite(kernel, w, monkeypatch, request):
         return attention(q, k, v, w_, beta, **kwargs)
 
     monkeypatch.setattr(model_module, "deltaformer_attention", spy)
-    g = torch.Generator().manual_seed(1)
-    idx, targets = (torch.randint(0, 256, (1, 1024), generator=g) for _ in range(2))
+    idx, targets = model_inputs(1)
     loss_and_grads_finite(m, idx, targets, "cpu", autocast=False)
     k, v, w_, beta = seen[0]  # the first layer's, fp32
     loss_and_grads_finite(m, idx, targets, "cpu", autocast=True)
@@ -808,16 +835,28 @@ def test_model_at_init_length_1024_finite(kernel, w, monkeypatch, request):
         assert not torch.isfinite(raw).all() or raw.abs().max() > 1e38, raw.abs().max()
 
 
+def test_model_at_init_linear_w_proj_overflows():
+    # the documented limit of linear kappa with w != k (LINEAR_W_PROJ): on this input the loss is not
+    # finite, in fp32 and under bf16 autocast; the three other rows of model_inputs(4) stay finite
+    m = model_at_init("linear", "proj", "torch", "cpu")
+    idx, targets = model_inputs(4)
+    with torch.no_grad():
+        for autocast in (False, True):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                assert not torch.isfinite(m(idx[:1], targets[:1])[1]), autocast
+        assert all(torch.isfinite(m(idx[r : r + 1], targets[r : r + 1])[1]) for r in (1, 2, 3))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("w", ["q", "k", "proj"])
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_model_at_init_length_1024_finite_gpu(kernel, w, request):
     # the same on the GPU under bf16 autocast, with the Triton stage 1 and the PyTorch one: both finite, and
-    # the same loss
-    if kernel == "linear" and w != "k":
-        request.applymarker(pytest.mark.xfail(reason=LINEAR_W_NOT_K))
-    g = torch.Generator().manual_seed(1)
-    idx, targets = (torch.randint(0, 256, (4, 1024), generator=g).cuda() for _ in range(2))
+    # the same loss. linear-proj: row 0 of the batch is the input that overflows on the CPU
+    # (test_model_at_init_linear_w_proj_overflows)
+    if kernel == "linear" and w == "proj":
+        request.applymarker(pytest.mark.xfail(reason=LINEAR_W_PROJ, strict=True))
+    idx, targets = (x.cuda() for x in model_inputs(4))
     losses = {}
     for backend in ("torch", "triton"):
         m = model_at_init(kernel, w, backend, "cuda")
