@@ -1,34 +1,33 @@
-"""End-to-end training throughput of every residual x attention variant (one GPU per job, one or several
-GPUs per run), and micro-benchmarks of the DDL kernels.
+"""Training throughput of every residual x attention variant: tokens/s, step time, peak memory and MFU,
+each against additive + softmax attention of the same size measured in the same run.
 
-    python bench/bench_train.py                       # the table: gpt2-small and gpt2-medium, every variant
+    python bench/bench_train.py                       # gpt2-small and gpt2-medium, every variant
+    python bench/bench_train.py --models gpt2-small --variants additive,ddl-cc --batches 64
     python bench/bench_train.py --gpus 0,1 --batches "gpt2-small=64,32;gpt2-medium=32,16"
-                                                      # the same on two GPUs at once (one job per GPU)
-    python bench/bench_train.py --kernels-only        # DDL kernel timings and bytes moved
-    python bench/bench_train.py --models gpt2-small --variants additive,ddl-cc --out /tmp/b
-    python bench/bench_train.py --merge /tmp/b/bench_train.json   # into bench/RESULTS.md (no GPU)
+                                                      # one job per GPU at a time
     CUDA_VISIBLE_DEVICES=1 python bench/bench_train.py --models gpt2-small --variants additive --profile
                                                       # + where one step's GPU time goes (torch.profiler)
 
 Variants: additive, ddl (d_v = 1), ddl-tc, ddl-cc (EC on), each with softmax attention, and additive /
 ddl-cc with Deltaformer; a "-bf16" suffix (ddl-bf16, ddl-tc-bf16, ddl-cc-bf16, ddl-cc-bf16+deltaformer)
-is the same model with the DDL state stored in bf16 (GPTConfig.ddl_state_dtype="bfloat16").
-Without --gpus a job runs on whichever CUDA_VISIBLE_DEVICES the caller gives (device 0 of the process).
+is the same model with the DDL state stored in bf16 (GPTConfig.ddl_state_dtype="bfloat16"). additive is
+always run (added to --variants when missing): every ratio is against it, in the same run. The DDL kernels
+alone: bench/bench_ddl.py.
 
-For each (model, variant): bf16 autocast, torch.compile, fused AdamW, seq 1024, the largest micro-batch of
---batches that fits (OOM is caught and the next smaller one tried); tokens/s, step time (median of the
-timed steps), compile time (the first step) apart from it, peak memory,
-MFU = tokens/s * (6 N + 12 L H Q T) / 989e12 (N: the variant's parameters,
-H heads of width Q), and ratios to additive + softmax of the same size (peak memory only where both ran
-at the same micro-batch; pass --batches 32 to force one).
+For each (model, variant): bf16 autocast, torch.compile, fused AdamW, seq 1024, random tokens, the largest
+micro-batch of --batches that fits (OOM is caught and the next smaller one tried); tokens/s and step time
+(median of the timed steps), compile time (the first step) apart from it, peak memory, and
+MFU = tokens/s * GPT.flops_per_token(seq) / --peak-tflops. Ratios to additive: tokens/s, and peak memory
+where both ran at the same micro-batch (pass --batches 32 to force one).
 
 Each (model, variant) runs in its own fresh process, compiled with static shapes at the batch it is timed
-at (a smaller batch after an OOM compiles again): one after another, or with --gpus 0,1 one process per
-GPU at a time, from one queue that starts the longest jobs first (job_order); each row records its GPU,
-the table keeps the model/variant order. Compiling dominates the run time (~30-50 s per gpt2-small row
-on the H200 machines), so a 10-minute device call holds ~8 rows per GPU: run the rest in parts
-(--models / --variants) and merge the parts' JSON into bench/RESULTS.md on this machine with --merge
-(rows are keyed by model and variant; a later run replaces a row).
+at (a smaller batch after an OOM compiles again): one after another on the caller's GPU, or with --gpus one
+process per GPU at a time, from one queue that starts the baselines and the longest jobs first (job_order).
+--time-limit bounds the whole run (a job starts only while 30 s are left and is killed when time is up),
+--job-timeout one job. Compiling dominates: ~30-50 s per gpt2-small row on an H200.
+
+Prints the command, the GPU and versions, and the table (markdown); with --out also writes
+bench_train.json (every row's numbers) and bench_train.md (the printed text) there, updated after each row.
 """
 
 import argparse
@@ -45,7 +44,6 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 from common import atomic_write, versions  # noqa: E402  (bench/common.py, this script's folder)
 
-PEAK_FLOPS = 989e12  # H100/H200 dense bf16
 BF16 = dict(ddl_state_dtype="bfloat16")  # the "-bf16" rows: the DDL state stored in bf16
 VARIANTS = {
     "additive": dict(residual="additive"),
@@ -63,11 +61,6 @@ VARIANTS = {
 
 # ---------------------------------------------------------------------------------------------------------
 # One (model, variant): runs in its own process.
-
-
-def issue_flops_per_token(model, T):
-    cfg = model.config
-    return 6 * model.num_params() + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
 
 
 def train_steps(model, opt, B, T, steps, vocab, device):
@@ -131,8 +124,7 @@ def measure(model, compiled, cfg, B, args, row):
         step_ms=step * 1e3,
         tok_s=tok_s,
         peak_GB=peak_gb(),
-        mfu=tok_s * issue_flops_per_token(model, args.seq) / PEAK_FLOPS,
-        mfu_model_flops=tok_s * model.flops_per_token(args.seq) / PEAK_FLOPS,
+        mfu=tok_s * model.flops_per_token(args.seq) / (args.peak_tflops * 1e12),
         step_ms_min=min(times) * 1e3,
         step_ms_max=max(times) * 1e3,
     )
@@ -267,10 +259,9 @@ def worker(job, results):
 
 
 def job_order(models, variants):
-    """The queue: the issue's rows before the extra "-bf16" ones, and within each, medium before small,
-    each model's additive baseline first (every ratio needs it, so a run cut short must not lose it), then
-    the longest jobs (Deltaformer, then the TC/CC read-outs, then the rest), so that the last jobs to start
-    on several GPUs are short ones."""
+    """The queue: medium before small, each model's additive baseline first (every ratio needs it, so a
+    run cut short must not lose it), then the longest jobs (Deltaformer, then the TC/CC read-outs, then
+    the rest), so that the last jobs to start on several GPUs are short ones; the "-bf16" state rows last."""
 
     def key(job):
         model, variant = job
@@ -354,12 +345,12 @@ def run_table(args):
     ]
     done = []
 
-    def report(row):
+    def on_row(row):
         print(json.dumps(row), flush=True)
         done.append(row)
         save(args, table_order(done, args))
 
-    rows = run_jobs(jobs, args.gpus, worker, args.time_limit, args.job_timeout, report)
+    rows = run_jobs(jobs, args.gpus, worker, args.time_limit, args.job_timeout, on_row)
     return table_order(rows, args)
 
 
@@ -395,331 +386,29 @@ def table(rows):
     return "\n".join(lines)
 
 
-def section(runs):
-    """The '## Training throughput' section from runs = [{command, versions, rows}], later runs' rows
-    replacing earlier ones of the same (model, variant); the rows are kept in a comment for --merge."""
-    merged = {}
-    for run in runs:
-        for r in run["rows"]:
-            if "tok_s" in r or (r["model"], r["variant"]) not in merged:
-                merged[(r["model"], r["variant"])] = r
-    for m in ("gpt2-small", "gpt2-medium"):
-        for v in VARIANTS:
-            merged.setdefault((m, v), dict(model=m, variant=v, error="no run yet"))
-    order = {v: i for i, v in enumerate(VARIANTS)}
-    sizes = {"gpt2-small": 0, "gpt2-medium": 1}
-    rows = sorted(
-        merged.values(), key=lambda r: (sizes.get(r["model"], 9), r["model"], order.get(r["variant"], 99))
-    )
-    cmds = [
-        f"- `{run['command']}` — {run['versions']}" + (f" ({run['note']})" if run.get("note") else "")
-        for run in runs
-    ]
-    return "\n".join(
-        [
-            "## Training throughput",
-            "",
-            "Seq 1024, bf16 autocast, torch.compile (static shapes; --compile-scope as in the command, "
-            "default the whole model), fused AdamW, random tokens; step time "
-            "is the median of the timed steps; MFU = tokens/s × (6N + 12·L·H·Q·T) / 989 TF (N: the variant's "
-            "parameters). Made by:",
-            "",
-            *cmds,
-            "",
-            table(rows),
-            "",
-            "<!-- bench_train runs: " + json.dumps(runs) + " -->",
-        ]
+def settings(args):
+    scope = "whole model" if args.compile_scope == "model" else "each block + the loss"
+    compiled = f"torch.compile ({scope}, static shapes)" if args.compile else "eager"
+    return (
+        f"seq {args.seq}, bf16 autocast, {compiled}, fused AdamW, random tokens; {args.warmup} warm-up and "
+        f"{args.steps} timed steps, step time their median; MFU = tokens/s x GPT.flops_per_token / "
+        f"{args.peak_tflops:g} TFLOP/s; ×additive: against additive + softmax of the same model in this run"
     )
 
 
-def runs_in_results(path):
-    if not os.path.exists(path):
-        return []
-    text = open(path).read()
-    tag = "<!-- bench_train runs: "
-    if tag not in text:
-        return []
-    return json.loads(text.split(tag, 1)[1].split(" -->", 1)[0])
+def report(args, rows):
+    """The printed text: command, GPU and versions, settings, the table."""
+    return "\n".join([f"Command: `{args.command}`", versions(), settings(args), "", table(rows)])
 
 
 def save(args, rows):
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        run = dict(command=args.command, versions=versions(), rows=rows)
-        atomic_write(os.path.join(args.out, "bench_train.json"), json.dumps(run, indent=1))
-
-
-def write_results_section(path, text):
-    """Replace (or append) the '## Training throughput' section of path, leaving other sections alone."""
-    head = "## Training throughput"
-    old = open(path).read() if os.path.exists(path) else ""
-    if head in old:
-        before, rest = old.split(head, 1)
-        nxt = rest.find("\n## ")
-        after = rest[nxt + 1 :] if nxt >= 0 else ""
-        new = before + text.rstrip() + "\n" + ("\n" + after if after else "")
-    else:
-        new = (old.rstrip() + "\n\n" if old.strip() else "# Benchmark results\n\n") + text.rstrip() + "\n"
-    atomic_write(path, new)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Kernel micro-benchmarks: time per call and the bytes it must move, against the copy bandwidth.
-
-
-def bench_kernels(args):
-    from triton.testing import do_bench
-
-    out = []
-
-    def report(name, ms, nbytes):
-        line = f"{name:60s} {ms * 1e3:9.1f} us  {nbytes / 1e9:7.3f} GB  {nbytes / ms / 1e6:7.0f} GB/s"
-        print(line, flush=True)
-        out.append(dict(name=name, us=ms * 1e3, GB=nbytes / 1e9, GBps=nbytes / ms / 1e6))
-
-    bufs = [torch.randint(0, 255, (2**30,), dtype=torch.uint8, device="cuda"), None]
-    bufs[1] = torch.empty_like(bufs[0])
-    ms = do_bench(lambda: bufs[1].copy_(bufs[0]), return_mode="median")
-    report("copy 1 GiB (read + write)", ms, 2 * 2**30)
-    bufs.clear()
-    if args.kernel_sweeps:  # only these (the device script's budget)
-        bench_kernel_sweeps(args, do_bench, report)
-        return out
-    for dtype in (torch.float32,) if args.kernels_quick else (torch.float32, torch.bfloat16):
-        bench_kernels_dtype(args, dtype, do_bench, report)
-        torch.cuda.empty_cache()
-    bench_kernels_dv1(args, do_bench, report)
-    return out
-
-
-def bench_kernel_sweeps(args, do_bench, report):
-    """Launch choices of the update kernels, bf16 and fp32 state, N tokens, d 768, forward + backward
-    (autograd.grad: no accumulation into .grad). Each line names the _CFG entry it sets; the shipped
-    one is marked. Bytes: the minimal passes (update: 5 S + 3 V; fused CC: 5 S + 5 V; S a state pass)."""
-    for dtype in (torch.bfloat16, torch.float32):
-        for dv in (4, 1):
-            sweep_update(args, do_bench, report, dtype, dv)
-            torch.cuda.empty_cache()
-
-
-def sweep_update(args, do_bench, report, dtype, dv):
-    from kernels import ddl
-
-    N, d = args.kernel_tokens, 768
-    shipped = {key: dict(val) for key, val in ddl._CFG.items()}
-    # what ships for this state dtype (an entry's per-dtype shape, else its own, without the sub-entries)
-    ship = {
-        key: {n: c for n, c in ddl._cfg(key, dtype).items() if not isinstance(c, dict)} for key in shipped
-    }
-    es = torch.finfo(dtype).bits // 8
-    tag = f"{str(dtype).replace('torch.', '')}, N={N}"
-    x = torch.randn(N // 1024, 1024, d, dv, device="cuda", dtype=dtype, requires_grad=True)
-    k = torch.randn(N // 1024, 1024, d, device="cuda", dtype=dtype, requires_grad=True)
-    v = torch.randn(N // 1024, 1024, dv, device="cuda", requires_grad=True)  # fp32, as in the model
-    beta = torch.rand(N // 1024, 1024, device="cuda", requires_grad=True)
-    w = torch.randn(d, dv, device="cuda", requires_grad=True)
-    gx, gh = torch.randn_like(x), torch.randn_like(k)
-    S, V = N * d * dv * es, N * d * es
-
-    def timed(name, fn, nbytes):
-        try:
-            fn()
-            report(f"{name} [{tag}]", do_bench(fn, return_mode="median"), nbytes)
-        except Exception as e:
-            print(f"{name} [{tag}] FAILED: {type(e).__name__}: {e}"[:300], flush=True)
-
-    def upd(update=ddl.ddl_update):
-        return torch.autograd.grad(update(x, k, v, beta, backend="triton"), (x, k, v, beta), gx)
-
-    def fused():
-        out = ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton")
-        return torch.autograd.grad(out, (x, k, v, beta, w), (gx, gh))
-
-    if dv == 1 and dtype == torch.bfloat16:  # compiling the reference costs ~15 s: once
-        ref_c = torch.compile(ddl.ddl_update_ref)
-        timed(
-            "d_v=1 update f+b torch.compile(ref)",
-            lambda: torch.autograd.grad(ref_c(x, k, v, beta), (x, k, v, beta), gx),
-            5 * S + 3 * V,
-        )
-    if dv == 1:
-        row_cfgs = [dict(ROWS=0, num_warps=4)]
-        row_cfgs += [
-            dict(ROWS=r, num_warps=nw) for r, nw in ((1, 4), (2, 4), (4, 4), (4, 8), (8, 8), (16, 8))
-        ]
-        for cfg in row_cfgs:
-            ddl._CFG["update_row"] = cfg
-            mark = " (shipped)" if cfg == ship["update_row"] else ""
-            timed(f"d_v=1 update f+b update_row={cfg}{mark}", upd, 5 * S + 3 * V)
-        ddl._CFG.update(shipped)
+    """bench_train.json and bench_train.md in --out (after every row: a run cut short keeps its rows)."""
+    if not args.out:
         return
-    bwd_cfgs = [
-        dict(TOKENS=32, LOOP=0, num_warps=4),
-        dict(TOKENS=8, LOOP=0, num_warps=4),
-        dict(TOKENS=4, LOOP=1, num_warps=4),
-        dict(TOKENS=8, LOOP=1, num_warps=4),
-        dict(TOKENS=8, LOOP=1, num_warps=8),
-        dict(TOKENS=16, LOOP=1, num_warps=8),
-        dict(TOKENS=16, LOOP=2, num_warps=4),
-        dict(TOKENS=32, LOOP=2, num_warps=4),
-    ]
-    for tok, nw in ((1, 4), (1, 2), (2, 4), (4, 4)):  # forward: 1 token/program looked latency-bound in bf16
-        cfg = dict(TOKENS=tok, num_warps=nw)
-        ddl._CFG["update_fwd"] = cfg
-        mark = " (shipped)" if cfg == ship["update_fwd"] else ""
-        timed(
-            f"update+cc fwd update_fwd={cfg}{mark}",
-            lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"),
-            2 * S + 2 * V,
-        )
-    ddl._CFG.update(shipped)
-    for cfg in bwd_cfgs:
-        ddl._CFG["update_bwd"] = cfg
-        mark = " (shipped)" if cfg == ship["update_bwd"] else ""
-        timed(f"update f+b update_bwd={cfg}{mark}", upd, 5 * S + 3 * V)
-        timed(f"update+cc f+b update_bwd={cfg}{mark}", fused, 5 * S + 5 * V)
-    ddl._CFG.update(shipped)
-
-
-def bench_kernels_dv1(args, do_bench, report):
-    """Scalar DDL (d_v = 1): the state is one d-vector per token, like the additive stream."""
-    from kernels import ddl
-
-    N, d = args.kernel_tokens, 768
-    x = torch.randn(N // 1024, 1024, d, 1, device="cuda", requires_grad=True)
-    k = torch.randn(N // 1024, 1024, d, device="cuda", requires_grad=True)
-    v = torch.randn(N // 1024, 1024, 1, device="cuda", requires_grad=True)
-    beta = torch.rand(N // 1024, 1024, device="cuda", requires_grad=True)
-    gx = torch.randn_like(x)
-    S = N * d * 4
-    upd_c = torch.compile(ddl.ddl_update_ref)
-    cases = [("triton", lambda: ddl.ddl_update(x, k, v, beta, backend="triton"))]
-    if not args.kernels_quick:
-        cases.append(("torch.compile(ref)", lambda: upd_c(x, k, v, beta)))
-    for name, fn in cases:
-        fn()
-        report(f"update fwd  {name} [float32, d_v=1, N={N}]", do_bench(fn, return_mode="median"), 3 * S)
-
-        def fb(fn=fn):
-            torch.autograd.grad(fn(), (x, k, v, beta), gx)
-
-        fb()
-        report(f"update f+b  {name} [float32, d_v=1, N={N}]", do_bench(fb, return_mode="median"), 8 * S)
-
-
-def bench_kernels_dtype(args, dtype, do_bench, report):
-    from kernels import ddl
-
-    dev = "cuda"
-    N, d, dv, K = args.kernel_tokens, 768, 4, 4
-    B, T = N // 1024, 1024
-    es = torch.finfo(dtype).bits // 8
-    S = N * d * dv * es  # bytes of one pass over the state
-    V = N * d * es  # bytes of one pass over a [N, d] vector
-    tag = f"{str(dtype).replace('torch.', '')}, N={N}"
-    x = torch.randn(B, T, d, dv, device=dev, dtype=dtype, requires_grad=True)
-    k = torch.randn(B, T, d, device=dev, dtype=dtype, requires_grad=True)
-    v = torch.randn(B, T, dv, device=dev, dtype=dtype, requires_grad=True)
-    beta = torch.rand(B, T, device=dev, dtype=dtype, requires_grad=True)
-    w = torch.randn(d, dv, device=dev, dtype=dtype, requires_grad=True)
-    cw = torch.randn(d, dv, K, device=dev, requires_grad=True)
-    read = torch.randn(dv, device=dev, requires_grad=True)
-    emb = torch.randn(B, T, d, device=dev, dtype=dtype, requires_grad=True)
-    gx, gh = torch.randn_like(x), torch.randn_like(k)
-    leaves = (x, k, v, beta, w, cw, read, emb)
-
-    upd_c = torch.compile(ddl.ddl_update_ref)
-    updcc_c = torch.compile(ddl.ddl_update_compress_cc_ref)
-    tc_c = torch.compile(ddl.compress_tc_ref)
-
-    def fb(fn, grads):
-        """forward + backward; autograd.grad returns fresh gradients (no accumulation into .grad,
-        which would add a read-modify-write of the state to every timing)"""
-
-        def run():
-            outs = fn()
-            outs = outs if isinstance(outs, tuple) else (outs,)
-            ins = [t for t in leaves if t.requires_grad]
-            torch.autograd.grad(outs, ins, grads[: len(outs)], allow_unused=True)
-
-        return run
-
-    def unfused():
-        xn = ddl.ddl_update(x, k, v, beta, backend="triton")
-        return xn, ddl.compress_cc(xn, w, backend="triton")
-
-    cases = [
-        ("update fwd  triton", lambda: ddl.ddl_update(x, k, v, beta, backend="triton"), 2 * S + V),
-        ("update fwd  torch.compile(ref)", lambda: upd_c(x, k, v, beta), 2 * S + V),
-        (
-            "update f+b  triton",
-            fb(lambda: ddl.ddl_update(x, k, v, beta, backend="triton"), (gx,)),
-            5 * S + 3 * V,
-        ),
-        ("update f+b  torch.compile(ref)", fb(lambda: upd_c(x, k, v, beta), (gx,)), 5 * S + 3 * V),
-        (
-            "update+cc f+b  fused triton",
-            fb(lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"), (gx, gh)),
-            5 * S + 5 * V,
-        ),
-        (
-            "update+cc fwd  fused triton",
-            lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"),
-            2 * S + 2 * V,
-        ),
-        ("update+cc f+b  triton, unfused", fb(unfused, (gx, gh)), 5 * S + 5 * V),
-        ("update+cc f+b  torch.compile(ref)", fb(lambda: updcc_c(x, k, v, beta, w), (gx, gh)), 5 * S + 5 * V),
-        (
-            "update+tc f+b  fused triton",
-            fb(lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton"), (gx, gh)),
-            6 * S + 6 * V,
-        ),
-        (
-            "update+tc fwd  fused triton",
-            lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton"),
-            2 * S + 2 * V,
-        ),
-        ("cc f+b  triton", fb(lambda: ddl.compress_cc(x, w, backend="triton"), (gh,)), 3 * S + 2 * V),
-        ("tc f+b  triton", fb(lambda: ddl.compress_tc(x, cw, read, backend="triton"), (gh,)), 3 * S + 2 * V),
-        ("tc f+b  torch.compile(ref)", fb(lambda: tc_c(x, cw, read), (gh,)), 3 * S + 2 * V),
-        ("ec f+b  triton", fb(lambda: ddl.expand_ec(emb, cw, backend="triton"), (gx,)), 2 * S + 3 * V),
-    ]
-    if (
-        dtype != torch.float32 or args.kernels_quick
-    ):  # torch.compile comparisons once, in fp32 (model's dtype)
-        cases = [c for c in cases if "torch.compile" not in c[0]]
-    for name, fn, nbytes in cases:
-        try:
-            fn()
-            torch.cuda.synchronize()
-            report(f"{name} [{tag}]", do_bench(fn, return_mode="median"), nbytes)
-        except Exception as e:
-            print(f"{name} [{tag}] FAILED: {type(e).__name__}: {e}"[:300], flush=True)
-        for t in leaves:
-            t.grad = None
-    if dtype != torch.float32 or args.kernels_quick:
-        return
-    # launch shapes of the update kernels
-    saved = {key: dict(val) for key, val in ddl._CFG.items()}
-    for tok, nw in ((1, 4), (1, 8), (2, 4), (4, 8)):
-        ddl._CFG["update_fwd"] = dict(TOKENS=tok, num_warps=nw)
-        ms = do_bench(lambda: ddl.ddl_update(x, k, v, beta, backend="triton"), return_mode="median")
-        report(f"  cfg update_fwd TOKENS={tok} warps={nw} [{tag}]", ms, 2 * S + V)
-    ddl._CFG.update(saved)
-    f = fb(lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"), (gx, gh))
-    for tok, nw in ((8, 4), (32, 4), (64, 4), (32, 8)):
-        ddl._CFG["update_bwd"] = dict(TOKENS=tok, num_warps=nw)
-        ms = do_bench(f, return_mode="median")
-        report(f"  cfg update_bwd TOKENS={tok} warps={nw} (fused f+b) [{tag}]", ms, 5 * S + 5 * V)
-    ddl._CFG.update(saved)
-    f = fb(lambda: ddl.compress_tc(x, cw, read, backend="triton"), (gh,))
-    for tok, bd, nw in ((4, 256, 4), (8, 128, 4), (16, 256, 8), (64, 256, 4)):
-        ddl._CFG["chan_fwd"] = dict(TOKENS=min(tok, 8), BLOCK_D=bd, num_warps=nw)
-        ddl._CFG["chan_bwd"] = dict(TOKENS=tok, BLOCK_D=bd, num_warps=nw)
-        ms = do_bench(f, return_mode="median")
-        report(f"  cfg chan TOKENS={tok} BLOCK_D={bd} warps={nw} (tc f+b) [{tag}]", ms, 3 * S + 2 * V)
-    ddl._CFG.update(saved)
+    os.makedirs(args.out, exist_ok=True)
+    run = dict(command=args.command, versions=versions(), settings=settings(args), rows=rows)
+    atomic_write(os.path.join(args.out, "bench_train.json"), json.dumps(run, indent=1))
+    atomic_write(os.path.join(args.out, "bench_train.md"), report(args, rows) + "\n")
 
 
 def parse_batches(text, models):
@@ -753,7 +442,7 @@ def parse_batches(text, models):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="gpt2-small,gpt2-medium")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS), help="additive is added when missing")
     p.add_argument(
         "--batches",
         default="64,32,16,8",
@@ -774,35 +463,23 @@ def main():
         "--compile-scope",
         default="model",
         choices=["model", "blocks"],
-        help="model: torch.compile(model); blocks: each Block only (compiles ~L times faster; the embedding, "
-        "LM head and loss then run eagerly)",
+        help="model: torch.compile(model); blocks: each Block and the LM head + loss (compiles ~L times "
+        "faster; the embedding runs eagerly)",
     )
     p.add_argument("--ddl-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="for MFU (H100/H200 dense bf16: 989)")
     p.add_argument("--time-limit", type=float, default=540, help="seconds for the whole table")
     p.add_argument("--job-timeout", type=float, default=420, help="seconds for one (model, variant)")
-    p.add_argument("--merge", nargs="+", default=None, help="bench_train.json files to merge into --results")
     p.add_argument(
         "--profile", action="store_true", help="after timing each row, profile --profile-steps steps"
     )
     p.add_argument("--profile-steps", type=int, default=1)
     p.add_argument("--profile-top", type=int, default=30, help="kernels listed by the profile")
-    p.add_argument("--kernels", action="store_true", help="also run the DDL kernel micro-benchmarks first")
-    p.add_argument("--kernels-only", action="store_true")
-    p.add_argument(
-        "--kernels-quick", action="store_true", help="kernel timings: Triton, fp32 only, no sweeps"
-    )
-    p.add_argument("--kernel-tokens", type=int, default=32768)
-    p.add_argument(
-        "--kernel-sweeps",
-        action="store_true",
-        help="kernel timings: only the update kernels' launch choices",
-    )
     p.add_argument(
         "--device", default="cuda", help="cpu: a smoke test of this script (tiny --model-overrides)"
     )
     p.add_argument("--model-overrides", default="", help="GPTConfig overrides, e.g. n_layer=2,n_embd=64")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_train.json / .md")
-    p.add_argument("--results", default=os.path.join(ROOT, "bench", "RESULTS.md"), help="for --merge")
     args = p.parse_args()
     args.command = "python bench/bench_train.py " + " ".join(sys.argv[1:])
     args.models = [m for m in args.models.split(",") if m]
@@ -810,6 +487,8 @@ def main():
     for v in args.variants:
         if v not in VARIANTS:
             raise SystemExit(f"--variants: unknown variant {v!r}; allowed: {', '.join(VARIANTS)}")
+    if "additive" not in args.variants:
+        args.variants.insert(0, "additive")
     args.batches = parse_batches(args.batches, args.models)
     args.gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] or [None]
     if len(set(args.gpus)) != len(args.gpus):
@@ -818,34 +497,12 @@ def main():
         key: (int(val) if val.isdigit() else val)
         for key, val in (kv.split("=", 1) for kv in args.model_overrides.split(",") if kv)
     }
-    if args.merge is not None:  # on this machine: fold device runs' JSON into bench/RESULTS.md
-        runs = runs_in_results(args.results)
-        for path in args.merge:
-            with open(path) as f:
-                run = json.load(f)
-            if run not in runs:  # merging the same file twice changes nothing
-                runs.append(run)
-        write_results_section(args.results, section(runs))
-        print(section(runs).split("<!--")[0])
-        return
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_train.py needs a CUDA GPU (or --device cpu for a smoke test)")
-    print(versions(), flush=True)
-    if args.kernels or args.kernels_only or args.kernels_quick:
-        krows = bench_kernels(args)
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
-                json.dump(krows, f, indent=1)
-        if args.kernels_only or args.kernels_quick:
-            return
+    print(f"Command: `{args.command}`", versions(), sep="\n", flush=True)
     rows = run_table(args)
     save(args, rows)
-    text = section([dict(command=args.command, versions=versions(), rows=rows)])
-    print("\n" + text.split("<!--")[0], flush=True)
-    if args.out:
-        with open(os.path.join(args.out, "bench_train.md"), "w") as f:
-            f.write(text + "\n")
+    print("\n" + report(args, rows), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 --batches parsing, and a CPU smoke run of the real worker on two fake "GPUs"."""
 
 import json
+import math
 import multiprocessing as mp
 import os
 import subprocess
@@ -9,10 +10,13 @@ import sys
 import time
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import bench_train  # noqa: E402
+
+from model import GPT, GPTConfig  # noqa: E402
 
 FORK = mp.get_context("fork")  # the fake worker needs no fresh interpreter; fork starts it in ms
 
@@ -155,19 +159,31 @@ def test_parse_batches():
 
 def test_cpu_smoke_two_fake_gpus(tmp_path):
     """The real worker, spawned, on two 'GPUs' (CPU device; the GPU names only reach the environment):
-    one JSON with both rows in table order, each with its GPU, and the table."""
+    additive added as the baseline, one JSON with both rows in table order, each with its GPU, and the
+    printed table with the command and versions, also in bench_train.md."""
     out = tmp_path / "out"
     cmd = [
         sys.executable, "bench/bench_train.py", "--device", "cpu", "--compile", "0", "--models", "gpt2-small",
-        "--variants", "ddl,additive", "--gpus", "x,y", "--batches", "gpt2-small=2", "--seq", "16",
+        "--variants", "ddl", "--gpus", "x,y", "--batches", "gpt2-small=2", "--seq", "16",
         "--warmup", "1", "--steps", "1", "--model-overrides", "n_layer=1,n_embd=32,n_head=2,vocab_size=64",
         "--out", str(out),
     ]  # fmt: skip
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     run = json.loads((out / "bench_train.json").read_text())
-    assert [r["variant"] for r in run["rows"]] == ["ddl", "additive"]
+    assert [r["variant"] for r in run["rows"]] == ["additive", "ddl"]  # the baseline, always in the run
+    tiny = dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64, block_size=16)
     for r in run["rows"]:
         assert r["tok_s"] > 0 and r["batch"] == 2 and "error" not in r, r
+        with torch.device("meta"):  # MFU from the model's own FLOP count (default peak 989 TFLOP/s)
+            model = GPT(GPTConfig.preset("gpt2-small", residual=r["variant"], **tiny))
+        assert math.isclose(r["mfu"], r["tok_s"] * model.flops_per_token(16) / 989e12, rel_tol=1e-9), r
     assert sorted(r["gpu"] for r in run["rows"]) == ["x", "y"]  # both at once: one per GPU
-    assert "| gpt2-small | ddl | 2 |" in (out / "bench_train.md").read_text()
+    text = (out / "bench_train.md").read_text()
+    assert text.startswith("Command: `python bench/bench_train.py --device cpu")
+    assert run["versions"] in text and "torch " in run["versions"]
+    assert "| gpt2-small | additive | 2 |" in text and "| 1.000 |" in text
+    ddl_row = next(line for line in text.splitlines() if line.startswith("| gpt2-small | ddl | 2 |"))
+    ratio = float(ddl_row.split("|")[5])  # tokens/s against the additive row above
+    assert math.isclose(ratio, run["rows"][1]["tok_s"] / run["rows"][0]["tok_s"], rel_tol=1e-2)
+    assert text.strip() in p.stdout  # printed as written

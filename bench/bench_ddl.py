@@ -1,0 +1,301 @@
+"""DDL kernel micro-benchmarks (kernels/ddl.py, one GPU): time per call of the update, the fused update +
+read-out and the compressors, forward and forward + backward, with the bytes each must move and the
+resulting GB/s against the copy bandwidth measured in the same run; torch.compile of the PyTorch reference
+beside them (fp32).
+
+    python bench/bench_ddl.py                 # fp32 and bf16 state, d 768, d_v 4 and 1, K 4
+    python bench/bench_ddl.py --quick         # Triton, fp32 only
+    python bench/bench_ddl.py --sweeps        # only the update kernels' launch shapes (kernels.ddl._CFG)
+
+N = --tokens tokens (as [N / 1024, 1024]); times are medians of triton.testing.do_bench. Bytes are the
+minimal passes over the state (S = N d d_v elements) and the [N, d] vectors (V): e.g. the update's forward
+reads x and writes x' (2 S + V), its forward + backward also reads dL/dx' and x again and writes dx
+(5 S + 3 V). Forward + backward uses autograd.grad (no accumulation into .grad). The launch-shape rows set
+kernels.ddl._CFG entries for their timing and restore them after. Prints the command, GPU and versions,
+then one line per case; --out also writes bench_ddl.json.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from common import atomic_write, versions  # noqa: E402  (bench/common.py, this script's folder)
+
+
+def bench_kernels(args):
+    from triton.testing import do_bench
+
+    out = []
+
+    def report(name, ms, nbytes):
+        line = f"{name:60s} {ms * 1e3:9.1f} us  {nbytes / 1e9:7.3f} GB  {nbytes / ms / 1e6:7.0f} GB/s"
+        print(line, flush=True)
+        out.append(dict(name=name, us=ms * 1e3, GB=nbytes / 1e9, GBps=nbytes / ms / 1e6))
+
+    bufs = [torch.randint(0, 255, (2**30,), dtype=torch.uint8, device="cuda"), None]
+    bufs[1] = torch.empty_like(bufs[0])
+    ms = do_bench(lambda: bufs[1].copy_(bufs[0]), return_mode="median")
+    report("copy 1 GiB (read + write)", ms, 2 * 2**30)
+    bufs.clear()
+    if args.sweeps:  # only these
+        bench_kernel_sweeps(args, do_bench, report)
+        return out
+    for dtype in (torch.float32,) if args.quick else (torch.float32, torch.bfloat16):
+        bench_kernels_dtype(args, dtype, do_bench, report)
+        torch.cuda.empty_cache()
+    bench_kernels_dv1(args, do_bench, report)
+    return out
+
+
+def bench_kernel_sweeps(args, do_bench, report):
+    """Launch choices of the update kernels, bf16 and fp32 state, N tokens, d 768, forward + backward
+    (autograd.grad: no accumulation into .grad). Each line names the _CFG entry it sets; the shipped
+    one is marked. Bytes: the minimal passes (update: 5 S + 3 V; fused CC: 5 S + 5 V; S a state pass)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        for dv in (4, 1):
+            sweep_update(args, do_bench, report, dtype, dv)
+            torch.cuda.empty_cache()
+
+
+def sweep_update(args, do_bench, report, dtype, dv):
+    from kernels import ddl
+
+    N, d = args.tokens, 768
+    shipped = {key: dict(val) for key, val in ddl._CFG.items()}
+    # what ships for this state dtype (an entry's per-dtype shape, else its own, without the sub-entries)
+    ship = {
+        key: {n: c for n, c in ddl._cfg(key, dtype).items() if not isinstance(c, dict)} for key in shipped
+    }
+    es = torch.finfo(dtype).bits // 8
+    tag = f"{str(dtype).replace('torch.', '')}, N={N}"
+    x = torch.randn(N // 1024, 1024, d, dv, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(N // 1024, 1024, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(N // 1024, 1024, dv, device="cuda", requires_grad=True)  # fp32, as in the model
+    beta = torch.rand(N // 1024, 1024, device="cuda", requires_grad=True)
+    w = torch.randn(d, dv, device="cuda", requires_grad=True)
+    gx, gh = torch.randn_like(x), torch.randn_like(k)
+    S, V = N * d * dv * es, N * d * es
+
+    def timed(name, fn, nbytes):
+        try:
+            fn()
+            report(f"{name} [{tag}]", do_bench(fn, return_mode="median"), nbytes)
+        except Exception as e:
+            print(f"{name} [{tag}] FAILED: {type(e).__name__}: {e}"[:300], flush=True)
+
+    def upd(update=ddl.ddl_update):
+        return torch.autograd.grad(update(x, k, v, beta, backend="triton"), (x, k, v, beta), gx)
+
+    def fused():
+        out = ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton")
+        return torch.autograd.grad(out, (x, k, v, beta, w), (gx, gh))
+
+    if dv == 1 and dtype == torch.bfloat16:  # compiling the reference costs ~15 s: once
+        ref_c = torch.compile(ddl.ddl_update_ref)
+        timed(
+            "d_v=1 update f+b torch.compile(ref)",
+            lambda: torch.autograd.grad(ref_c(x, k, v, beta), (x, k, v, beta), gx),
+            5 * S + 3 * V,
+        )
+    if dv == 1:
+        row_cfgs = [dict(ROWS=0, num_warps=4)]
+        row_cfgs += [
+            dict(ROWS=r, num_warps=nw) for r, nw in ((1, 4), (2, 4), (4, 4), (4, 8), (8, 8), (16, 8))
+        ]
+        for cfg in row_cfgs:
+            ddl._CFG["update_row"] = cfg
+            mark = " (shipped)" if cfg == ship["update_row"] else ""
+            timed(f"d_v=1 update f+b update_row={cfg}{mark}", upd, 5 * S + 3 * V)
+        ddl._CFG.update(shipped)
+        return
+    bwd_cfgs = [
+        dict(TOKENS=32, LOOP=0, num_warps=4),
+        dict(TOKENS=8, LOOP=0, num_warps=4),
+        dict(TOKENS=4, LOOP=1, num_warps=4),
+        dict(TOKENS=8, LOOP=1, num_warps=4),
+        dict(TOKENS=8, LOOP=1, num_warps=8),
+        dict(TOKENS=16, LOOP=1, num_warps=8),
+        dict(TOKENS=16, LOOP=2, num_warps=4),
+        dict(TOKENS=32, LOOP=2, num_warps=4),
+    ]
+    for tok, nw in ((1, 4), (1, 2), (2, 4), (4, 4)):  # forward: 1 token/program looked latency-bound in bf16
+        cfg = dict(TOKENS=tok, num_warps=nw)
+        ddl._CFG["update_fwd"] = cfg
+        mark = " (shipped)" if cfg == ship["update_fwd"] else ""
+        timed(
+            f"update+cc fwd update_fwd={cfg}{mark}",
+            lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"),
+            2 * S + 2 * V,
+        )
+    ddl._CFG.update(shipped)
+    for cfg in bwd_cfgs:
+        ddl._CFG["update_bwd"] = cfg
+        mark = " (shipped)" if cfg == ship["update_bwd"] else ""
+        timed(f"update f+b update_bwd={cfg}{mark}", upd, 5 * S + 3 * V)
+        timed(f"update+cc f+b update_bwd={cfg}{mark}", fused, 5 * S + 5 * V)
+    ddl._CFG.update(shipped)
+
+
+def bench_kernels_dv1(args, do_bench, report):
+    """Scalar DDL (d_v = 1): the state is one d-vector per token, like the additive stream."""
+    from kernels import ddl
+
+    N, d = args.tokens, 768
+    x = torch.randn(N // 1024, 1024, d, 1, device="cuda", requires_grad=True)
+    k = torch.randn(N // 1024, 1024, d, device="cuda", requires_grad=True)
+    v = torch.randn(N // 1024, 1024, 1, device="cuda", requires_grad=True)
+    beta = torch.rand(N // 1024, 1024, device="cuda", requires_grad=True)
+    gx = torch.randn_like(x)
+    S = N * d * 4
+    upd_c = torch.compile(ddl.ddl_update_ref)
+    cases = [("triton", lambda: ddl.ddl_update(x, k, v, beta, backend="triton"))]
+    if not args.quick:
+        cases.append(("torch.compile(ref)", lambda: upd_c(x, k, v, beta)))
+    for name, fn in cases:
+        fn()
+        report(f"update fwd  {name} [float32, d_v=1, N={N}]", do_bench(fn, return_mode="median"), 3 * S)
+
+        def fb(fn=fn):
+            torch.autograd.grad(fn(), (x, k, v, beta), gx)
+
+        fb()
+        report(f"update f+b  {name} [float32, d_v=1, N={N}]", do_bench(fb, return_mode="median"), 8 * S)
+
+
+def bench_kernels_dtype(args, dtype, do_bench, report):
+    from kernels import ddl
+
+    dev = "cuda"
+    N, d, dv, K = args.tokens, 768, 4, 4
+    B, T = N // 1024, 1024
+    es = torch.finfo(dtype).bits // 8
+    S = N * d * dv * es  # bytes of one pass over the state
+    V = N * d * es  # bytes of one pass over a [N, d] vector
+    tag = f"{str(dtype).replace('torch.', '')}, N={N}"
+    x = torch.randn(B, T, d, dv, device=dev, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, T, d, device=dev, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, T, dv, device=dev, dtype=dtype, requires_grad=True)
+    beta = torch.rand(B, T, device=dev, dtype=dtype, requires_grad=True)
+    w = torch.randn(d, dv, device=dev, dtype=dtype, requires_grad=True)
+    cw = torch.randn(d, dv, K, device=dev, requires_grad=True)
+    read = torch.randn(dv, device=dev, requires_grad=True)
+    emb = torch.randn(B, T, d, device=dev, dtype=dtype, requires_grad=True)
+    gx, gh = torch.randn_like(x), torch.randn_like(k)
+    leaves = (x, k, v, beta, w, cw, read, emb)
+
+    upd_c = torch.compile(ddl.ddl_update_ref)
+    updcc_c = torch.compile(ddl.ddl_update_compress_cc_ref)
+    tc_c = torch.compile(ddl.compress_tc_ref)
+
+    def fb(fn, grads):
+        """forward + backward; autograd.grad returns fresh gradients (no accumulation into .grad,
+        which would add a read-modify-write of the state to every timing)"""
+
+        def run():
+            outs = fn()
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            ins = [t for t in leaves if t.requires_grad]
+            torch.autograd.grad(outs, ins, grads[: len(outs)], allow_unused=True)
+
+        return run
+
+    def unfused():
+        xn = ddl.ddl_update(x, k, v, beta, backend="triton")
+        return xn, ddl.compress_cc(xn, w, backend="triton")
+
+    cases = [
+        ("update fwd  triton", lambda: ddl.ddl_update(x, k, v, beta, backend="triton"), 2 * S + V),
+        ("update fwd  torch.compile(ref)", lambda: upd_c(x, k, v, beta), 2 * S + V),
+        (
+            "update f+b  triton",
+            fb(lambda: ddl.ddl_update(x, k, v, beta, backend="triton"), (gx,)),
+            5 * S + 3 * V,
+        ),
+        ("update f+b  torch.compile(ref)", fb(lambda: upd_c(x, k, v, beta), (gx,)), 5 * S + 3 * V),
+        (
+            "update+cc f+b  fused triton",
+            fb(lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"), (gx, gh)),
+            5 * S + 5 * V,
+        ),
+        (
+            "update+cc fwd  fused triton",
+            lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"),
+            2 * S + 2 * V,
+        ),
+        ("update+cc f+b  triton, unfused", fb(unfused, (gx, gh)), 5 * S + 5 * V),
+        ("update+cc f+b  torch.compile(ref)", fb(lambda: updcc_c(x, k, v, beta, w), (gx, gh)), 5 * S + 5 * V),
+        (
+            "update+tc f+b  fused triton",
+            fb(lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton"), (gx, gh)),
+            6 * S + 6 * V,
+        ),
+        (
+            "update+tc fwd  fused triton",
+            lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton"),
+            2 * S + 2 * V,
+        ),
+        ("cc f+b  triton", fb(lambda: ddl.compress_cc(x, w, backend="triton"), (gh,)), 3 * S + 2 * V),
+        ("tc f+b  triton", fb(lambda: ddl.compress_tc(x, cw, read, backend="triton"), (gh,)), 3 * S + 2 * V),
+        ("tc f+b  torch.compile(ref)", fb(lambda: tc_c(x, cw, read), (gh,)), 3 * S + 2 * V),
+        ("ec f+b  triton", fb(lambda: ddl.expand_ec(emb, cw, backend="triton"), (gx,)), 2 * S + 3 * V),
+    ]
+    if dtype != torch.float32 or args.quick:  # torch.compile comparisons once, in fp32 (model's dtype)
+        cases = [c for c in cases if "torch.compile" not in c[0]]
+    for name, fn, nbytes in cases:
+        try:
+            fn()
+            torch.cuda.synchronize()
+            report(f"{name} [{tag}]", do_bench(fn, return_mode="median"), nbytes)
+        except Exception as e:
+            print(f"{name} [{tag}] FAILED: {type(e).__name__}: {e}"[:300], flush=True)
+        for t in leaves:
+            t.grad = None
+    if dtype != torch.float32 or args.quick:
+        return
+    # launch shapes of the update kernels
+    saved = {key: dict(val) for key, val in ddl._CFG.items()}
+    for tok, nw in ((1, 4), (1, 8), (2, 4), (4, 8)):
+        ddl._CFG["update_fwd"] = dict(TOKENS=tok, num_warps=nw)
+        ms = do_bench(lambda: ddl.ddl_update(x, k, v, beta, backend="triton"), return_mode="median")
+        report(f"  cfg update_fwd TOKENS={tok} warps={nw} [{tag}]", ms, 2 * S + V)
+    ddl._CFG.update(saved)
+    f = fb(lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"), (gx, gh))
+    for tok, nw in ((8, 4), (32, 4), (64, 4), (32, 8)):
+        ddl._CFG["update_bwd"] = dict(TOKENS=tok, num_warps=nw)
+        ms = do_bench(f, return_mode="median")
+        report(f"  cfg update_bwd TOKENS={tok} warps={nw} (fused f+b) [{tag}]", ms, 5 * S + 5 * V)
+    ddl._CFG.update(saved)
+    f = fb(lambda: ddl.compress_tc(x, cw, read, backend="triton"), (gh,))
+    for tok, bd, nw in ((4, 256, 4), (8, 128, 4), (16, 256, 8), (64, 256, 4)):
+        ddl._CFG["chan_fwd"] = dict(TOKENS=min(tok, 8), BLOCK_D=bd, num_warps=nw)
+        ddl._CFG["chan_bwd"] = dict(TOKENS=tok, BLOCK_D=bd, num_warps=nw)
+        ms = do_bench(f, return_mode="median")
+        report(f"  cfg chan TOKENS={tok} BLOCK_D={bd} warps={nw} (tc f+b) [{tag}]", ms, 3 * S + 2 * V)
+    ddl._CFG.update(saved)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=32768, help="N, a multiple of 1024")
+    p.add_argument("--quick", action="store_true", help="Triton only, fp32 state, no launch shapes")
+    p.add_argument("--sweeps", action="store_true", help="only the update kernels' launch shapes")
+    p.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_ddl.json")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_ddl.py needs a CUDA GPU")
+    command = "python bench/bench_ddl.py " + " ".join(sys.argv[1:])
+    print(f"Command: `{command}`", versions(), sep="\n")
+    print(f"{'case':60s} {'time':>12s}  {'bytes':>10s}  {'rate':>12s}", flush=True)
+    rows = bench_kernels(args)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        run = dict(command=command, versions=versions(), rows=rows)
+        atomic_write(os.path.join(args.out, "bench_ddl.json"), json.dumps(run, indent=1))
+
+
+if __name__ == "__main__":
+    main()
