@@ -1,15 +1,22 @@
 """Deltaformer attention speed on one GPU: causal SDPA vs FLA 0.6.0's Deltaformer vs ours (Triton).
 
-    python bench/bench_attention.py                 # the five shapes of issue 5, bf16
+    python bench/bench_attention.py                 # five shapes (SHAPES), bf16
     python bench/bench_attention.py --variants      # also our kernel's variants (VARIANTS below)
     python bench/bench_attention.py --no-fla --graph-variants softmax --variant-shapes 0,1  # variants alone
 
 Times are medians of triton.testing.do_bench (CUDA events) in ms. "fwd" is the forward alone, "f+b" the
 forward plus the backward of all inputs. FLA's Deltaformer (when `fla` imports) is its u-stage
 (ParallelDeltaformerFunction, [B, T, H, D] layout) followed by causal SDPA, as in deltaformer_attn
-without flash-attn. The floors are METHOD.md's two numbers for our kernel: the minimal matrix FLOPs
+without flash-attn. The floors for our kernel are the larger of two numbers: the minimal matrix FLOPs
 (forward 4 T^2 D per head: two causal products per stage; forward+backward 12 T^2 D) over the measured
 bf16 matrix rate, and the minimal bytes (inputs read once, outputs written once) over the copy bandwidth.
+"f+b graph" is the same forward+backward as a CUDA graph's replay: the GPU's time without the host's launch
+work, which at these sizes can exceed it (--overhead). Prints the command, GPU and versions first; --json
+writes every number.
+
+--variants / --graph-variants / --kernel-profile time our kernel's options (VARIANTS) by setting
+kernels.deltaformer.TUNING entries (restored after each) and deltaformer_u_triton's keyword arguments;
+--overhead also sets kernels.deltaformer.EAGER_CUSTOM_OP for one row (the custom op in eager mode).
 """
 
 import argparse
@@ -24,8 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-from common import atomic_write  # noqa: E402  (bench/common.py, this script's folder)
+from common import atomic_write, versions  # noqa: E402  (bench/common.py, this script's folder)
 from triton.testing import do_bench  # noqa: E402
 
 import kernels.deltaformer as df  # noqa: E402
@@ -104,17 +110,6 @@ VARIANTS = [
     ("num_warps=8", {}, {"num_warps": 8}),
     ("chunk=32", {"chunk": 32}, {}),
 ]
-# Dropped after measuring (bench/NOTES_deltaformer.md): rec=tf32 (slower, less accurate) and lookahead (no
-# gain) in run 4; in session 3 (V6) num_warps=8 (1.3-2.5x slower in every kernel), num_stages=4
-# (backward recurrence 194 -> 292 us), chunk 32 and 128 (slower; prep 823 us at 128); in session 4
-# num_stages=2 (prep -5%, both wavefronts +7%), late_loads (wavefronts +5%), prep_warps=8 (prep 188 -> 369;
-# the switch is gone); in session 5 (V8) prep_inverse=1 (the inverse's doubling at [C, C] from the first
-# level: +57 us at D = 64, +32 at D = 128; gone), 8 warps at D = 128 (1.12 vs 0.83 ms) and dK + dW in one
-# launch (one_dk_dw_launch: relu +90 us at D = 128; gone); in session 6 (V9) fuse_prep (prep beside the
-# forward wavefront in one launch: -7 us at D = 64, +13 at D = 128) and fuse_dkdw (dK / dW beside the
-# backward wavefront: +12 and +84 us), lookahead again (+30 us; the wavefronts are throughput-bound) and
-# dW by atomic adds in the backward wavefront (+4 us softmax at D = 64, +11 relu, +83 / +106 at D = 128),
-# inverse_blocks (the inverse's levels >= 16 on the changing blocks alone, ~12x fewer MACs: +-2 us).
 
 
 def fn_bwd(fn, inputs, grad_out):
@@ -395,8 +390,8 @@ def main():
     )
     args = ap.parse_args()
 
-    print("command:", " ".join([sys.executable] + sys.argv))
-    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    print("Command: `python " + " ".join(sys.argv) + "`")
+    print(versions())
     tflops, gbs = measure_ceilings()
     print(f"measured ceilings: bf16 matmul {tflops:.0f} TFLOP/s, device copy {gbs:.0f} GB/s")
     fla = None if args.no_fla else fla_fn()

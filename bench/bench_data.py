@@ -13,7 +13,7 @@ parquet file in FineWeb-Edu's column layout with 1,000-row row groups.
 
 Both report MB/s of UTF-8 text and tokens/s (wall clock), and MB per CPU-second (user + system time of
 all threads and processes involved: a measure of efficiency that holds up when other jobs share the
-cores); the best of --repeats interleaved runs is shown.
+cores); the best of --repeats interleaved runs is shown. Prints the command and versions with the table.
 """
 
 import argparse
@@ -25,6 +25,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import versions  # noqa: E402  (bench/common.py, this script's folder)
 
 from data.fineweb_edu import prepare  # noqa: E402
 from data.shakespeare import load_plays  # noqa: E402
@@ -92,6 +94,12 @@ def main():
         shutil.rmtree(tmp, ignore_errors=True)
 
     pipe_tokens = ntokens + len(texts)  # the pipeline also writes one EOT per document
+    import tiktoken
+
+    print("Command: `python bench/bench_data.py " + " ".join(sys.argv[1:]) + "`")
+    print(
+        f"{versions()}; tiktoken {tiktoken.__version__}; pyarrow {pa.__version__}; {os.cpu_count()} CPU cores"
+    )
     print(f"corpus: {len(texts):,} docs, {nbytes / 1e6:.1f} MB, {ntokens:,} tokens; {args.workers} workers")
     print(f"{'method':<48} {'MB/s':>8} {'Mtokens/s':>10} {'MB/CPU-s':>9}")
     rows = [

@@ -1,6 +1,7 @@
 """Compile every Triton launch of this repo's kernels for an H100/H200 (sm_90) on a machine without a GPU,
-with whatever Triton is importable: frontend errors of an older Triton (the device has 3.6; CI and this
-machine 3.9, whose interpreter accepts more) show up here, not in a device call.
+with whatever Triton is importable: frontend errors of another Triton version (3.6 rejects code that 3.9's
+interpreter and compiler accept, e.g. a constexpr re-assigned inside tl.static_range) show up here, before
+a GPU run.
 
     PYTHONPATH=/path/to/triton-3.6 python bench/compile_check.py
 
@@ -8,7 +9,8 @@ How: every `kernel[grid](...)` launch is intercepted and compiled for sm_90 with
 constexprs it was launched with, instead of run (outputs stay uninitialised: values mean nothing here).
 What launches: a forward and backward of every model variant at the gpt2-small width on a few tokens (the
 shipped launch shapes, fp32 and bf16 DDL state), of the fused update + TC read-out, and of the
-Deltaformer u-stage with every `rec` / `lowp` and speed switch (`TUNING`). Prints each distinct compile
+Deltaformer u-stage with every `rec` / `lowp` and speed switch (set in kernels.deltaformer.TUNING,
+restored after each). Prints each distinct compile
 (ok with its shared memory, or the error); exit 1 if any failed. ptxas comes with the triton wheel (a 3.6
 wheel unzipped anywhere works). A few minutes on 2 cores the first time (Triton caches compiles)."""
 
