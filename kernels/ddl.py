@@ -29,6 +29,16 @@ tensors and the PyTorch reference otherwise (tests run the kernels on CPU with b
 TRITON_INTERPRET=1). `set_auto_backend("torch")` makes "auto" mean the reference,
 for benchmarking one against the other. Numerics: the normalisation, the contractions and the update
 run in fp32 (float64 stays float64); results come back in x's dtype, so bf16 state is stored in bf16.
+
+The Triton kernels in short: the work is memory-bound (~1 FLOP per byte of state), so they minimise passes
+over the [B, T, d, d_v] state. One program owns whole tokens ([d, d_v] tiles; d_v = 1: [tokens, d] rows):
+the forward reads x and writes x' once, the backward reads x and dL/dx' and writes dx once, and the fused
+entry points form the next sublayer's read-out from x' in registers: 5 passes per sublayer where update
+then compressor take 11. All are torch.library custom ops with fake implementations, so torch.compile
+keeps them in its graph. Measured on an H200 (N = 32768 tokens, d 768, d_v 4, fp32 state): the update's
+forward at the copy bandwidth (219 us, ~4.1 TB/s), the fused update + CC forward+backward ~1.5x its
+bytes floor; end to end gpt2-small ddl 0.91x and ddl-cc 0.74x the additive model's tokens/s, ddl-cc with
+1.47x its memory (autograd keeps every sublayer's input state) (bench/RESULTS.md).
 """
 
 import os
@@ -177,10 +187,10 @@ except ImportError:  # pragma: no cover - triton is a requirement on Linux
     triton = None
 
 # Launch shapes (tokens per program, warps, channel block for the per-channel kernels); tuned on an H200
-# by `python bench/bench_train.py --kernels` / `--kernel-sweeps`; tests shrink TOKENS to exercise partial
-# sums and tails. An entry may hold a whole launch shape for one state dtype under that dtype's name
-# ("bfloat16"), used instead of the entry's own for that dtype (read through _cfg). The session-2 H200
-# sweep (N 32768, d 768, forward + backward): fused update + CC d_v 4, bf16 state 797 us at TOKENS 16 +
+# by `python bench/bench_ddl.py` / `--sweeps`; tests shrink TOKENS to exercise partial sums and tails.
+# An entry may hold a whole launch shape for one state dtype under that dtype's name ("bfloat16"), used
+# instead of the entry's own for that dtype (read through _cfg). Measured on an H200 (N 32768, d 768,
+# forward + backward): fused update + CC d_v 4, bf16 state 797 us at TOKENS 16 +
 # pipelined loop vs 1087 us at the fp32 best (TOKENS 32, plain loop: 812 us in fp32); d_v = 1 rows, bf16
 # 679 us at ROWS 4 / 8 warps vs 963 us at 4 warps, fp32 752 us at ROWS 2 / 4 warps vs 1076 us at ROWS 4.
 _CFG = {

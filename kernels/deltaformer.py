@@ -32,6 +32,19 @@ Three implementations of the same function:
   earlier chunks' u contribute (one matmul), then solve the small in-chunk triangular system. Autograd
   gives the backward.
 - the Triton path (`backend="triton"`): see the second half of this file.
+
+The Triton path in short: stage 1 in chunks of C = 64 rows, a wavefront over (chunk, batch*head) tiles for
+the recurrence, a parallel prep kernel for the in-chunk inverses and softmax log-sum-exps, the reversed
+wavefront plus dK / dW passes for the backward; stage 2 is SDPA. With half-precision inputs everything
+accumulates in fp32; the recurrence's inter-chunk products take hi + lo half operands (~16 bits,
+rec="split") and the in-chunk inverse 3-pass tf32, because where updates are near reflections (beta kappa
+~ 2, the regime state tracking needs) every rounding there is carried into all later u; the other O(T^2)
+products take half operands (lowp, as FlashAttention), which costs dK and dW ~2e-2 in that regime
+(tests/test_deltaformer.py; lowp=False removes it for +30% GPU time). Forward+backward GPU time is
+3.2-4.4x causal SDPA's on an H200 at B,H,T,D = 8,12,1024,64 .. 2,12,4096,64 (bench/RESULTS.md). Counted in
+[64, 64] @ [64, 64] products over the causal triangle's block pairs, stage 1 does ~14 (S re-formed per
+pass, the split's three products) against SDPA's 7 for the whole attention, i.e. ~3x at equal efficiency;
+the wavefronts run at the SMs' throughput, so scheduling does not shorten that.
 """
 
 import math
@@ -231,8 +244,8 @@ def deltaformer_attention(q, k, v, w, beta, kernel="softmax", scale=None, backen
 #      u_c = X_c (v_c - beta_c * sum_{j < chunk} A_cj u_j); it publishes u_c, then computes
 #      h_c = sum_{j<i} A_ij u_j for the backward. The critical path per chunk is one block of scores and
 #      A @ u plus one product with X_c; but most tiles find their earlier chunks already published, so the
-#      wavefront runs at the SMs' throughput for its work (bench/NOTES_deltaformer.md V9: running prep
-#      beside it, or shortening the chain with extra products, only cost time).
+#      wavefront runs at the SMs' throughput for its work (measured: running prep beside it in the same
+#      launch, or shortening the chain with extra products, only added time).
 # Each program takes a ticket from an atomic counter and maps it to (chunk, batch*head) in chunk order, so
 # a tile only waits on tiles holding smaller tickets, which are already running: no deadlock, whatever the
 # number of resident programs. Each (batch, head) has a progress counter (chunks published): a tile
@@ -308,7 +321,7 @@ if _HAS_TRITON:
         """a @ b for the recurrence's inter-chunk products (A @ u forward, A^T (beta G) backward), fp32
         accumulation; a is fp32 (kappa values), b comes as the halves its producer stored (`_store_split`).
         Their rounding errors are fed back into every later u (or G), and where updates are near reflections
-        |u| grows and the errors with it (bench/NOTES_deltaformer.md, V4-V5), hence a choice:
+        |u| grows and the errors with it (tests/test_deltaformer.py, reflection regime), hence a choice:
         REC 0 ("lowp"): half operands a_hi b_hi (cheapest; bf16 misses 1e-2 there);
         REC 1: fp32 operands at PREC (fp32 inputs: b_hi is fp32);
         REC 2 ("split", default): a_hi b_hi + a_hi b_lo + a_lo b_hi with hi + lo halves of each operand in
@@ -412,15 +425,15 @@ if _HAS_TRITON:
         with E_b the entries of n in the lower-left quarter of every [2b, 2b] block: log2(C) steps of two
         [C, C] products (tensor cores). Like forward substitution, it only multiplies by final entries of
         the inverse (with fp32 or 3-pass tf32 products, the default, as accurate in the tests; with plain
-        tf32 products, rec="lowp", the emulation's inverse error is ~2x substitution's: V6 in the notes);
+        tf32 products, rec="lowp", its error is ~2x substitution's in a float64 emulation of the roundings);
         not the Neumann series by squaring ((I - n)(I + n^2)(I + n^4)...), exact in exact
         arithmetic but where beta * kappa ~ 1-2 (a token's update is a reflection, the regime state
         tracking needs) the powers of n grow huge and cancel: fp32 lost up to 7e-2 of u at C = 64
-        (tests/test_deltaformer.py, reflection regime). Forward substitution row by row (V3) and by 16-row
-        blocks (V4) were as accurate but slow: C - 1 or 15 dependent steps of cross-warp reductions, 123 of
-        the prep kernel's 179 us at 8,12,1024,64 (bench/NOTES_deltaformer.md, V6). The levels b < 16 only
-        touch the [16, 16] diagonal blocks, so they run as batched [C / 16, 16, 16] products (C / 16 times
-        fewer MACs; f+b -55 us at 8,12,1024,64 and -30 us at 8,6,1024,128 against [C, C] products, V8)."""
+        (tests/test_deltaformer.py, reflection regime). Forward substitution row by row and by 16-row
+        blocks is as accurate but slow: C - 1 or 15 dependent steps of cross-warp reductions, measured 123
+        of the prep kernel's 179 us at 8,12,1024,64 on an H200. The levels b < 16 only touch the [16, 16]
+        diagonal blocks, so they run as batched [C / 16, 16, 16] products (C / 16 times fewer MACs; f+b
+        -55 us at 8,12,1024,64 and -30 us at 8,6,1024,128 against [C, C] products)."""
         if C > 16:  # levels b < 16 on the [16, 16] diagonal blocks alone, then the rest
             d = _diagonal_blocks(n, C)
             y = _block_diagonal(_doubling_levels(d, d, 16, 0, PREC, True), C)
@@ -796,7 +809,7 @@ if _HAS_TRITON:
     ):  # fmt: skip
         """ROLE 0: dK over column blocks, 1: dW over row blocks; grid (NC, BH), the longest blocks first (dK's
         first columns, dW's last rows): a shorter tail. Two launches: both roles in one launch (programs
-        interleaved) cost relu 90 us more at 8,6,1024,128 (V8; why is not known)."""
+        interleaved) cost relu 90 us more at 8,6,1024,128 on an H200 (why is not known)."""
         i = tl.program_id(0)  # the i-th longest block of its role
         bh = tl.program_id(1).to(tl.int64)
         if ROLE == 0:
@@ -843,7 +856,7 @@ def _triton_cfg(x, chunk, lowp, rec):
 # inverse's products and X @ rhs with half inputs and rec="split" (None = "tf32x3", or "bf16x3": `_dot_x`);
 # dk_in_wavefront: 1 = dK accumulated by the backward wavefront (`_bwd_g_kernel` DKW), no dK pass; 0 = the
 # dK pass; None = 1 at D <= 64 (f+b -49 us softmax, -32 relu at 8,12,1024,64), 0 at D = 128 (+80 and +77 us
-# there: the wavefront's extra [C, D] accumulator and u tile; bench_attention.py --graph-variants, V8).
+# there: the wavefront's extra [C, D] accumulator and u tile; bench_attention.py --graph-variants).
 # lse_kernel: 64 or 128 = the softmax lse by `_lse_kernel` with that many rows per program (64 / 128 rows:
 # 4 / 8 warps) before prep, which then only forms X; 0 = inside prep.
 TUNING = {
@@ -854,8 +867,8 @@ TUNING = {
 
 def _launch(D, chunk, lowp):
     """Launch options of every kernel (the dK kernel defaults to num_stages=2: 131 -> 104 us at 8,12,1024,64,
-    where two stages cost the wavefronts 4%; bench_attention.py --kernel-profile, V6)."""
-    launch = dict(num_warps=4 if chunk <= 64 else 8)  # D = 128 too: 8 warps cost 1.19 vs 0.78 ms f+b (V8)
+    where two stages cost the wavefronts 4%; bench_attention.py --kernel-profile)."""
+    launch = dict(num_warps=4 if chunk <= 64 else 8)  # D = 128 too: 8 warps cost 1.19 vs 0.78 ms f+b
     if D == 128 or not lowp:
         launch["num_stages"] = 2  # fp32 or D = 128 tiles: three stages overflow shared memory
     launch.update({key: TUNING[key] for key in ("num_warps", "num_stages") if TUNING[key] is not None})
