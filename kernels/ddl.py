@@ -35,10 +35,10 @@ over the [B, T, d, d_v] state. One program owns whole tokens ([d, d_v] tiles; d_
 the forward reads x and writes x' once, the backward reads x and dL/dx' and writes dx once, and the fused
 entry points form the next sublayer's read-out from x' in registers: 5 passes per sublayer where update
 then compressor take 11. All are torch.library custom ops with fake implementations, so torch.compile
-keeps them in its graph. Measured on an H200 (N = 32768 tokens, d 768, d_v 4, fp32 state): the update's
-forward at the copy bandwidth (219 us, ~4.1 TB/s), the fused update + CC forward+backward ~1.5x its
-bytes floor; end to end gpt2-small ddl 0.91x and ddl-cc 0.74x the additive model's tokens/s, ddl-cc with
-1.47x its memory (autograd keeps every sublayer's input state) (bench/RESULTS.md).
+keeps them in its graph. Measured on an H200 by bench/bench_ddl.py (N = 32768 tokens, d 768, d_v 4, fp32
+state): the update's forward at the copy bandwidth (219 us, ~4.1 TB/s), the fused update + CC
+forward+backward ~1.5x its bytes floor. End to end (bench/RESULTS.md): gpt2-small ddl 0.91x and ddl-cc
+0.74x the additive model's tokens/s, ddl-cc at 1.47x its memory (autograd keeps every sublayer's state).
 """
 
 import os

@@ -40,11 +40,11 @@ accumulates in fp32; the recurrence's inter-chunk products take hi + lo half ope
 rec="split") and the in-chunk inverse 3-pass tf32, because where updates are near reflections (beta kappa
 ~ 2, the regime state tracking needs) every rounding there is carried into all later u; the other O(T^2)
 products take half operands (lowp, as FlashAttention), which costs dK and dW ~2e-2 in that regime
-(tests/test_deltaformer.py; lowp=False removes it for +30% GPU time). Forward+backward GPU time is
-3.2-4.4x causal SDPA's on an H200 at B,H,T,D = 8,12,1024,64 .. 2,12,4096,64 (bench/RESULTS.md). Counted in
-[64, 64] @ [64, 64] products over the causal triangle's block pairs, stage 1 does ~14 (S re-formed per
-pass, the split's three products) against SDPA's 7 for the whole attention, i.e. ~3x at equal efficiency;
-the wavefronts run at the SMs' throughput, so scheduling does not shorten that.
+(tests/test_deltaformer.py; lowp=False removes it for +30% GPU time at 8,12,1024,64). Forward+backward
+GPU time is 3.2-4.4x causal SDPA's on an H200 at B,H,T,D = 8,12,1024,64 .. 2,12,4096,64
+(bench/RESULTS.md). Counted in [64, 64] @ [64, 64] products over the causal triangle's block pairs, stage 1
+does ~14 (S re-formed per pass, the split's three products) and SDPA 7, so (14 + 7) / 7 = 3x SDPA even at
+SDPA's efficiency; the wavefronts run at the SMs' throughput, so scheduling does not shorten that.
 """
 
 import math
