@@ -390,7 +390,8 @@ def settings(args):
     scope = "whole model" if args.compile_scope == "model" else "each block + the loss"
     compiled = f"torch.compile ({scope}, static shapes)" if args.compile else "eager"
     return (
-        f"seq {args.seq}, bf16 autocast, {compiled}, fused AdamW, random tokens; {args.warmup} warm-up and "
+        f"seq {args.seq}, bf16 autocast, {compiled}, {'fused ' if args.device == 'cuda' else ''}AdamW, "
+        f"random tokens; {args.warmup} warm-up (the first compiles) and "
         f"{args.steps} timed steps, step time their median; MFU = tokens/s x GPT.flops_per_token / "
         f"{args.peak_tflops:g} TFLOP/s; ×additive: against additive + softmax of the same model in this run"
     )
