@@ -55,6 +55,7 @@ def train_command(args, variant, stage):
         "--eval_iters=1",
         "--log_interval=10",
         f"--out_dir={os.path.join(args.work, run_name(variant, stage))}",
+        "--overwrite=True",  # a stage can be rerun into its folder
         *args.extra.split(),
     ]
     train = [os.path.join(REPO, "train.py"), os.path.join(REPO, args.config), *overrides]

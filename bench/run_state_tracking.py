@@ -240,7 +240,11 @@ def main():
             cmd += [f"--max_seconds={args.seconds:g}", *args.extra.split()]
             log = open(os.path.join(out_dir, "stdout.txt"), "w")  # noqa: SIM115 (closed when it ends)
             proc = subprocess.Popen(
-                [sys.executable, *cmd[1:], f"--out_dir={out_dir}"], cwd=REPO, stdout=log, stderr=log, env=env
+                [sys.executable, *cmd[1:], f"--out_dir={out_dir}", "--overwrite=True"],
+                cwd=REPO,
+                stdout=log,
+                stderr=log,
+                env=env,
             )
             running[name] = (proc, log, time.time(), " ".join(cmd))
             print(f"started {name}: {' '.join(cmd)}", flush=True)

@@ -308,9 +308,12 @@ def test_config_files_are_valid_for_train_py(config, millions):
 def readme_variant_overrides():
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
         text = f.read()
-    section = text.split("## Variants", 1)[1].split("\n## ", 1)[0]  # up to the next heading
-    rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    overrides = [row.split("|")[4].strip() for row in rows]
+    section = text.split("## The paper recipes", 1)[1].split("\n## ", 1)[0]  # up to the next heading
+    lines = section.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| "))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))  # 1st table
+    rows = [line for line in lines[start:end] if "---" not in line][1:]
+    overrides = [row.strip("|").split("|")[-1].strip() for row in rows]
     return [o.replace("`", "").split() if o != "(none)" else [] for o in overrides]
 
 
