@@ -159,13 +159,14 @@ def test_resume_is_bit_exact(tmp_path, data_dir):
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
-def test_two_ranks_match_one_rank(tmp_path, data_dir):
-    # gradient_accumulation_steps=2 is global: 1 rank does 2 micro-steps, 2 ranks 1 each, same batch
-    one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    args = ["--max_iters=8", "--eval_interval=4"]
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_n_ranks_match_one_rank(tmp_path, data_dir, nproc):
+    # gradient_accumulation_steps=4 is global: 1 rank does 4 micro-steps, N ranks 4/N each, same batch
+    one, two = str(tmp_path / "one"), str(tmp_path / "many")
+    args = ["--max_iters=8", "--eval_interval=4", "--gradient_accumulation_steps=4", "--batch_size=2"]
     train(one, data_dir, *args)
-    result = train(two, data_dir, *args, nproc=2)
-    assert "2 rank(s)" in result.stdout
+    result = train(two, data_dir, *args, nproc=nproc)
+    assert f"{nproc} rank(s)" in result.stdout
     _, loss_1, val_1 = read_log(one)
     _, loss_2, val_2 = read_log(two)
     assert sorted(loss_1) == sorted(loss_2) == list(range(8))
