@@ -31,15 +31,14 @@ import argparse
 import dataclasses
 import json
 import os
-import pickle
 import sys
 from collections import defaultdict
 
 import torch
 from tqdm import tqdm
 
+from checkpoint import CheckpointError, load_model
 from data.tokenizer import EOT, get_encoding
-from model import GPT, GPTConfig
 
 try:
     import lm_eval
@@ -57,48 +56,9 @@ PAPER_TASKS = "sciq,winogrande,arc_easy,arc_challenge,hellaswag,piqa,lambada_ope
 LOGIT_ROWS = 8192  # positions per LM-head call when scoring (bounds the [rows, vocab] logits in memory)
 
 
-class CheckpointError(Exception):
-    """A checkpoint that is missing or cannot be loaded (the message is one line)."""
-
-
 def load_checkpoint(out_dir, device="cpu"):
     """(GPT in eval mode on device, checkpoint dict) from out_dir/ckpt.pt; CheckpointError if unusable."""
-    path = os.path.join(out_dir, "ckpt.pt")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"no checkpoint at {path} (train one with train.py, or set --out_dir)")
-    size = os.path.getsize(path)
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:  # torch's message advises weights_only=False: not for a foreign file
-        raise CheckpointError(
-            f"{path} ({size:,} bytes) is not a checkpoint of train.py: it holds objects other than tensors "
-            "and plain containers, or is no torch.save file"
-        ) from e
-    except EOFError as e:
-        raise CheckpointError(f"{path} ends early ({size:,} bytes): truncated or corrupt") from e
-    except Exception as e:  # torch's zip reader on a cut-short file, ...
-        raise CheckpointError(
-            f"{path} ({size:,} bytes) is not a readable checkpoint: truncated or corrupt "
-            f"({type(e).__name__}: {first_line(e)})"
-        ) from e
-    if not isinstance(ckpt, dict) or not {"model", "model_args"} <= set(ckpt):
-        raise CheckpointError(f"{path} has no 'model' and 'model_args' entries (not written by train.py)")
-    from_checkpoint = getattr(GPTConfig, "from_checkpoint", None)
-    try:
-        cfg = from_checkpoint(ckpt["model_args"]) if from_checkpoint else GPTConfig(**ckpt["model_args"])
-        model = GPT(cfg)
-        # a state dict saved from a torch.compile'd module carries this prefix
-        state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
-        model.load_state_dict(state)
-    except Exception as e:  # unknown or invalid config fields, missing or mis-shaped weights
-        raise CheckpointError(f"{path}: cannot build the model ({type(e).__name__}: {first_line(e)})") from e
-    return model.eval().to(device), ckpt
-
-
-def first_line(e):
-    """The first sentence of an exception's message (torch's can run to many lines)."""
-    lines = str(e).strip().splitlines()
-    return lines[0].split(". ")[0] if lines else ""
+    return load_model(os.path.join(out_dir, "ckpt.pt"), device)
 
 
 class CheckpointLM(TemplateLM):

@@ -299,20 +299,20 @@ def test_checkpoint_errors(tmp_path):
         ev.load_checkpoint(str(tmp_path))
     assert "\n" not in str(e.value)
     path.write_bytes(b"")
-    with pytest.raises(ev.CheckpointError, match="truncated or corrupt"):
+    with pytest.raises(ev.CheckpointError, match="empty file"):
         ev.load_checkpoint(str(tmp_path))
     path.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(1000)))
     with pytest.raises(ev.CheckpointError, match="not a checkpoint of train.py") as e:
         ev.load_checkpoint(str(tmp_path))
     assert "weights_only" not in str(e.value)
     torch.save({"weights": torch.zeros(2)}, str(path))
-    with pytest.raises(ev.CheckpointError, match="'model' and 'model_args'"):
+    with pytest.raises(ev.CheckpointError, match="no 'model', 'model_args'"):
         ev.load_checkpoint(str(tmp_path))
     model = tiny()
     state = model.state_dict()
     del state["lm_head.weight"], state["wte.weight"]
     torch.save({"model": state, "model_args": dataclasses.asdict(model.config)}, str(path))
-    with pytest.raises(ev.CheckpointError, match="cannot build the model") as e:
+    with pytest.raises(ev.CheckpointError, match="weights do not fit") as e:
         ev.load_checkpoint(str(tmp_path))
     assert "\n" not in str(e.value)
 
