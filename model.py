@@ -507,7 +507,9 @@ class GPT(nn.Module):
         std = INIT_STD_FACTOR / math.sqrt(d) if scaled else EMBED_STD
         out_std = std / math.sqrt(L) if scaled else EMBED_STD / math.sqrt(2 * L)
         for name, p in self.named_parameters():
-            if p.dim() >= 2 and name != "ec_conv":
+            # the convs are built as identities: EC stays one, and under "nanogpt" the compressors' too
+            identity = name == "ec_conv" or (name.endswith(".conv") and not scaled)
+            if p.dim() >= 2 and not identity:
                 nn.init.normal_(p, mean=0.0, std=std)
         nn.init.normal_(self.wte.weight, mean=0.0, std=EMBED_STD)
         for block in self.blocks:
@@ -517,8 +519,6 @@ class GPT(nn.Module):
                 nn.init.zeros_(block.attn.beta.bias)
             if not cfg.is_ddl:
                 continue
-            if not scaled and block.compress.kind != "ddl":
-                block.compress.conv.copy_(Compressor(cfg).conv)  # identity
             for res in (block.res_attn, block.res_mlp):
                 p = cfg.ddl_beta_init / 2
                 res.beta.bias.fill_(math.log(p / (1 - p)))
@@ -527,8 +527,6 @@ class GPT(nn.Module):
                 if res.v_proj.bias is not None:
                     bound = 1 / math.sqrt(d) if scaled else 0.0
                     nn.init.uniform_(res.v_proj.bias, -bound, bound)
-        if cfg.is_ddl and not scaled and self.readout.kind != "ddl":
-            self.readout.conv.copy_(Compressor(cfg).conv)
 
     def embed(self, idx, cache=None):
         """The initial stream: emb [B, T, d] (additive) or X0 [B, T, d, d_v] (DDL)."""
