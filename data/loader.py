@@ -13,7 +13,7 @@ Global batch `step` with `global_rows` rows holds stream rows step*global_rows .
     every time (the first eval_iters * B windows of epoch 0's permutation).
 
 Shards are memory-mapped afresh on every call and dropped afterwards: a memmap kept open for a whole
-run makes the resident memory grow with every page touched (nanoGPT issue #287).
+run makes the resident memory grow with every page touched (karpathy/nanoGPT#287).
 """
 
 import numpy as np

@@ -1,5 +1,7 @@
-"""The repository speaks only of itself: no tracked file talks about how it was built (work sessions,
-issue numbers, GPU calls, machine kinds) or points at files that are not in the repository."""
+"""The repository speaks only of itself: no tracked file tells the story of its own making (who worked
+when, tracker numbers, GPU runs, machine kinds) or points at files that are not in the repository.
+The patterns below are written with character classes, and the examples assembled from pieces, so that
+this file does not itself contain the words it looks for."""
 
 import os
 import re
@@ -9,13 +11,13 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORBIDDEN = [
-    r"\bsessions?\b",
-    r"\bissues?[ _-]?\d",
-    r"\bissue_",
-    r"\bdevice (call|run|session|README)",
-    r"\bcall [0-9]\b",
-    r"nvidia-h200",
-    r"\b(DEVELOPERS|METHOD|KINDS|H200|HOPPER)\.md\b",
+    r"\bse[s]sions?\b",
+    r"\biss[u]es?[ _-]?\d",
+    r"\biss[u]e_",
+    r"\bdevi[c]e (call|run|se[s]sion|READ[M]E)",
+    r"\bcal[l] [0-9]\b",
+    r"nvidia-h[2]00",
+    r"\b(DEVELOPER[S]|METHO[D]|KIND[S]|H20[0]|HOPPE[R])\.md\b",
 ]
 
 
@@ -26,7 +28,7 @@ def tracked_text_files():
         pytest.skip("not a git checkout")
     for path in out.splitlines():
         full = os.path.join(REPO, path)
-        if path == "tests/test_repo.py" or not os.path.isfile(full):
+        if not os.path.isfile(full):
             continue
         try:
             with open(full, encoding="utf-8") as f:
@@ -48,8 +50,10 @@ def test_no_file_speaks_of_how_it_was_built():
 
 def test_the_pattern_catches_what_it_should():
     pattern = re.compile("|".join(FORBIDDEN), re.IGNORECASE)
-    for bad in ["the session-2 sweep", "Issue 5's target", "issue_flops_per_token", "device call 3",
-                "an nvidia-h200-x2 machine", "see DEVELOPERS.md", "call 4 at a7d5eac"]:  # fmt: skip
+    ses, iss, dev, cal = "ses" + "sion", "Iss" + "ue", "dev" + "ice", "ca" + "ll"
+    for bad in [f"the {ses}-2 sweep", f"{iss} 5's target", f"{iss.lower()}_flops_per_token",
+                f"{dev} {cal} 3", "an nvidia-" + "h200-x2 machine", "see DEVELOPERS" + ".md",
+                f"{cal} 4 at a7d5eac"]:  # fmt: skip
         assert pattern.search(bad), bad
-    for fine in ["the recall 5 metric", "a tissue 3 mm thick", "issued 2 warnings", "METHOD.md5"]:
+    for fine in ["the recall 5 metric", "a tiss" + "ue 3 mm thick", "issued 2 warnings", "METHO" + "D.md5"]:
         assert not pattern.search(fine), fine
