@@ -55,5 +55,6 @@ def test_the_pattern_catches_what_it_should():
                 f"{dev} {cal} 3", "an nvidia-" + "h200-x2 machine", "see DEVELOPERS" + ".md",
                 f"{cal} 4 at a7d5eac"]:  # fmt: skip
         assert pattern.search(bad), bad
-    for fine in ["the recall 5 metric", "a tiss" + "ue 3 mm thick", "issued 2 warnings", "METHO" + "D.md5"]:
+    for fine in ["the rec" + "all 5 metric", "a tiss" + "ue 3 mm thick", "issued 2 warnings",
+                 "METHO" + "D.md5"]:  # fmt: skip
         assert not pattern.search(fine), fine
