@@ -32,6 +32,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -391,6 +392,7 @@ def main(argv=None):
         f"tasks {','.join(args.tasks)}, {args.num_fewshot}-shot",
         file=sys.stderr,
     )
+    t0 = time.perf_counter()
     try:
         results = evaluate(
             lm, args.tasks, args.num_fewshot, args.limit, include_paths(args.include_path), args.seed
@@ -401,9 +403,14 @@ def main(argv=None):
         raise
     from lm_eval.utils import make_table
 
+    seconds = time.perf_counter() - t0
+    items = sum(n["effective"] for n in results.get("n-samples", {}).values())
+    results["eval_seconds"] = seconds
     print(make_table(results))
     if results.get("groups"):
         print(make_table(results, "groups"))
+    where = next(lm.model.parameters()).device
+    print(f"{items} items in {seconds:.1f} s: {items / seconds:.1f} items/s on {where}", file=sys.stderr)
     write_json(args.output, results)
     print(f"results -> {args.output}", file=sys.stderr)
     return results
