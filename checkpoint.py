@@ -10,11 +10,12 @@ load_checkpoint unpickles tensors and plain containers only (torch.load with wei
 truncated, empty, random or foreign file raises CheckpointError saying so, never a raw traceback or the
 advice to load it unsafely. save_checkpoint is atomic (temp file, fsync, rename): ckpt.pt is always the
 last complete checkpoint, a failed write removes its temp file, and a full disk is reported in one line
-with the space needed. On resume, log_lines_before keeps the log up to the checkpoint and start_log
-replaces the log with them plus the first new record, atomically too.
+with the space needed. On resume, log_lines_before keeps the log up to the checkpoint; RunLog writes
+the log, its first record replacing the previous log (by the kept lines and itself) atomically too.
 """
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -65,12 +66,27 @@ def load_checkpoint(path, required=("model", "model_args")):
     return ckpt
 
 
+# GPTConfig fields whose meaning or default changed since checkpoints were first written: a checkpoint
+# without them was built by an older model.py (QK-norm before RoPE, eps 1e-6, a compressor per sublayer).
+CHECKPOINT_FIELDS = ("init", "norm_eps")
+
+
 def model_config(model_args, path="checkpoint"):
     """The GPTConfig of a checkpoint's model_args; CheckpointError naming `path` if model.py rejects them."""
     if not isinstance(model_args, dict):
         raise CheckpointError(f"{path}: model_args is a {type(model_args).__name__}, not a dict")
+    missing = [name for name in CHECKPOINT_FIELDS if name not in model_args]
+    if missing:
+        raise CheckpointError(
+            f"{path}: model_args do not fit this model.py: they lack the field(s) {missing}, so an older "
+            "model.py wrote them (QK-norm before RoPE, RMSNorm eps 1e-6, a DDL compressor per sublayer), "
+            "which this one does not build; load it with the model.py of its commit"
+        )
+    unknown = sorted(set(model_args) - {f.name for f in dataclasses.fields(GPTConfig)})
+    if unknown:
+        raise CheckpointError(f"{path}: model_args do not fit this model.py: unknown field(s) {unknown}")
     try:
-        return GPTConfig.from_checkpoint(model_args)
+        return GPTConfig(**model_args)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: model_args do not fit this model.py: {e}") from None
 
@@ -200,3 +216,30 @@ def start_log(path, lines):
             os.remove(tmp)
         raise
     return open(path, "a")  # noqa: SIM115 (the caller keeps it open)
+
+
+class RunLog:
+    """log.jsonl of a run, one JSON record a line. Until the first record a previous run's files stay as
+    they were: that record replaces the log by `kept` (the lines a resumed run keeps) and itself, and
+    removes the file `replaces` (the checkpoint of a run being overwritten) first. A failed write raises
+    CheckpointError."""
+
+    def __init__(self, path, kept=(), replaces=None):
+        self.path, self.kept, self.replaces, self.file = path, list(kept), replaces, None
+
+    def write(self, record):
+        line = json.dumps(record) + "\n"
+        try:
+            if self.file is None:
+                if self.replaces and os.path.exists(self.replaces):
+                    os.remove(self.replaces)
+                self.file = start_log(self.path, self.kept + [line])
+            else:
+                self.file.write(line)
+                self.file.flush()
+        except OSError as e:
+            raise CheckpointError(write_error(self.path, e, len(line) + sum(map(len, self.kept)))) from None
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()

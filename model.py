@@ -1,51 +1,27 @@
 """GPT with switchable residual (additive | Deep Delta Learning) and attention (softmax | Deltaformer).
 
-One file, read top to bottom: config -> small pieces (RMSNorm, RoPE, MLP, attention) -> the residual
-interface (the only place the residual variants differ) -> Block -> GPT (forward, generate, counts).
+Read top to bottom: config -> small pieces (RMSNorm, RoPE, MLP, attention) -> the residual interface (the
+only place the residual variants differ) -> Block -> GPT. The defaults are the model the DDL authors'
+released code builds (arXiv 2601.00417); where the paper's text differs, the text is a named option.
+Shared by every variant: pre-norm RMSNorm, RoPE then a per-head QK-RMSNorm, SwiGLU, no biases, tied
+embedding / LM head.
 
-The defaults are the model the DDL paper trained (arXiv 2601.00417), as the authors' released code
-builds it; where the paper's text says otherwise, the text is a named option (README, "Paper recipes").
-Every variant, the additive baseline included, shares:
-- pre-norm RMSNorm (eps `norm_eps`, learnable weight); RoPE (base 10000) on queries and keys, then a
-  learnable per-head QK-RMSNorm (after RoPE); causal SDPA with scale 1/sqrt(head_dim); SwiGLU MLP with
-  hidden floor(8 d / 3); no biases in the linear layers; tied token embedding / LM head; vocab 50304.
-- init="scaled": every matrix N(0, 0.5/sqrt(d)), the two output projections of a block N(0, 0.5/sqrt(d L)),
-  the embedding N(0, 0.02); init="nanogpt": N(0, 0.02) and N(0, 0.02/sqrt(2 L)).
-
-Residual variants (cfg.residual). The stream is a vector x [B, T, d] ("additive") or, for DDL, a matrix
-state X [B, T, d, d_v] per token. Every sublayer F (attention or MLP) runs as
+The stream is a vector x [B, T, d] (additive) or, for DDL, a state X [B, T, d, d_v] per token. A sublayer F:
 
     additive:  x <- x + F(RMSNorm(x))
-    DDL:       x_in = compress(X);  c = RMSNorm(x_in);  h = F(c)
-               khat = h / sqrt(|h|^2 + eps^2)                   (in the kernels, kernels/ddl.py)
-               v = 4 sigmoid(W_v x_in + b_v)                     (ddl_v="linear": v = W_v c, the paper's text)
-               beta = 2 sigmoid(W_beta c + b_beta)               (fp32; (0, 2): identity .. reflection)
-               X <- X + beta khat (v^T - khat^T X)               (ddl_erase=False: X <- X + beta khat v^T)
+    DDL:       x_in = compress(X);  c = RMSNorm(x_in);  h = F(c);  khat = h / sqrt(|h|^2 + eps^2)
+               v = 4 sigmoid(W_v x_in + b_v)        (ddl_v="linear": v = W_v c, the paper's text)
+               beta = 2 sigmoid(W_beta c + b_beta)  (in (0, 2): identity .. reflection)
+               X <- X + beta khat (v^T - khat^T X)  (ddl_erase=False: X <- X + beta khat v^T)
 
-    compress (one compressor per block, read before attention and before the MLP, and one more before
-    the final norm):
-        "ddl"    (d_v = 1)  x_in = X[..., 0]
-        "ddl-cc" (channel)  a depthwise conv along d_v (kernel d_v, centred) then a read over d_v: a
-                            per-feature weight W[i, v] = sum_j read[j] conv[i, v - j + (d_v - 1) // 2]
-        "ddl-tc" (temporal) a causal depthwise conv over tokens (kernel ddl_conv_size) then the read
-    X0 = the embedding repeated d_v times, or with EC (ddl_ec, d_v > 1) a causal depthwise conv of the
-    embeddings, identity-initialised. Init: W_beta as any matrix, b_beta = logit(ddl_beta_init / 2);
-    W_v as any matrix, b_v ~ U(+-1/sqrt(d)); compressor convs as any matrix (nanogpt: identity), reads 1/d_v.
-    For DDL-CC each update is fused with the read that follows it (one pass over the state).
+compress (one Compressor per block, read before attention and before the MLP; one more before the final
+norm): "ddl" (d_v = 1) takes X[..., 0]; "ddl-cc" a depthwise conv along d_v then a read over d_v (one
+linear map, fused into the update before it); "ddl-tc" a causal depthwise conv over tokens then the read.
+X0 is the embedding repeated d_v times, or with EC a causal conv of the embeddings.
 
-Attention variants (cfg.attention): "softmax" = causal SDPA. "deltaformer" = two-stage attention
-(kernels/deltaformer.py): u_i = v_i - beta_i sum_{j<i} kappa(w_i, k_j) u_j, then causal softmax attention
-of q over (k, u). w is q, k (the delta rule: each token erases what its own key reads back) or a separate
-projection treated like a query (same RoPE and QK-norm). beta_i per head = deltaformer_beta_max *
-sigmoid(Linear(c)) (fp32); max 2 lets a head reflect, which swap tracking needs.
-
-Mixed precision: the norms and both gates run in fp32; the additive stream stays in the parameter dtype;
-the DDL kernels compute in fp32 and store X in `ddl_state_dtype` ("float32" = the parameter dtype, or
-"bfloat16": half the state's memory traffic, each update rounding once).
-
-Decoding (`generate`) keeps a cache per module: keys/values for softmax attention; keys/u's for
-Deltaformer; the last K-1 states each DDL-TC read saw; the last K-1 embeddings for EC. Beyond block_size
-it crops like nanoGPT (a plain forward over the last block_size tokens).
+Deltaformer (kernels/deltaformer): u_i = v_i - beta_i sum_{j<i} kappa(w_i, k_j) u_j, then causal softmax
+attention of q over (k, u); w is q, k or its own projection. Norms, gates and DDL updates compute in fp32;
+X is stored in `ddl_state_dtype`. `generate` caches per module (keys/values, keys/u's, conv histories).
 """
 
 import math
@@ -68,6 +44,11 @@ DDL_EPS = 1e-5  # khat = h / sqrt(|h|^2 + eps^2)
 DDL_V_SCALE = 4.0  # v = 4 sigmoid(.) in (0, 4)
 DDL_VS = ("sigmoid", "linear")
 DDL_STATE_DTYPES = ("float32", "bfloat16")
+CHOICES = {  # GPTConfig fields with a fixed set of values
+    "residual": RESIDUALS, "attention": ATTENTIONS, "deltaformer_w": DELTAFORMER_WS,
+    "deltaformer_kernel": DELTAFORMER_KERNELS, "backend": BACKENDS, "init": INITS, "ddl_v": DDL_VS,
+    "ddl_state_dtype": DDL_STATE_DTYPES,
+}  # fmt: skip
 INIT_STD_FACTOR = 0.5  # init="scaled": std = 0.5 / sqrt(d)
 EMBED_STD = 0.02
 
@@ -75,9 +56,6 @@ PRESETS = {
     "gpt2-small": dict(n_layer=12, n_embd=768, n_head=6, head_dim=128),
     "gpt2-medium": dict(n_layer=24, n_embd=1024, n_head=8, head_dim=128),
 }
-# Fields whose meaning or default changed since checkpoints were first written: a checkpoint without
-# them was built by an older model.py (QK-norm before RoPE, eps 1e-6, a compressor per sublayer).
-CHECKPOINT_FIELDS = ("init", "norm_eps")
 
 
 @dataclass
@@ -108,63 +86,40 @@ class GPTConfig:
     backend: str = "auto"  # kernels' backend: "auto" | "torch" | "triton" (not an architecture choice)
 
     def __post_init__(self):
-        def choice(name, allowed):
-            value = getattr(self, name)
-            if value not in allowed:
-                raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {value!r}")
+        def check(name, ok, what):
+            if not ok(getattr(self, name)):
+                raise ValueError(f"GPTConfig.{name} must be {what}, got {getattr(self, name)!r}")
 
-        def positive_int(name):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
-        def boolean(name):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        def is_number(ok):
+            return lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and ok(x)
 
-        def number(name, ok, allowed):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-                raise ValueError(f"GPTConfig.{name} must be a number {allowed}, got {value!r}")
-
-        choice("residual", RESIDUALS)
-        choice("attention", ATTENTIONS)
-        choice("deltaformer_w", DELTAFORMER_WS)
-        choice("deltaformer_kernel", DELTAFORMER_KERNELS)
-        choice("backend", BACKENDS)
-        choice("init", INITS)
-        choice("ddl_v", DDL_VS)
-        choice("ddl_state_dtype", DDL_STATE_DTYPES)
+        for name, allowed in CHOICES.items():
+            check(name, lambda x, allowed=allowed: x in allowed, f"one of {allowed}")
         for name in ("n_layer", "n_head", "n_embd", "head_dim", "block_size", "vocab_size", "ddl_conv_size"):
-            positive_int(name)
+            check(name, is_int, "a positive int")
+        check("mlp_hidden", lambda x: x is None or is_int(x), "a positive int or None")
         for name in ("ddl_ec", "ddl_erase"):
-            boolean(name)
-        if self.head_dim % 2:
-            raise ValueError(f"GPTConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
-        if self.mlp_hidden is not None:
-            positive_int("mlp_hidden")
-        number("dropout", lambda x: 0 <= x < 1, "in [0, 1)")
-        number("rope_base", lambda x: x > 0, "> 0")
-        number("norm_eps", lambda x: x > 0, "> 0")
-        number("ddl_beta_init", lambda x: 0 < x < 2, "in (0, 2) (beta = 2 sigmoid(.))")
-        number("deltaformer_beta_max", lambda x: x > 0, "> 0")
+            check(name, lambda x: isinstance(x, bool), "True or False")
+        check("head_dim", lambda x: x % 2 == 0, "even (RoPE rotates pairs)")
+        check("dropout", is_number(lambda x: 0 <= x < 1), "a number in [0, 1)")
+        for name in ("rope_base", "norm_eps", "deltaformer_beta_max"):
+            check(name, is_number(lambda x: x > 0), "a number > 0")
+        check("ddl_beta_init", is_number(lambda x: 0 < x < 2), "a number in (0, 2) (beta = 2 sigmoid(.))")
         # d_v: resolved here so that asdict() -> GPTConfig(**) round-trips to the same model.
-        if self.residual == "additive":
-            if self.ddl_dv is not None:
-                raise ValueError(
-                    f"GPTConfig.ddl_dv must be None for residual='additive' (DDL only), got {self.ddl_dv!r}"
-                )
-        elif self.residual == "ddl":
-            if self.ddl_dv not in (None, 1):
-                raise ValueError(
-                    f"GPTConfig.ddl_dv must be 1 (or None) for residual='ddl' (the d_v = 1 variant; use "
-                    f"'ddl-cc' or 'ddl-tc' for a matrix state), got {self.ddl_dv!r}"
-                )
-            self.ddl_dv = 1
-        else:
+        if self.residual == "additive" and self.ddl_dv is not None:
+            raise ValueError(f"GPTConfig.ddl_dv must be None for residual='additive', got {self.ddl_dv!r}")
+        if self.residual == "ddl" and self.ddl_dv not in (None, 1):
+            raise ValueError(
+                f"GPTConfig.ddl_dv must be 1 (or None) for residual='ddl' (use 'ddl-cc' or 'ddl-tc' for a "
+                f"matrix state), got {self.ddl_dv!r}"
+            )
+        if self.is_ddl:
             if self.ddl_dv is None:
-                self.ddl_dv = 4
-            positive_int("ddl_dv")
+                self.ddl_dv = 1 if self.residual == "ddl" else 4
+            check("ddl_dv", is_int, "a positive int")
 
     @classmethod
     def preset(cls, name, **overrides):
@@ -176,22 +131,6 @@ class GPTConfig:
         if unknown:
             raise ValueError(f"GPTConfig.preset: unknown field(s) {unknown}; known fields: {sorted(known)}")
         return cls(**{**PRESETS[name], **overrides})
-
-    @classmethod
-    def from_checkpoint(cls, model_args):
-        """The config a checkpoint's model_args describe; a clear error for one this model.py cannot build."""
-        missing = [name for name in CHECKPOINT_FIELDS if name not in model_args]
-        if missing:
-            raise ValueError(
-                f"checkpoint model_args lack the field(s) {missing}: the checkpoint was written by an older "
-                "model.py (QK-norm before RoPE, RMSNorm eps 1e-6, a DDL compressor per sublayer), which this "
-                "one does not build; load it with the model.py of its commit"
-            )
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(model_args) - known)
-        if unknown:
-            raise ValueError(f"checkpoint model_args have unknown field(s) {unknown}")
-        return cls(**model_args)
 
     @property
     def is_ddl(self):
@@ -495,10 +434,9 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def _init_weights(self):
-        """init="scaled" (the DDL code's, for every row): matrices N(0, 0.5/sqrt(d)), output projections
-        N(0, 0.5/sqrt(d L)), W_beta random, b_v ~ U(+-1/sqrt(d)), compressor convs random; the embedding
-        N(0, 0.02). init="nanogpt": N(0, 0.02), N(0, 0.02/sqrt(2 L)), W_beta = b_v = 0, identity convs.
-        Both: norms 1, reads 1/d_v, EC identity, b_beta = logit(ddl_beta_init / 2), Deltaformer's bias 0."""
+        """init="scaled" (the DDL code's): matrices N(0, 0.5/sqrt(d)), output projections N(0, 0.5/sqrt(d L)),
+        b_v ~ U(+-1/sqrt(d)); "nanogpt": N(0, 0.02), N(0, 0.02/sqrt(2 L)), W_beta = b_v = 0, identity convs.
+        Both: embedding N(0, 0.02), EC identity, b_beta = logit(ddl_beta_init / 2)."""
         cfg = self.config
         if self.wte.weight.is_meta:  # built on the meta device (to count or to materialise later): no data
             return
@@ -633,15 +571,9 @@ class GPT(nn.Module):
         return n - self.wte.weight.numel() if non_embedding else n
 
     def flops_per_token(self, T):
-        """Forward + backward FLOPs per token at sequence length T (PaLM-style estimate, as nanoGPT's MFU).
-
-        6 N for the weights (N = all parameters: every one is used once per token in a multiply-add,
-        including the tied LM head, the DDL gates, W_v, the compressors and EC, whose work is linear in
-        their weights too) + 12 L H D T for attention scores and values (softmax; full T, as PaLM).
-        Deltaformer adds stage 1 (w.k scores and kappa @ u: the same size again), so 24 L H D T.
-        DDL adds ddl_update per sublayer, not a matmul: ~4 d d_v (khat^T X and the rank-1 write) + 3 d
-        (normalising h) forward, times 3 for forward + backward.
-        """
+        """Forward + backward FLOPs per token at sequence length T (PaLM-style, as nanoGPT's MFU): 6 N for
+        the weights + 12 L H D T for attention (Deltaformer's stage 1 doubles it) + the DDL updates,
+        ~4 d d_v + 3 d per sublayer forward, x3 with the backward."""
         cfg = self.config
         flops = 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
         if cfg.attention == "deltaformer":
