@@ -1,4 +1,5 @@
-"""kernels/deltaformer.py against the float64 per-token reference: values and gradients of every input."""
+"""kernels/deltaformer/: the chunked PyTorch path, the Triton path and the decoding step against the float64
+per-token reference (naive.py): values and gradients of every input."""
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from kernels.deltaformer import (
     deltaformer_u_torch,
 )
 
-DEFS = "the definition (kernels/deltaformer.py): relu / linear score unit w, k with scale 1"
+DEFS = "the definition (kernels/deltaformer/naive.py): relu / linear score unit w, k with scale 1"
 
 
 def rel_err(a, b):
@@ -242,7 +243,7 @@ def beta_max_for(kernel, T):
 
 
 def check_triton_against_reference(
-    kernel, B, H, T, D, dtype, device, chunk, tol, reference="loop", lowp=None, inputs=None, rec=None
+    kernel, B, H, T, D, dtype, device, chunk, tol, reference="loop", lowp=None, inputs=None
 ):
     """Values and all gradients of the Triton path against float64; inputs (q, k, v, w, beta in float64)
     default to make_inputs' random ones."""
@@ -253,7 +254,7 @@ def check_triton_against_reference(
     grad_out = torch.randn(B, H, T, D, dtype=torch.float64, device=device)
 
     def ours(q, k, v, w, beta):
-        u = deltaformer_u_triton(k, v, w, beta, kernel=kernel, chunk=chunk, lowp=lowp, rec=rec)
+        u = deltaformer_u_triton(k, v, w, beta, kernel=kernel, chunk=chunk, lowp=lowp)
         return torch.nn.functional.scaled_dot_product_attention(q, k, u, is_causal=True)
 
     if reference == "loop":
@@ -294,24 +295,20 @@ def test_triton_t1_and_head_dim_64():
 
 
 @pytest.mark.parametrize("lowp", [False, True])
-@pytest.mark.parametrize("rec", ["lowp", "split"])
-def test_triton_fp16(rec, lowp):
-    # every way u and beta G are stored and read: half only (rec lowp, lowp), or hi + lo halves read by the
-    # split recurrence and/or as fp32 operands of dK / dW (lowp=False)
+def test_triton_fp16(lowp):
+    # both ways u and beta G are read: hi + lo halves by the split recurrence, and as half (lowp) or fp32
+    # (lowp=False) operands of dK / dW
     check_triton_against_reference(
-        "softmax", 1, 2, 29, 16, torch.float16, "cpu", chunk=16, tol=1e-2, lowp=lowp, rec=rec
+        "softmax", 1, 2, 29, 16, torch.float16, "cpu", chunk=16, tol=1e-2, lowp=lowp
     )
 
 
 @pytest.mark.parametrize("kernel", ["relu", "linear"])
-@pytest.mark.parametrize("rec", ["lowp", "split"])
-def test_triton_fp16_recurrence_precisions(rec, kernel):
-    # every precision of the recurrence's products, several chunks of 32 with a partial last one (relu /
-    # linear: with the norms folded around the kernels, `deltaformer_u_triton`)
-    errs = check_triton_against_reference(
-        kernel, 1, 2, 45, 16, torch.float16, "cpu", chunk=32, tol=1e-2, rec=rec
-    )
-    print(rec, {n: f"{e:.1e}" for n, e in errs.items()})
+def test_triton_fp16_relu_linear(kernel):
+    # the split recurrence over several chunks of 32 with a partial last one (relu / linear: with the norms
+    # folded around the kernels, `deltaformer_u_triton`)
+    errs = check_triton_against_reference(kernel, 1, 2, 45, 16, torch.float16, "cpu", chunk=32, tol=1e-2)
+    print({n: f"{e:.1e}" for n, e in errs.items()})
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -336,56 +333,23 @@ def test_w_is_k_one_tensor(kernel, backend):
     assert rel_err(dbeta, g_ref[4]) < tol
 
 
-# each: TUNING settings away from the defaults
-CPU_SWITCHES = [{"late_loads": 1}, {"xprec": "bf16x3"}, {"dk_in_wavefront": 0}, {"lse_kernel": 64}]
-CPU_SWITCHES += [{"lse_kernel": 128}]
-
-
-@pytest.mark.parametrize("switch", CPU_SWITCHES)
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
-def test_triton_speed_switches(kernel, switch, monkeypatch, request):
-    # the benchmark-only switches that change the kernels' code (TUNING): same values and gradients
-    import kernels.deltaformer as df
-
-    if "xprec" in switch:  # bf16 dots: the unpatched interpreter multiplies their bit patterns
-        request.getfixturevalue("gpu_like_bf16_interpreter")
-    for key, value in switch.items():
-        monkeypatch.setitem(df.TUNING, key, value)
-    check_triton_against_reference(kernel, 1, 2, 45, 16, torch.float32, "cpu", chunk=16, tol=1e-5)
-    check_triton_against_reference(kernel, 1, 1, 45, 16, torch.float16, "cpu", chunk=32, tol=1e-2)
-
-
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_dk_in_wavefront_more_cases(kernel, monkeypatch):
-    # TUNING["dk_in_wavefront"] beyond the switch test above: every kernel in the reflection regime (fp32,
-    # several chunks, a partial last one) and fp32 operands for dK (lowp=False) with fp16 inputs
-    import kernels.deltaformer as df
-
-    monkeypatch.setitem(df.TUNING, "dk_in_wavefront", 1)
+def test_dk_in_wavefront_more_cases(kernel):
+    # dK accumulated by the backward wavefront (D <= 64) beyond the tests above: every kernel in the
+    # reflection regime (fp32, several chunks, a partial last one) and fp32 operands for dK (lowp=False)
+    # with fp16 inputs (the low half of beta G read for dK)
     check_reflection(kernel, 1, 2, 90, 16, 32, torch.float32, "cpu", tol=1e-5, reference="loop")
-    for rec in df.RECS:  # the low half of beta G is read for dK whether or not the recurrence splits
+    check_triton_against_reference(kernel, 1, 2, 45, 16, torch.float16, "cpu", chunk=16, tol=1e-2, lowp=False)
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+def test_triton_head_dim_128_dk_pass(kernel):
+    # D = 128: dK by its own pass after the backward wavefront (`_u_bwd`), fp32 and fp16 (both lowp)
+    check_triton_against_reference(kernel, 1, 1, 45, 128, torch.float32, "cpu", chunk=16, tol=1e-5)
+    for lowp in (True, False):
         check_triton_against_reference(
-            kernel, 1, 2, 45, 16, torch.float16, "cpu", chunk=16, tol=1e-2, lowp=False, rec=rec
+            kernel, 1, 1, 45, 128, torch.float16, "cpu", chunk=32, tol=1e-2, lowp=lowp
         )
-
-
-@pytest.mark.parametrize("block", [64, 128])
-def test_lse_kernel(block):
-    # `_lse_kernel` (TUNING["lse_kernel"]) alone against float64: the log-sum-exp of every row over j < i,
-    # for T below, at and across its row blocks (full key blocks, then the masked diagonal ones), D 16 / 64
-    import triton
-
-    from kernels.deltaformer import _lse_kernel
-
-    for T, D in [(1, 16), (37, 16), (block, 64), (300, 16)]:
-        w, k = torch.randn(2, T, D), torch.randn(2, T, D)
-        lse = torch.full((2, T), float("nan"))
-        _lse_kernel[(triton.cdiv(T, block), 2)](w, k, lse, 0.5, T, BM=block, BN=64, D=D, PREC="ieee")
-        s = 0.5 * w.double() @ k.double().transpose(-1, -2)
-        s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(-1), float("-inf"))
-        ref = torch.logsumexp(s, dim=-1)
-        assert torch.allclose(lse[:, 1:].double(), ref[:, 1:], rtol=1e-6, atol=1e-6), (T, D)
-        assert (lse[:, 0] < -1e29).all()  # row 0: no j < i (the kernels' -1e30, as prep stores it)
 
 
 def reflection_inputs(B, H, T, D, kernel, device="cpu"):
@@ -568,23 +532,16 @@ def test_triton_gpu_reflection_same_stage2(kernel, lowp, request):
     print("reflection same-stage2", kernel, lowp, {n: f"{e:.1e}" for n, e in errs.items()})
 
 
-@pytest.mark.parametrize("switch", [{}, {"xprec": "bf16x3"}])
-def test_triton_bf16_reflection_same_stage2_cpu(gpu_like_bf16_interpreter, switch, monkeypatch):
+def test_triton_bf16_reflection_same_stage2_cpu(gpu_like_bf16_interpreter):
     # the GPU test above on the CPU (its reference path; PyTorch's CPU SDPA in bf16 as stage 2 on both
     # sides), lowp=False: o 3.6e-3, dq 8.0e-3 at T = 512 (before relu's normalisation o 5e-4, dq 2.0e-3:
-    # the fold's bf16 v / |k|, see above; lowp=True: dw ~1.4e-2, the defect); also with the speed
-    # switches that change the recurrence's rounding: the in-chunk inverse in bf16x3 instead of tf32x3
-    # (TUNING["xprec"])
-    import kernels.deltaformer as df
-
-    for key, value in switch.items():
-        monkeypatch.setitem(df.TUNING, key, value)
+    # the fold's bf16 v / |k|, see above; lowp=True: dw ~1.4e-2, the defect)
     inputs = reflection_inputs(1, 1, 512, 64, "relu")
     errs = check_triton_against_reference(
         "relu", 1, 1, 512, 64, torch.bfloat16, "cpu", chunk=64, tol=1e-2, reference="same_stage2",
         lowp=False, inputs=inputs,
     )  # fmt: skip
-    print("switch", switch, {n: f"{e:.1e}" for n, e in errs.items()})
+    print({n: f"{e:.1e}" for n, e in errs.items()})
 
 
 @pytest.mark.gpu
@@ -647,25 +604,6 @@ def test_triton_gpu_matches_reference(kernel, shape, dtype):
     print(kernel, shape, dtype, {n: f"{e:.1e}" for n, e in errs.items()})
 
 
-SWITCHES = CPU_SWITCHES + [{"poll": 1}]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("switch", SWITCHES)
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
-def test_triton_gpu_speed_switches(kernel, switch, monkeypatch):
-    # the benchmark switches that change the kernels' code, at full size on the GPU (bf16), so that a
-    # faster one can become the default on this evidence
-    import kernels.deltaformer as df
-
-    for key, value in switch.items():
-        monkeypatch.setitem(df.TUNING, key, value)
-    errs = check_triton_against_reference(
-        kernel, 2, 3, 1024, 64, torch.bfloat16, "cuda", chunk=64, tol=1e-2, reference="chunked"
-    )
-    print("switch", switch, kernel, {n: f"{e:.1e}" for n, e in errs.items()})
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_triton_gpu_repeatable(kernel):
@@ -706,7 +644,7 @@ def test_triton_under_torch_compile(backend, kernel):
 def test_eager_calls_skip_the_custom_op_and_compile_uses_it(monkeypatch):
     # eager: the autograd.Function (a custom op call costs host time, see `_UStage`); torch.compile: the
     # custom op, opaque to Dynamo and Inductor
-    import kernels.deltaformer as df
+    from kernels.deltaformer import triton as df_triton
 
     inputs = make_inputs(1, 2, 21, 16, dtype=torch.float32, beta_max=0.5)
     fn = lambda q, k, v, w, beta: deltaformer_attention(q, k, v, w, beta, backend="triton")  # noqa: E731
@@ -724,14 +662,14 @@ def test_eager_calls_skip_the_custom_op_and_compile_uses_it(monkeypatch):
     def no_custom_op(*args):
         raise AssertionError("eager call went through the custom op")
 
-    monkeypatch.setattr(df, "_u_fwd_op", no_custom_op)
+    monkeypatch.setattr(df_triton, "_u_fwd_op", no_custom_op)
     out, g = grads_of(fn, inputs, torch.ones_like(out_c))
     assert rel_err(out, out_c.detach()) < 1e-6
 
 
 def test_triton_custom_op_registration():
     # torch.library's own checks of the fake (meta) functions and the autograd registration
-    from kernels.deltaformer import _u_bwd_op, _u_fwd_op
+    from kernels.deltaformer.triton import _u_bwd_op, _u_fwd_op
 
     k, v, w, beta = make_inputs(1, 2, 19, 16, dtype=torch.float32, beta_max=0.5)[1:]
     # also the model's layout: q, k, v, w are permuted views of one [B, T, n, H, D] projection and beta a
@@ -740,10 +678,9 @@ def test_triton_custom_op_registration():
     beta_t = beta.transpose(1, 2).contiguous().transpose(1, 2)
     du = torch.randn_like(v).transpose(2, 3).contiguous().transpose(2, 3)  # a gradient in another layout
     for args in ((k, v, w, beta), (kvw[0], kvw[1], kvw[2], beta_t)):
-        # fp32 (no low halves), and fp16 with and without the low halves of u and beta G
-        for dtype, rec, lowp in ((torch.float32, "split", False), (torch.float16, "lowp", True),
-                                 (torch.float16, "split", True), (torch.float16, "lowp", False)):  # fmt: skip
-            cfg = ("relu", 0.25, 16, lowp, rec)
+        # fp32 (no low halves), and fp16 (low halves of u and beta G) with either operands for dK / dW
+        for dtype, lowp in ((torch.float32, False), (torch.float16, True), (torch.float16, False)):
+            cfg = ("relu", 0.25, 16, lowp)
             checks = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
             typed = [x.to(dtype) for x in args]
             torch.library.opcheck(_u_fwd_op, (*typed, *cfg), test_utils=checks)

@@ -483,13 +483,14 @@ def dense_deltaformer(q, k, v, w, beta, kernel="softmax", scale=None, backend="a
     count it); the second product re-forms u from it, equal in exact arithmetic. The solve's matrix is
     detached, so the backward has the four products of stage 1's (dA, A^T (beta G), dW, dK) and no
     fifth for the matrix: its values are right, its gradients are not (only counted here)."""
-    from kernels import deltaformer
+    from kernels.deltaformer import stage1_keys
+    from kernels.deltaformer.chunk import _kappa_rows
 
     T, D = q.shape[-2], q.shape[-1]
     s = D**-0.5 if scale is None else scale
-    k1, w1, s1 = deltaformer.stage1_keys(k, w, kernel, s)
+    k1, w1, s1 = stage1_keys(k, w, kernel, s)
     below = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(-1)  # j < i
-    a = deltaformer._kappa_rows(s1 * (w1 @ k1.transpose(-1, -2)), below, kernel)
+    a = _kappa_rows(s1 * (w1 @ k1.transpose(-1, -2)), below, kernel)
     b = beta[..., None].to(a.dtype)
     eye = torch.eye(T, dtype=a.dtype, device=a.device)
     u = torch.linalg.solve_triangular((eye + b * a).detach(), v.to(a.dtype), upper=False, unitriangular=True)

@@ -1,0 +1,46 @@
+"""What the DDL and Deltaformer ops share: the backend rule, the accumulation dtype, the default scale."""
+
+import importlib.util
+import math
+import os
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton")
+# A constant, so that torch.compile does not trace an import.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+_auto_backend = None  # None: the rule in resolve_backend; or a fixed "torch" / "triton"
+
+
+def set_auto_backend(backend):
+    """Fix what backend="auto" means for every op: None (the default rule), "torch" or "triton"."""
+    global _auto_backend
+    if backend not in (None, "torch", "triton"):
+        raise ValueError(f"set_auto_backend: backend must be None, 'torch' or 'triton', got {backend!r}")
+    _auto_backend = backend
+
+
+def resolve_backend(fn, backend, *tensors):
+    """ "torch" or "triton" for a call of `fn` on these tensors. "auto": Triton when they are all on CUDA and
+    Triton is importable, else PyTorch (so CPU runs take PyTorch, even under TRITON_INTERPRET=1)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{fn}: backend must be one of {BACKENDS}, got {backend!r}")
+    on_cuda = all(t.is_cuda for t in tensors)
+    if backend == "auto":
+        backend = _auto_backend or ("triton" if HAS_TRITON and on_cuda else "torch")
+    if backend == "triton":
+        if not HAS_TRITON:
+            raise RuntimeError(f"{fn}: backend='triton' needs the triton package; use backend='torch'")
+        if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(f"{fn}: backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    return backend
+
+
+def acc_dtype(*tensors):
+    """The dtype the ops compute in: float64 if any input is float64, else float32 (bf16 / fp16 too)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def default_scale(head_dim, scale=None):
+    """scale, or 1 / sqrt(head_dim) when it is None."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else scale
