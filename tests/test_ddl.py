@@ -1,10 +1,11 @@
-"""Tests for kernels/ddl.py: the references against the equations (float64, naive loops) and every
-Triton kernel against the references, values and gradients (on CPU through TRITON_INTERPRET=1)."""
+"""Tests for kernels/ddl/: the references (naive.py) against the equations (float64, naive loops) and every
+Triton kernel (triton.py) against the references, values and gradients (on CPU through TRITON_INTERPRET=1)."""
 
 import pytest
 import torch
 
 from kernels import ddl
+from kernels.common import resolve_backend, set_auto_backend
 from kernels.ddl import (
     compress_cc,
     compress_cc_ref,
@@ -12,10 +13,11 @@ from kernels.ddl import (
     compress_tc_ref,
     ddl_update,
     ddl_update_ref,
-    ec_identity_weight,
     expand_ec,
     expand_ec_ref,
 )
+from kernels.ddl import triton as ddl_triton
+from model import identity_conv
 
 F64 = torch.float64
 
@@ -180,7 +182,7 @@ def test_expand_ec_ref_matches_loops(K):
 
 def test_ec_identity_init_is_repetition():
     emb = torch.randn(2, 7, 8, dtype=F64)
-    w = ec_identity_weight(8, 4, 3, dtype=F64)
+    w = identity_conv(8, 4, 3).double()
     for backend in ("torch", "auto"):
         assert torch.equal(expand_ec(emb, w, backend=backend), emb[..., None].expand(2, 7, 8, 4))
 
@@ -218,7 +220,7 @@ def test_bad_inputs_raise_naming_the_argument():
     with pytest.raises(ValueError, match="conv_weight must be"):
         expand_ec(torch.randn(1, 2, 3), torch.randn(4, 4, 2))
     with pytest.raises(ValueError, match="set_auto_backend"):
-        ddl.set_auto_backend("cuda")
+        set_auto_backend("cuda")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -229,11 +231,11 @@ def test_bad_inputs_raise_naming_the_argument():
 
 @pytest.fixture
 def triton_small(monkeypatch):
-    monkeypatch.setattr(ddl, "_POISON", True)
-    monkeypatch.setitem(ddl._CFG, "update_fwd", dict(TOKENS=2, num_warps=4))
-    monkeypatch.setitem(ddl._CFG, "update_bwd", dict(TOKENS=3, num_warps=4))
-    monkeypatch.setitem(ddl._CFG, "chan_fwd", dict(TOKENS=2, BLOCK_D=8, num_warps=4))
-    monkeypatch.setitem(ddl._CFG, "chan_bwd", dict(TOKENS=3, BLOCK_D=8, num_warps=4))
+    monkeypatch.setattr(ddl_triton, "_FILL_OUTPUTS_WITH_NAN", True)
+    monkeypatch.setitem(ddl_triton.LAUNCH, "update_fwd", dict(TOKENS=2, num_warps=4))
+    monkeypatch.setitem(ddl_triton.LAUNCH, "update_bwd", dict(TOKENS=3, num_warps=4))
+    monkeypatch.setitem(ddl_triton.LAUNCH, "chan_fwd", dict(TOKENS=2, BLOCK_D=8, num_warps=4))
+    monkeypatch.setitem(ddl_triton.LAUNCH, "chan_bwd", dict(TOKENS=3, BLOCK_D=8, num_warps=4))
 
 
 def compare(fn_triton, fn_ref, inputs, rtol=1e-10, atol=1e-10):
@@ -265,7 +267,7 @@ def test_triton_update_matches_reference(triton_small, dv, erase):
 @pytest.mark.parametrize("dv", [1, 4])
 def test_triton_update_default_launch_shapes(dv, monkeypatch):
     # the shipped launch configuration: many tokens per tile for small tiles, ragged last tile
-    monkeypatch.setattr(ddl, "_POISON", True)
+    monkeypatch.setattr(ddl_triton, "_FILL_OUTPUTS_WITH_NAN", True)
     check_update_and_cc(lead=(2, 5), dv=dv)
 
 
@@ -284,11 +286,15 @@ def check_update_and_cc(lead, dv, d=20):
 def test_launch_shape_per_state_dtype(monkeypatch):
     """_cfg reads an entry's per-dtype launch shape for that dtype only, and the ops launch with the one of
     the state's dtype (a bad ROWS stored for float64 alone must fail float64 and nothing else)."""
-    bf16 = ddl._CFG["update_bwd"]["bfloat16"]
-    assert ddl._cfg("update_bwd", torch.bfloat16) is bf16
-    assert ddl._cfg("update_bwd", torch.float32) is ddl._CFG["update_bwd"]
-    assert ddl._cfg("update_fwd", torch.bfloat16) is ddl._CFG["update_fwd"]  # no per-dtype entry
-    monkeypatch.setitem(ddl._CFG, "update_row", dict(ROWS=4, num_warps=4, float64=dict(ROWS=3, num_warps=4)))
+    bf16 = ddl_triton.LAUNCH["update_bwd"]["bfloat16"]
+    assert ddl_triton._cfg("update_bwd", torch.bfloat16) is bf16
+    assert ddl_triton._cfg("update_bwd", torch.float32) is ddl_triton.LAUNCH["update_bwd"]
+    assert (
+        ddl_triton._cfg("update_fwd", torch.bfloat16) is ddl_triton.LAUNCH["update_fwd"]
+    )  # no per-dtype entry
+    monkeypatch.setitem(
+        ddl_triton.LAUNCH, "update_row", dict(ROWS=4, num_warps=4, float64=dict(ROWS=3, num_warps=4))
+    )
     x, k, v, beta = rand_update_args(lead=(2, 5), d=20, dv=1)
     with pytest.raises(ValueError, match="float64 must be 0 or a power of two, got 3"):
         ddl_update(x, k, v, beta, backend="triton")
@@ -302,19 +308,19 @@ def test_launch_shape_per_state_dtype(monkeypatch):
 def test_triton_update_bf16_launch_shapes_exact(dv, monkeypatch):
     """The launch shapes shipped for a bf16 state, run on float64 inputs (exact comparison): 42 tokens
     give several programs of the pipelined 16-token backward and a ragged last one."""
-    monkeypatch.setattr(ddl, "_POISON", True)
+    monkeypatch.setattr(ddl_triton, "_FILL_OUTPUTS_WITH_NAN", True)
     for key in ("update_bwd", "update_row"):
-        entry = ddl._CFG[key]
-        monkeypatch.setitem(ddl._CFG, key, {**entry, "float64": entry["bfloat16"]})
-    assert ddl._cfg("update_bwd", F64) == dict(TOKENS=16, LOOP=2, num_warps=4)
+        entry = ddl_triton.LAUNCH[key]
+        monkeypatch.setitem(ddl_triton.LAUNCH, key, {**entry, "float64": entry["bfloat16"]})
+    assert ddl_triton._cfg("update_bwd", F64) == dict(TOKENS=16, PIPELINE=True, num_warps=4)
     check_update_and_cc(lead=(2, 21), dv=dv)
 
 
-@pytest.mark.parametrize("loop", [0, 1, 2])
+@pytest.mark.parametrize("pipeline", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
-def test_triton_update_backward_loop_kinds(triton_small, monkeypatch, loop, fused):
-    """Each way of emitting the backward's loop over a program's tokens (plain, unrolled, pipelined)."""
-    monkeypatch.setitem(ddl._CFG, "update_bwd", dict(TOKENS=3, LOOP=loop, num_warps=4))
+def test_triton_update_backward_loop_kinds(triton_small, monkeypatch, pipeline, fused):
+    """Both ways of emitting the backward's loop over a program's tokens (plain, pipelined)."""
+    monkeypatch.setitem(ddl_triton.LAUNCH, "update_bwd", dict(TOKENS=3, PIPELINE=pipeline, num_warps=4))
     x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=3))
     if fused:
         w = torch.randn(20, 3, dtype=F64, requires_grad=True)
@@ -327,7 +333,7 @@ def test_triton_update_backward_loop_kinds(triton_small, monkeypatch, loop, fuse
 @pytest.mark.parametrize("rows", [0, 4, 16])  # 0: the general [d, d_v] kernel; 16 > the 10 tokens
 @pytest.mark.parametrize("erase", [True, False])
 def test_triton_update_dv1_row_kernels(triton_small, monkeypatch, rows, erase):
-    monkeypatch.setitem(ddl._CFG, "update_row", dict(ROWS=rows, num_warps=4))
+    monkeypatch.setitem(ddl_triton.LAUNCH, "update_row", dict(ROWS=rows, num_warps=4))
     x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=1))
     compare(
         lambda *a: ddl_update(*a, eps=1e-3, erase=erase, backend="triton"),
@@ -411,12 +417,14 @@ def test_triton_bf16_and_fp32_inputs(triton_small):
 
 def test_auto_backend_rule():
     x, k, v, beta = rand_update_args()
-    assert ddl._resolve("f", "auto", x) == "torch"  # CPU tensors: the reference, even under the interpreter
+    assert (
+        resolve_backend("f", "auto", x) == "torch"
+    )  # CPU tensors: the reference, even under the interpreter
     try:
-        ddl.set_auto_backend("triton")
-        assert ddl._resolve("f", "auto", x) == "triton"
+        set_auto_backend("triton")
+        assert resolve_backend("f", "auto", x) == "triton"
     finally:
-        ddl.set_auto_backend(None)
+        set_auto_backend(None)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -463,15 +471,15 @@ def test_gpu_update_compress_tc_realistic(dtype):
     "cfg",
     [
         {},  # the shipped launch shapes
-        {"update_bwd": dict(TOKENS=8, LOOP=1, num_warps=4), "update_row": dict(ROWS=0, num_warps=4)},
-        {"update_bwd": dict(TOKENS=32, LOOP=2, num_warps=8), "update_row": dict(ROWS=8, num_warps=8)},
+        {"update_bwd": dict(TOKENS=8, PIPELINE=False, num_warps=4), "update_row": dict(ROWS=0, num_warps=4)},
+        {"update_bwd": dict(TOKENS=32, PIPELINE=True, num_warps=8), "update_row": dict(ROWS=8, num_warps=8)},
     ],
-    ids=["shipped", "unrolled-general", "pipelined-rows8"],
+    ids=["shipped", "plain-general", "pipelined-rows8"],
 )
 def test_gpu_update_realistic(dtype, fused, dv, cfg, monkeypatch):
     for key, val in cfg.items():
-        monkeypatch.setitem(ddl._CFG, key, val)
-    monkeypatch.setattr(ddl, "_POISON", True)
+        monkeypatch.setitem(ddl_triton.LAUNCH, key, val)
+    monkeypatch.setattr(ddl_triton, "_FILL_OUTPUTS_WITH_NAN", True)
     dev = "cuda"
     B, T, d = 8, 1024, 768
     x = torch.randn(B, T, d, dv, device=dev, dtype=dtype, requires_grad=True)

@@ -1,0 +1,140 @@
+"""Deep Delta Learning (DDL) residual ops: the state update, the compressors and the EC expansion.
+
+The residual stream of a DDL model is a matrix state X [B, T, d, d_v] per token (d_v = 1: a vector).
+Each sublayer reads a vector out of it (a compressor), computes F, and writes back with a rank-1
+delta-rule update along a learned direction k:
+
+    khat = k / sqrt(|k|^2 + eps^2)                      (eps keeps k = 0 finite)
+    X'   = X + beta * khat (v^T - khat^T X)              (erase=True: read-compare-write)
+    X'   = X + beta * khat v^T                           (erase=False: the write-only control)
+
+With beta = 1 and |khat| = 1 the new state satisfies khat^T X' = v^T exactly: the old content along
+khat is erased and replaced by v.
+
+Compressors turn X into the [B, T, d] input of the next sublayer:
+    CC (channel):  h[b,t,i] = sum_v weight[i,v] * X[b,t,i,v]
+    TC (temporal): h[b,t,i] = sum_v read[v] * sum_j conv_weight[i,v,j] * X[b, t-(K-1)+j, i, v]
+                   (a causal depthwise conv over tokens, zero before t = 0; tap K-1 is the current token)
+EC (expansion) builds the initial state from the token embedding:
+    X0[b,t,i,v] = sum_j conv_weight[i,v,j] * emb[b, t-(K-1)+j, i]
+With the identity init (tap K-1 = 1, the rest 0) X0 is emb repeated d_v times.
+
+Fused entry points (one pass over the state where the separate ops take two or three):
+    ddl_update_compress_cc(x, k, v, beta, weight)          -> (x_new, compress_cc(x_new, weight))
+    ddl_update_compress_tc(x, k, v, beta, conv_weight, read) -> (x_new, compress_tc(x_new, conv_weight, read))
+i.e. one sublayer's update together with the next sublayer's read-out.
+
+Every public function takes backend = "auto" | "torch" | "triton" (kernels/common.py): "auto" picks
+Triton for CUDA tensors and the PyTorch reference otherwise (tests run the kernels on CPU with
+backend="triton" and TRITON_INTERPRET=1). The references (*_ref) are in naive.py, the kernels in
+triton.py. Numerics: the normalisation, the contractions and the update
+run in fp32 (float64 stays float64); results come back in x's dtype, so bf16 state is stored in bf16.
+
+The Triton kernels in short: the work is memory-bound (~1 FLOP per byte of state), so they minimise passes
+over the [B, T, d, d_v] state. One program owns whole tokens ([d, d_v] tiles; d_v = 1: [tokens, d] rows):
+the forward reads x and writes x' once, the backward reads x and dL/dx' and writes dx once, and the fused
+entry points form the next sublayer's read-out from x' in registers: 5 passes per sublayer where update
+then compressor take 11. All are torch.library custom ops with fake implementations, so torch.compile
+keeps them in its graph. Measured on an H200 by bench/bench_ddl.py (N = 32768 tokens, d 768, d_v 4, fp32
+state): the update's forward at the copy bandwidth (219 us, ~4.1 TB/s), the fused update + CC
+forward+backward ~1.5x its bytes floor. End to end (bench/RESULTS.md): gpt2-small ddl 0.91x and ddl-cc
+0.74x the additive model's tokens/s, ddl-cc at 1.47x its memory (autograd keeps every sublayer's state).
+"""
+
+from ..common import BACKENDS, resolve_backend
+from .naive import (
+    _check_cc_weight,
+    _check_conv,
+    _check_read,
+    _check_state,
+    _check_update_args,
+    compress_cc_ref,
+    compress_tc_ref,
+    ddl_update_compress_cc_ref,
+    ddl_update_compress_tc_ref,
+    ddl_update_ref,
+    expand_ec_ref,
+)
+
+try:  # the kernels: absent where Triton is not installed (then only backend="torch" runs)
+    from . import triton as _triton
+except ImportError:
+    _triton = None
+
+__all__ = [
+    "BACKENDS",
+    "compress_cc",
+    "compress_cc_ref",
+    "compress_tc",
+    "compress_tc_ref",
+    "ddl_update",
+    "ddl_update_compress_cc",
+    "ddl_update_compress_cc_ref",
+    "ddl_update_compress_tc",
+    "ddl_update_compress_tc_ref",
+    "ddl_update_ref",
+    "expand_ec",
+    "expand_ec_ref",
+]
+
+
+def ddl_update(x, k, v, beta, eps=1e-5, erase=True, backend="auto"):
+    """x + beta*khat*(v^T - khat^T x), or x + beta*khat*v^T (erase=False); x [..., d, d_v], k [..., d]."""
+    _check_update_args(x, k, v, beta)
+    if resolve_backend("ddl_update", backend, x, k, v, beta) == "torch":
+        return ddl_update_ref(x, k, v, beta, eps=eps, erase=erase)
+    return _triton.update(x, k, v, beta, eps, erase)
+
+
+def ddl_update_compress_cc(x, k, v, beta, weight, eps=1e-5, erase=True, backend="auto"):
+    """(x_new, compress_cc(x_new, weight)) in one pass over the state: the update of one sublayer fused
+    with the CC read-out of the next; x [B, T, d, d_v], weight [d, d_v]. Saves a read of x_new forward
+    and a read+write of its gradient backward."""
+    _check_update_args(x, k, v, beta)
+    _check_state("ddl_update_compress_cc", x)
+    _check_cc_weight("ddl_update_compress_cc", x, weight)
+    if resolve_backend("ddl_update_compress_cc", backend, x, k, v, beta, weight) == "torch":
+        return ddl_update_compress_cc_ref(x, k, v, beta, weight, eps=eps, erase=erase)
+    return _triton.update_compress_cc(x, k, v, beta, weight, eps, erase)
+
+
+def ddl_update_compress_tc(x, k, v, beta, conv_weight, read, eps=1e-5, erase=True, backend="auto"):
+    """(x_new, compress_tc(x_new, conv_weight, read)) in one pass over the state: the update of one
+    sublayer fused with the TC read-out of the next (the K-1 earlier tokens' new states are recomputed
+    in registers, not re-read). x [B, T, d, d_v], conv_weight [d, d_v, K], read [d_v]."""
+    _check_update_args(x, k, v, beta)
+    _check_state("ddl_update_compress_tc", x)
+    _check_conv("ddl_update_compress_tc", "conv_weight", conv_weight, *x.shape[-2:])
+    _check_read("ddl_update_compress_tc", x, read)
+    if resolve_backend("ddl_update_compress_tc", backend, x, k, v, beta, conv_weight, read) == "torch":
+        return ddl_update_compress_tc_ref(x, k, v, beta, conv_weight, read, eps=eps, erase=erase)
+    return _triton.update_compress_tc(x, k, v, beta, conv_weight, read, eps, erase)
+
+
+def compress_cc(x, weight, backend="auto"):
+    """h[b,t,i] = sum_v weight[i,v] * x[b,t,i,v]; x [B, T, d, d_v], weight [d, d_v]."""
+    if resolve_backend("compress_cc", backend, x, weight) == "torch":
+        return compress_cc_ref(x, weight)
+    _check_state("compress_cc", x)
+    _check_cc_weight("compress_cc", x, weight)
+    return _triton.compress_cc(x, weight)
+
+
+def compress_tc(x, conv_weight, read, backend="auto"):
+    """Causal depthwise conv over tokens of each (i, v) channel, then a read-out over v."""
+    if resolve_backend("compress_tc", backend, x, conv_weight, read) == "torch":
+        return compress_tc_ref(x, conv_weight, read)
+    _check_state("compress_tc", x)
+    _check_conv("compress_tc", "conv_weight", conv_weight, *x.shape[-2:])
+    _check_read("compress_tc", x, read)
+    return _triton.compress_tc(x, conv_weight, read)
+
+
+def expand_ec(emb, conv_weight, backend="auto"):
+    """X0 [B, T, d, d_v] from emb [B, T, d] by a causal depthwise conv per (i, v)."""
+    if resolve_backend("expand_ec", backend, emb, conv_weight) == "torch":
+        return expand_ec_ref(emb, conv_weight)
+    if emb.dim() != 3:
+        raise ValueError(f"expand_ec: emb must be [B, T, d], got shape {tuple(emb.shape)}")
+    _check_conv("expand_ec", "conv_weight", conv_weight, emb.shape[-1])
+    return _triton.expand_ec(emb, conv_weight)

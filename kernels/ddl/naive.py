@@ -1,0 +1,126 @@
+"""Deep Delta Learning (DDL) residual ops, the definitions: short, vectorised PyTorch, any dtype,
+differentiable by autograd (the equations: the package docstring)."""
+
+import torch
+
+from ..common import acc_dtype
+
+
+def _check_float(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+
+
+def _check_update_args(x, k, v, beta):
+    for name, t in (("x", x), ("k", k), ("v", v), ("beta", beta)):
+        _check_float(name, t)
+    if x.dim() < 2:
+        raise ValueError(f"ddl_update: x must be [..., d, d_v], got shape {tuple(x.shape)}")
+    lead, d, dv = tuple(x.shape[:-2]), x.shape[-2], x.shape[-1]
+    if tuple(k.shape) != lead + (d,):
+        raise ValueError(
+            f"ddl_update: k must have shape {lead + (d,)} (x is {tuple(x.shape)}), got {tuple(k.shape)}"
+        )
+    if tuple(v.shape) != lead + (dv,):
+        raise ValueError(
+            f"ddl_update: v must have shape {lead + (dv,)} (x is {tuple(x.shape)}), got {tuple(v.shape)}"
+        )
+    if tuple(beta.shape) != lead:
+        raise ValueError(
+            f"ddl_update: beta must have shape {lead} (x is {tuple(x.shape)}), got {tuple(beta.shape)}"
+        )
+
+
+def _check_state(fn, x):
+    _check_float("x", x)
+    if x.dim() != 4:
+        raise ValueError(f"{fn}: x must be [B, T, d, d_v], got shape {tuple(x.shape)}")
+
+
+def _check_conv(fn, name, w, d, dv=None):
+    _check_float(name, w)
+    if w.dim() != 3 or w.shape[0] != d or (dv is not None and w.shape[1] != dv) or w.shape[2] < 1:
+        want = f"[{d}, {dv if dv is not None else 'd_v'}, K >= 1]"
+        raise ValueError(f"{fn}: {name} must be {want}, got shape {tuple(w.shape)}")
+
+
+def _check_cc_weight(fn, x, weight):
+    if tuple(weight.shape) != tuple(x.shape[-2:]):
+        raise ValueError(
+            f"{fn}: weight must be {tuple(x.shape[-2:])} (= [d, d_v]), got {tuple(weight.shape)}"
+        )
+
+
+def _check_read(fn, x, read):
+    dv = x.shape[-1]
+    if tuple(read.shape) != (dv,):
+        raise ValueError(f"{fn}: read must be [{dv}] (= [d_v]), got {tuple(read.shape)}")
+
+
+def ddl_update_ref(x, k, v, beta, eps=1e-5, erase=True):
+    """x + beta*khat*(v^T - khat^T x) (or x + beta*khat*v^T with erase=False); khat = k/sqrt(|k|^2+eps^2)."""
+    _check_update_args(x, k, v, beta)
+    ct = acc_dtype(x, k, v, beta)
+    xf, kf, vf, bf = x.to(ct), k.to(ct), v.to(ct), beta.to(ct)
+    khat = kf * torch.rsqrt((kf * kf).sum(-1, keepdim=True) + eps * eps)
+    target = vf
+    if erase:
+        target = vf - torch.einsum("...i,...iv->...v", khat, xf)  # v^T - khat^T x
+    x_new = xf + bf[..., None, None] * khat[..., :, None] * target[..., None, :]
+    return x_new.to(x.dtype)
+
+
+def compress_cc_ref(x, weight):
+    """h[b,t,i] = sum_v weight[i,v] * x[b,t,i,v]."""
+    _check_state("compress_cc", x)
+    _check_float("weight", weight)
+    _check_cc_weight("compress_cc", x, weight)
+    ct = acc_dtype(x, weight)
+    return torch.einsum("btiv,iv->bti", x.to(ct), weight.to(ct)).to(x.dtype)
+
+
+def _causal_shift(x, s):
+    """x shifted s >= 0 steps later along dim 1 with zeros in front: out[:, t] = x[:, t - s]."""
+    if s == 0:
+        return x
+    pad = torch.zeros_like(x[:, :s])
+    return torch.cat([pad, x[:, : x.shape[1] - s]], dim=1) if s < x.shape[1] else torch.zeros_like(x)
+
+
+def compress_tc_ref(x, conv_weight, read):
+    """h[b,t,i] = sum_v read[v] * sum_j conv_weight[i,v,j] * x[b, t-(K-1)+j, i, v] (zeros before t=0)."""
+    _check_state("compress_tc", x)
+    d, dv = x.shape[-2:]
+    _check_conv("compress_tc", "conv_weight", conv_weight, d, dv)
+    _check_float("read", read)
+    _check_read("compress_tc", x, read)
+    ct = acc_dtype(x, conv_weight, read)
+    xf, wf = x.to(ct), conv_weight.to(ct)
+    K = conv_weight.shape[-1]
+    y = sum(wf[:, :, j] * _causal_shift(xf, K - 1 - j) for j in range(K))  # [B, T, d, d_v]
+    return torch.einsum("btiv,v->bti", y, read.to(ct)).to(x.dtype)
+
+
+def expand_ec_ref(emb, conv_weight):
+    """X0[b,t,i,v] = sum_j conv_weight[i,v,j] * emb[b, t-(K-1)+j, i] (zeros before t=0)."""
+    _check_float("emb", emb)
+    if emb.dim() != 3:
+        raise ValueError(f"expand_ec: emb must be [B, T, d], got shape {tuple(emb.shape)}")
+    _check_conv("expand_ec", "conv_weight", conv_weight, emb.shape[-1])
+    ct = acc_dtype(emb, conv_weight)
+    ef, wf = emb.to(ct), conv_weight.to(ct)
+    K = conv_weight.shape[-1]
+    out = sum(wf[:, :, j] * _causal_shift(ef, K - 1 - j)[..., None] for j in range(K))
+    return out.to(emb.dtype)
+
+
+def ddl_update_compress_cc_ref(x, k, v, beta, weight, eps=1e-5, erase=True):
+    x_new = ddl_update_ref(x, k, v, beta, eps=eps, erase=erase)
+    return x_new, compress_cc_ref(x_new, weight)
+
+
+def ddl_update_compress_tc_ref(x, k, v, beta, conv_weight, read, eps=1e-5, erase=True):
+    x_new = ddl_update_ref(x, k, v, beta, eps=eps, erase=erase)
+    return x_new, compress_tc_ref(x_new, conv_weight, read)

@@ -1,0 +1,855 @@
+"""DDL ops in Triton: the kernels, their torch.library custom ops (opaque to torch.compile, with fake
+implementations) and autograd, and the functions that flatten the public functions' arguments for them.
+
+The state is memory-bound work: each kernel reads and writes every [d, d_v] tile once and keeps all
+arithmetic in registers (fp32, or float64 for float64 inputs so tests can be exact). The update needs
+whole-token reductions over d (|k|, khat^T x), so one program owns whole tokens; compressors and EC are
+per-channel, so their programs take a block of d and a run of tokens. Weight gradients are reduced over
+tokens inside a program into fp32 partials, summed by torch.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import acc_dtype
+
+# Launch shapes (tokens per program, warps, channel block for the per-channel kernels), tuned on an H200
+# by `python bench/bench_ddl.py` / `--sweeps`. An entry may hold a whole launch shape for one state dtype
+# under that dtype's name ("bfloat16"), used instead of the entry's own for that dtype (`_cfg`). PIPELINE:
+# the backward's loop over a program's tokens software-pipelined (two stages) or plain. Measured on an H200
+# (N 32768, d 768, forward + backward): fused update + CC d_v 4, bf16 state 797 us at TOKENS 16 +
+# pipelined loop vs 1087 us at the fp32 best (TOKENS 32, plain loop: 812 us in fp32); d_v = 1 rows, bf16
+# 679 us at ROWS 4 / 8 warps vs 963 us at 4 warps, fp32 752 us at ROWS 2 / 4 warps vs 1076 us at ROWS 4.
+LAUNCH = {
+    "update_fwd": dict(TOKENS=1, num_warps=4),
+    "update_bwd": dict(
+        TOKENS=32, PIPELINE=False, num_warps=4, bfloat16=dict(TOKENS=16, PIPELINE=True, num_warps=4)
+    ),
+    "update_row": dict(  # d_v = 1 without a fused read-out; ROWS=0: the general kernel
+        ROWS=2, num_warps=4, bfloat16=dict(ROWS=4, num_warps=8)
+    ),
+    "chan_fwd": dict(TOKENS=4, BLOCK_D=256, num_warps=4),
+    "chan_bwd": dict(TOKENS=64, BLOCK_D=256, num_warps=4),
+}
+# Tests set this: every output starts as NaN, so that an element a kernel fails to write cannot pass.
+_FILL_OUTPUTS_WITH_NAN = False
+
+
+def _cfg(key, dtype):
+    """The launch shape LAUNCH[key] holds for a state of this dtype (its per-dtype entry, else its own)."""
+    cfg = LAUNCH[key]
+    return cfg.get(str(dtype).removeprefix("torch."), cfg)
+
+
+def _new(shape, like, dtype=None):
+    dtype = like.dtype if dtype is None else dtype
+    if _FILL_OUTPUTS_WITH_NAN:
+        return torch.full(shape, float("nan"), dtype=dtype, device=like.device)
+    return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+def _ct(*tensors):
+    return tl.float64 if any(t.dtype == torch.float64 for t in tensors) else tl.float32
+
+
+@triton.jit
+def _update_token_inputs(
+    n, X, Kd, V, BETA, N, D, eps, offs_d, offs_v, md, mv, off2,
+    DV: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    """What the update of token n reads, forward and backward: its masks, rs = 1 / sqrt(|k|^2 + eps^2)
+    and khat = k rs, the state x, beta, and r = v - khat^T x (r = v without the erase)."""
+    ok = n < N
+    okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+    m2 = (md & okd)[:, None] & mv[None, :]
+    k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
+    rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
+    kh = k * rs
+    x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+    v = tl.load(V + n * DV + offs_v, mask=mv & (offs_v * 0 + n < N), other=0.0).to(CT)
+    b = tl.load(BETA + n, mask=ok, other=0.0).to(CT)
+    if ERASE:
+        r = v - tl.sum(kh[:, None] * x, axis=0)  # v^T - khat^T x
+    else:
+        r = v
+    return ok, okd, m2, rs, kh, x, b, r
+
+
+@triton.jit
+def _update_grads(g, x, kh, rs, b, r, ERASE: tl.constexpr):
+    """The update's backward for one token, given G = dL/dx' (formulas in `_update_bwd_token`):
+    dx, dk, dv, dbeta."""
+    gk = tl.sum(kh[:, None] * g, axis=0)  # khat^T G  [d_v]
+    gr = tl.sum(g * r[None, :], axis=1)  # G r  [d]
+    if ERASE:
+        dx = g - b * kh[:, None] * gk[None, :]
+        dkh = b * (gr - tl.sum(x * gk[None, :], axis=1))
+    else:
+        dx = g
+        dkh = b * gr
+    dk = rs * (dkh - kh * tl.sum(kh * dkh, axis=0))
+    return dx, dk, b * gk, tl.sum(gk * r, axis=0)
+
+
+@triton.jit
+def _update_fwd_kernel(
+    X, Kd, V, BETA, W, XOUT, H, N, D, eps,
+    DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TOKENS: tl.constexpr,
+    ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_v = tl.arange(0, BLOCK_V)
+    md = offs_d < D
+    mv = offs_v < DV
+    off2 = offs_d[:, None] * DV + offs_v[None, :]
+    if COMPRESS:
+        w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
+    for tt in tl.static_range(TOKENS):
+        n = pid * TOKENS + tt
+        _, okd, m2, _, kh, x, b, r = _update_token_inputs(
+            n, X, Kd, V, BETA, N, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
+        )
+        xn = (x + b * kh[:, None] * r[None, :]).to(XOUT.dtype.element_ty)
+        tl.store(XOUT + n * D * DV + off2, xn, mask=m2)
+        if COMPRESS:  # the next sublayer's CC read-out of the state just written (as stored)
+            h = tl.sum(xn.to(CT) * w, axis=1)
+            tl.store(H + n * D + offs_d, h.to(H.dtype.element_ty), mask=md & okd)
+
+
+@triton.jit
+def _update_bwd_token(
+    n, X, Kd, V, BETA, w, G, DH, DX, DK, DVo, DBETA, N, D, eps, offs_d, offs_v, md, mv, off2,
+    DV: tl.constexpr, ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    # One token of the backward; returns its contribution dh xn^T to the CC weight gradient.
+    # x' = x + b khat r^T, r = v - x^T khat.  With G = dL/dx' (+ dh w^T from the fused read-out):
+    # dx = G - b khat (khat^T G);  dv = b G^T khat;  dbeta = r . (G^T khat);
+    # dkhat = b (G r - x G^T khat);  dk = (dkhat - khat (khat . dkhat)) / sqrt(|k|^2 + eps^2).
+    ok, okd, m2, rs, kh, x, b, r = _update_token_inputs(
+        n, X, Kd, V, BETA, N, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
+    )
+    g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+    dw = w * 0.0
+    if COMPRESS:
+        dh = tl.load(DH + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
+        xn = (x + b * kh[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)
+        dw = dh[:, None] * xn
+        g = g + dh[:, None] * w
+    dx, dk, dv, dbeta = _update_grads(g, x, kh, rs, b, r, ERASE)
+    tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
+    tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md & okd)
+    tl.store(DVo + n * DV + offs_v, dv.to(DVo.dtype.element_ty), mask=mv & (offs_v * 0 + n < N))
+    tl.store(DBETA + n, dbeta.to(DBETA.dtype.element_ty), mask=ok)
+    return dw
+
+
+@triton.jit
+def _update_bwd_kernel(
+    X, Kd, V, BETA, W, G, DH, DX, DK, DVo, DBETA, DWP, N, D, eps,
+    TOKENS: tl.constexpr, PIPELINE: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_V: tl.constexpr, ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    # TOKENS tokens per program (the CC weight gradient is summed over them in registers), in a plain loop
+    # (one token's loads in flight at a time) or, PIPELINE, a software-pipelined one (num_stages 2).
+    pid = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_v = tl.arange(0, BLOCK_V)
+    md = offs_d < D
+    mv = offs_v < DV
+    off2 = offs_d[:, None] * DV + offs_v[None, :]
+    if COMPRESS:
+        w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
+    else:
+        w = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
+    dw = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
+    if PIPELINE:
+        for tt in tl.range(0, TOKENS, num_stages=2):
+            dw += _update_bwd_token(
+                pid * TOKENS + tt, X, Kd, V, BETA, w, G, DH, DX, DK, DVo, DBETA, N, D, eps,
+                offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, CT,
+            )  # fmt: skip
+    else:
+        for tt in range(TOKENS):
+            dw += _update_bwd_token(
+                pid * TOKENS + tt, X, Kd, V, BETA, w, G, DH, DX, DK, DVo, DBETA, N, D, eps,
+                offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, CT,
+            )  # fmt: skip
+    if COMPRESS:
+        tl.store(DWP + pid * D * DV + off2, dw, mask=md[:, None] & mv[None, :])
+
+
+@triton.jit
+def _chan_tile(D, KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_V: tl.constexpr):  # fmt: skip
+    # the per-channel kernels' tile: a run of tokens (program 0) x a block of d (program 1) x d_v,
+    # and the KW taps of the token convolution (padded to KP)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_v = tl.arange(0, BLOCK_V)
+    offs_j = tl.arange(0, KP)
+    md = offs_d < D
+    mv = offs_v < DV
+    m2 = md[:, None] & mv[None, :]
+    off2 = offs_d[:, None] * DV + offs_v[None, :]
+    return tl.program_id(0).to(tl.int64), offs_d, offs_v, offs_j, md, mv, offs_j < KW, m2, off2
+
+
+@triton.jit
+def _taps(WT, offs_j, off2, mj, m2, D, DV: tl.constexpr, CT: tl.constexpr):
+    # the KW conv taps of the tile, [KP, BLOCK_D, BLOCK_V], with their offsets and mask
+    off3 = offs_j[:, None, None] * D * DV + off2[None]
+    m3 = mj[:, None, None] & m2[None]
+    return off3, m3, tl.load(WT + off3, mask=m3, other=0.0).to(CT)
+
+
+@triton.jit
+def _window(n, T, N, offs_j, mj, KW: tl.constexpr, PAST: tl.constexpr):
+    # the tokens tap j connects to token n within its sequence of T (rows of N): PAST, the inputs of
+    # the causal conv, n - (KW-1) + j; else the outputs that read token n, n + (KW-1) - j
+    t = n % T
+    if PAST:
+        return n - (KW - 1) + offs_j, mj & (t - (KW - 1) + offs_j >= 0) & (offs_j * 0 + n < N)
+    else:
+        return n + (KW - 1) - offs_j, mj & (t + (KW - 1) - offs_j < T) & (offs_j * 0 + n < N)
+
+
+@triton.jit
+def _row_tile(X, Kd, V, BETA, N, D, eps, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, CT: tl.constexpr):
+    # d_v = 1 row kernels: ROWS tokens as a [ROWS, d] tile; the normalised k and the loaded x, v, beta
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    mr = rows < N
+    m2 = mr[:, None] & (cols < D)[None, :]
+    off = rows[:, None] * D + cols[None, :]
+    k = tl.load(Kd + off, mask=m2, other=0.0).to(CT)
+    rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + eps * eps)
+    x = tl.load(X + off, mask=m2, other=0.0).to(CT)
+    v = tl.load(V + rows, mask=mr, other=0.0).to(CT)
+    b = tl.load(BETA + rows, mask=mr, other=0.0).to(CT)
+    return rows, mr, m2, off, rs, k * rs[:, None], x, v, b
+
+
+@triton.jit
+def _update_row_fwd_kernel(
+    X, Kd, V, BETA, XOUT, N, D, eps,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    # d_v = 1: the state is a d-vector per token, so a program takes ROWS tokens as a [ROWS, d] tile
+    # (like a layer norm) instead of one [d, 1] tile per token.
+    rows, mr, m2, off, rs, kh, x, v, b = _row_tile(X, Kd, V, BETA, N, D, eps, ROWS, BLOCK_D, CT)
+    if ERASE:
+        r = v - tl.sum(kh * x, axis=1)
+    else:
+        r = v
+    tl.store(XOUT + off, (x + (b * r)[:, None] * kh).to(XOUT.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _update_row_bwd_kernel(
+    X, Kd, V, BETA, G, DX, DK, DVo, DBETA, N, D, eps,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    # _update_bwd_token with d_v = 1 (r, gk scalars per token), ROWS tokens per program.
+    rows, mr, m2, off, rs, kh, x, v, b = _row_tile(X, Kd, V, BETA, N, D, eps, ROWS, BLOCK_D, CT)
+    g = tl.load(G + off, mask=m2, other=0.0).to(CT)
+    gk = tl.sum(kh * g, axis=1)
+    if ERASE:
+        r = v - tl.sum(kh * x, axis=1)
+        dx = g - (b * gk)[:, None] * kh
+        dkh = b[:, None] * (g * r[:, None] - x * gk[:, None])
+    else:
+        r = v
+        dx = g
+        dkh = (b * r)[:, None] * g
+    dk = rs[:, None] * (dkh - kh * tl.sum(kh * dkh, axis=1)[:, None])
+    tl.store(DX + off, dx.to(DX.dtype.element_ty), mask=m2)
+    tl.store(DK + off, dk.to(DK.dtype.element_ty), mask=m2)
+    tl.store(DVo + rows, (b * gk).to(DVo.dtype.element_ty), mask=mr)
+    tl.store(DBETA + rows, (gk * r).to(DBETA.dtype.element_ty), mask=mr)
+
+
+@triton.jit
+def _cc_fwd_kernel(
+    X, W, H, N, D,
+    DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TOKENS: tl.constexpr,
+    CT: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_v = tl.arange(0, BLOCK_V)
+    md = offs_d < D
+    mv = offs_v < DV
+    off2 = offs_d[:, None] * DV + offs_v[None, :]
+    w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
+    for tt in tl.static_range(TOKENS):
+        n = pid * TOKENS + tt
+        okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+        x = tl.load(X + n * D * DV + off2, mask=(md & okd)[:, None] & mv[None, :], other=0.0).to(CT)
+        tl.store(H + n * D + offs_d, tl.sum(x * w, axis=1).to(H.dtype.element_ty), mask=md & okd)
+
+
+@triton.jit
+def _cc_bwd_kernel(
+    X, W, DH, DX, DWP, N, D, TOKENS,
+    DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_v = tl.arange(0, BLOCK_V)
+    md = offs_d < D
+    mv = offs_v < DV
+    off2 = offs_d[:, None] * DV + offs_v[None, :]
+    w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
+    dw = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
+    for tt in range(TOKENS):
+        n = pid * TOKENS + tt
+        okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+        m2 = (md & okd)[:, None] & mv[None, :]
+        dh = tl.load(DH + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
+        x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+        tl.store(DX + n * D * DV + off2, (dh[:, None] * w).to(DX.dtype.element_ty), mask=m2)
+        dw += dh[:, None] * x
+    tl.store(DWP + pid * D * DV + off2, dw, mask=md[:, None] & mv[None, :])
+
+
+@triton.jit
+def _tc_fwd_kernel(
+    X, WT, H, N, T, D,
+    KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    TOKENS: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    # h[n] = sum_j sum_v WT[j] * x[n - (KW-1) + j] within the token's sequence (WT = conv * read)
+    pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
+    _, _, w3 = _taps(WT, offs_j, off2, mj, m2, D, DV, CT)
+    for tt in tl.static_range(TOKENS):
+        n = pid * TOKENS + tt
+        okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+        src, valid = _window(n, T, N, offs_j, mj, KW, True)
+        x3 = tl.load(
+            X + src[:, None, None] * D * DV + off2[None], mask=valid[:, None, None] & m2[None], other=0.0
+        )
+        h = tl.sum(tl.sum(w3 * x3.to(CT), axis=0), axis=1)
+        tl.store(H + n * D + offs_d, h.to(H.dtype.element_ty), mask=md & okd)
+
+
+@triton.jit
+def _tc_bwd_kernel(
+    X, WT, DH, DX, DWP, N, T, D, TOKENS,
+    KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    CT: tl.constexpr,
+):  # fmt: skip
+    # dx[n] = sum_j WT[j] dh[n + KW-1 - j];  dWT[j] = sum_n dh[n + KW-1 - j] x[n]  (same sequence only)
+    pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
+    off3, m3, w3 = _taps(WT, offs_j, off2, mj, m2, D, DV, CT)
+    acc = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
+    for tt in range(TOKENS):
+        n = pid * TOKENS + tt
+        okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+        dst, valid = _window(n, T, N, offs_j, mj, KW, False)
+        dh2 = tl.load(DH + dst[:, None] * D + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
+        dh2 = dh2.to(CT)
+        x = tl.load(X + n * D * DV + off2, mask=m2 & okd[:, None], other=0.0).to(CT)
+        dx = tl.sum(w3 * dh2[:, :, None], axis=0)
+        tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2 & okd[:, None])
+        acc += dh2[:, :, None] * x[None, :, :]
+    tl.store(DWP + pid * KW * D * DV + off3, acc, mask=m3)
+
+
+@triton.jit
+def _ec_fwd_kernel(
+    E, WT, X0, N, T, D,
+    KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    TOKENS: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    # X0[n] = sum_j WT[j] * emb[n - (KW-1) + j][:, None]
+    pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
+    _, _, w3 = _taps(WT, offs_j, off2, mj, m2, D, DV, CT)
+    for tt in tl.static_range(TOKENS):
+        n = pid * TOKENS + tt
+        okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+        src, valid = _window(n, T, N, offs_j, mj, KW, True)
+        e2 = tl.load(E + src[:, None] * D + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
+        out = tl.sum(w3 * e2.to(CT)[:, :, None], axis=0)
+        tl.store(X0 + n * D * DV + off2, out.to(X0.dtype.element_ty), mask=m2 & okd[:, None])
+
+
+@triton.jit
+def _ec_bwd_kernel(
+    E, WT, G, DE, DWP, N, T, D, TOKENS,
+    KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    CT: tl.constexpr,
+):  # fmt: skip
+    # demb[n] = sum_j sum_v WT[j] G[n + KW-1 - j];  dWT[j] = sum_n emb[n - (KW-1) + j][:, None] G[n]
+    pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
+    off3, m3, w3 = _taps(WT, offs_j, off2, mj, m2, D, DV, CT)
+    acc = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
+    for tt in range(TOKENS):
+        n = pid * TOKENS + tt
+        okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+        dst, vf = _window(n, T, N, offs_j, mj, KW, False)
+        g3 = tl.load(
+            G + dst[:, None, None] * D * DV + off2[None], mask=vf[:, None, None] & m2[None], other=0.0
+        )
+        de = tl.sum(tl.sum(w3 * g3.to(CT), axis=0), axis=1)
+        tl.store(DE + n * D + offs_d, de.to(DE.dtype.element_ty), mask=md & okd)
+        src, vp = _window(n, T, N, offs_j, mj, KW, True)
+        e2 = tl.load(E + src[:, None] * D + offs_d[None, :], mask=vp[:, None] & md[None, :], other=0.0)
+        g = tl.load(G + n * D * DV + off2, mask=m2 & okd[:, None], other=0.0).to(CT)
+        acc += e2.to(CT)[:, :, None] * g[None, :, :]
+    tl.store(DWP + pid * KW * D * DV + off3, acc, mask=m3)
+
+
+@triton.jit
+def _update_tc_fwd_kernel(
+    X, Kd, V, BETA, WT, XOUT, H, RS, R, N, T, D, eps,
+    KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    ERASE: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    # x'[n] = update(x[n]) and the next sublayer's TC read-out h[n] = sum_j WT[j] . x'[n - (KW-1) + j]:
+    # the K-1 earlier states are recomputed from their x, k, v, beta (reads that hit L2), so x' is
+    # written once and never read back. RS = 1/sqrt(|k|^2 + eps^2) and R = v - khat^T x (erase) are
+    # kept for the weight gradient, which needs x' again.
+    n = tl.program_id(0).to(tl.int64)
+    t = n % T
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_v = tl.arange(0, BLOCK_V)
+    md = offs_d < D
+    mv = offs_v < DV
+    m2 = md[:, None] & mv[None, :]
+    off2 = offs_d[:, None] * DV + offs_v[None, :]
+    acc = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
+    for j in tl.static_range(KW):
+        s = n - (KW - 1) + j
+        okd = md & (offs_d * 0 + t - (KW - 1) + j >= 0)  # vector masks (the interpreter needs them)
+        okv = mv & (offs_v * 0 + t - (KW - 1) + j >= 0)
+        k = tl.load(Kd + s * D + offs_d, mask=okd, other=0.0).to(CT)
+        rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
+        kh = k * rs
+        x = tl.load(X + s * D * DV + off2, mask=okd[:, None] & mv[None, :], other=0.0).to(CT)
+        v = tl.load(V + s * DV + offs_v, mask=okv, other=0.0).to(CT)
+        b = tl.sum(tl.load(BETA + s + offs_v * 0, mask=okv & (offs_v == 0), other=0.0).to(CT), axis=0)
+        if ERASE:
+            r = v - tl.sum(kh[:, None] * x, axis=0)
+        else:
+            r = v
+        xn = (x + b * kh[:, None] * r[None, :]).to(XOUT.dtype.element_ty)
+        w = tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT)
+        acc += w * xn.to(CT)
+        if j == KW - 1:
+            tl.store(XOUT + n * D * DV + off2, xn, mask=m2)
+            tl.store(R + n * DV + offs_v, r, mask=mv)
+            tl.store(RS + n + offs_v * 0, rs + tl.zeros([BLOCK_V], dtype=CT), mask=offs_v == 0)
+    tl.store(H + n * D + offs_d, tl.sum(acc, axis=1).to(H.dtype.element_ty), mask=md)
+
+
+@triton.jit
+def _update_tc_bwd_kernel(
+    X, Kd, V, BETA, WT, G, DH, DX, DK, DVo, DBETA, N, T, D, eps,
+    KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    ERASE: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    # As _update_bwd_kernel, with G += sum_j WT[j] * dh[n + KW-1 - j] (x'[n] feeds the read-outs of
+    # tokens n .. n+KW-1 of its sequence).
+    n = tl.program_id(0).to(tl.int64)
+    t = n % T
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_v = tl.arange(0, BLOCK_V)
+    md = offs_d < D
+    mv = offs_v < DV
+    m2 = md[:, None] & mv[None, :]
+    off2 = offs_d[:, None] * DV + offs_v[None, :]
+    _, _, m2, rs, kh, x, b, r = _update_token_inputs(
+        n, X, Kd, V, BETA, N, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
+    )
+    g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+    for j in tl.static_range(KW):
+        okd = md & (offs_d * 0 + t + (KW - 1) - j < T)
+        dh = tl.load(DH + (n + (KW - 1) - j) * D + offs_d, mask=okd, other=0.0).to(CT)
+        w = tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT)
+        g += w * dh[:, None]
+    dx, dk, dv, dbeta = _update_grads(g, x, kh, rs, b, r, ERASE)
+    tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
+    tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md)
+    tl.store(DVo + n * DV + offs_v, dv.to(DVo.dtype.element_ty), mask=mv)
+    tl.store(DBETA + n, dbeta.to(DBETA.dtype.element_ty))
+
+
+@triton.jit
+def _update_tc_wgrad_kernel(
+    X, Kd, BETA, RS, R, DH, DWP, N, T, D, TOKENS,
+    KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    CT: tl.constexpr,
+):  # fmt: skip
+    # dWT[j] = sum_n dh[n + KW-1 - j] x'[n], x'[n] = x + beta (k rs) r^T rebuilt per channel block
+    pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
+    acc = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
+    for tt in range(TOKENS):
+        n = pid * TOKENS + tt
+        okd = offs_d * 0 + n < N
+        okv = offs_v * 0 + n < N
+        dst, valid = _window(n, T, N, offs_j, mj, KW, False)
+        dh2 = tl.load(DH + dst[:, None] * D + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
+        x = tl.load(X + n * D * DV + off2, mask=m2 & okd[:, None], other=0.0).to(CT)
+        k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
+        rs = tl.sum(tl.load(RS + n + offs_v * 0, mask=okv & (offs_v == 0), other=0.0), axis=0)
+        b = tl.sum(tl.load(BETA + n + offs_v * 0, mask=okv & (offs_v == 0), other=0.0).to(CT), axis=0)
+        r = tl.load(R + n * DV + offs_v, mask=mv & okv, other=0.0)
+        xn = (x + b * (k * rs)[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)
+        acc += dh2.to(CT)[:, :, None] * xn[None, :, :]
+    off3 = offs_j[:, None, None] * D * DV + off2[None]
+    tl.store(DWP + pid * KW * D * DV + off3, acc, mask=mj[:, None, None] & m2[None])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Custom ops: opaque to torch.compile (no graph break), with autograd. They take flat, contiguous
+# tensors: state [N, d, d_v], vectors [N, d]; T (sequence length) for the token convolutions.
+
+
+def _pow2(n):
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _use_rows(DV, weight, dtype):
+    """d_v = 1 and no fused read-out: the [tokens, d] row kernels (unless LAUNCH turns them off)."""
+    rows = _cfg("update_row", dtype)["ROWS"]
+    if rows and rows != _pow2(rows):
+        raise ValueError(f"LAUNCH['update_row'] ROWS for {dtype} must be 0 or a power of two, got {rows}")
+    return DV == 1 and weight is None and rows > 0
+
+
+def _chan_grid(N, D, cfg):
+    return (triton.cdiv(N, cfg["TOKENS"]), triton.cdiv(D, cfg["BLOCK_D"]))
+
+
+@torch.library.custom_op("ddl::update", mutates_args=())
+def _update_op(
+    x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor | None,
+    eps: float, erase: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    N, D, DV = x.shape
+    x_new = _new((N, D, DV), x)
+    h = _new((N, D) if weight is not None else (0,), x)
+    if _use_rows(DV, weight, x.dtype):
+        cfg = _cfg("update_row", x.dtype)
+        _update_row_fwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
+            x, k, v, beta, x_new, N, D, eps, ROWS=cfg["ROWS"], BLOCK_D=_pow2(D), ERASE=erase,
+            CT=_ct(x, k, v, beta), num_warps=cfg["num_warps"],
+        )  # fmt: skip
+        return x_new, h
+    cfg = LAUNCH["update_fwd"]
+    grid = (triton.cdiv(N, cfg["TOKENS"]),)
+    _update_fwd_kernel[grid](
+        x, k, v, beta, weight if weight is not None else x, x_new, h, N, D, eps,
+        DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), TOKENS=cfg["TOKENS"], ERASE=erase,
+        COMPRESS=weight is not None, CT=_ct(x, k, v, beta), num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return x_new, h
+
+
+@_update_op.register_fake
+def _(x, k, v, beta, weight, eps, erase):
+    return torch.empty_like(x), x.new_empty((x.shape[0], x.shape[1]) if weight is not None else (0,))
+
+
+@torch.library.custom_op("ddl::update_bwd", mutates_args=())
+def _update_bwd_op(
+    x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor | None,
+    g: torch.Tensor, dh: torch.Tensor | None, eps: float, erase: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    N, D, DV = x.shape
+    cfg = _cfg("update_bwd", x.dtype)
+    nprog = triton.cdiv(N, cfg["TOKENS"])
+    dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
+    if _use_rows(DV, weight, x.dtype):
+        rcfg = _cfg("update_row", x.dtype)
+        _update_row_bwd_kernel[(triton.cdiv(N, rcfg["ROWS"]),)](
+            x, k, v, beta, g, dx, dk, dv, dbeta, N, D, eps, ROWS=rcfg["ROWS"], BLOCK_D=_pow2(D),
+            ERASE=erase, CT=_ct(x, k, v, beta, g), num_warps=rcfg["num_warps"],
+        )  # fmt: skip
+        return dx, dk, dv, dbeta, x.new_empty(0)
+    compress = weight is not None
+    dwp = _new((nprog, D, DV) if compress else (0,), x, dtype=acc_dtype(x))
+    _update_bwd_kernel[(nprog,)](
+        x, k, v, beta, weight if compress else x, g, dh if compress else g, dx, dk, dv, dbeta, dwp,
+        N, D, eps, TOKENS=cfg["TOKENS"], PIPELINE=cfg.get("PIPELINE", False), DV=DV, BLOCK_D=_pow2(D),
+        BLOCK_V=_pow2(DV), ERASE=erase, COMPRESS=compress, CT=_ct(x, k, v, beta, g),
+        num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    dw = dwp.sum(0).to(weight.dtype) if compress else x.new_empty(0)
+    return dx, dk, dv, dbeta, dw
+
+
+@_update_bwd_op.register_fake
+def _(x, k, v, beta, weight, g, dh, eps, erase):
+    dw = torch.empty_like(weight) if weight is not None else x.new_empty(0)
+    return torch.empty_like(x), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta), dw
+
+
+def _update_setup(ctx, inputs, output):
+    x, k, v, beta, weight, eps, erase = inputs
+    ctx.save_for_backward(x, k, v, beta, weight)
+    ctx.eps, ctx.erase = eps, erase
+
+
+def _update_backward(ctx, gx, gh):
+    x, k, v, beta, weight = ctx.saved_tensors
+    gx = torch.zeros_like(x) if gx is None else gx.contiguous()
+    if weight is not None:
+        gh = torch.zeros(x.shape[:2], dtype=x.dtype, device=x.device) if gh is None else gh.contiguous()
+    dx, dk, dv, dbeta, dw = _update_bwd_op(
+        x, k, v, beta, weight, gx, gh if weight is not None else None, ctx.eps, ctx.erase
+    )
+    return dx, dk, dv, dbeta, (dw if weight is not None else None), None, None
+
+
+torch.library.register_autograd("ddl::update", _update_backward, setup_context=_update_setup)
+
+
+@torch.library.custom_op("ddl::cc", mutates_args=())
+def _cc_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    N, D, DV = x.shape
+    h = _new((N, D), x)
+    cfg = LAUNCH["chan_fwd"]
+    _cc_fwd_kernel[_chan_grid(N, D, cfg)](
+        x, weight, h, N, D, DV=DV, BLOCK_D=min(cfg["BLOCK_D"], _pow2(D)), BLOCK_V=_pow2(DV),
+        TOKENS=cfg["TOKENS"], CT=_ct(x, weight), num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return h
+
+
+@_cc_op.register_fake
+def _(x, weight):
+    return x.new_empty(x.shape[:2])
+
+
+@torch.library.custom_op("ddl::cc_bwd", mutates_args=())
+def _cc_bwd_op(x: torch.Tensor, weight: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    N, D, DV = x.shape
+    cfg = LAUNCH["chan_bwd"]
+    grid = _chan_grid(N, D, {**cfg, "BLOCK_D": min(cfg["BLOCK_D"], _pow2(D))})
+    dx = _new(x.shape, x)
+    dwp = _new((grid[0], D, DV), x, dtype=acc_dtype(x))
+    _cc_bwd_kernel[grid](
+        x, weight, dh, dx, dwp, N, D, cfg["TOKENS"], DV=DV, BLOCK_D=min(cfg["BLOCK_D"], _pow2(D)),
+        BLOCK_V=_pow2(DV), CT=_ct(x, weight, dh), num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return dx, dwp.sum(0).to(weight.dtype)
+
+
+@_cc_bwd_op.register_fake
+def _(x, weight, dh):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _cc_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _cc_backward(ctx, dh):
+    x, weight = ctx.saved_tensors
+    return _cc_bwd_op(x, weight, dh.contiguous())
+
+
+torch.library.register_autograd("ddl::cc", _cc_backward, setup_context=_cc_setup)
+
+
+def _token_conv_op(name, fwd_kernel, bwd_kernel, out_shape):
+    """Registers `ddl::{name}(a, wt, T)` (a [N, d] or [N, d, d_v], wt [K, d, d_v] taps, T the sequence
+    length), its backward op and its autograd, for the two causal depthwise convolutions over tokens,
+    TC (a = the state, out [N, d]) and EC (a = the embedding, out [N, d, d_v]): their kernels share a
+    signature, a launch grid (a block of d by a run of tokens) and the weight gradient summed from
+    per-program partials. Returns the forward op."""
+
+    def launch(a, wt, key):
+        N, D = a.shape[0], a.shape[1]
+        KW, DV = wt.shape[0], wt.shape[2]
+        cfg = LAUNCH[key]
+        bd = min(cfg["BLOCK_D"], _pow2(D))
+        consts = dict(KW=KW, KP=_pow2(KW), DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), num_warps=cfg["num_warps"])
+        return N, D, cfg, _chan_grid(N, D, {**cfg, "BLOCK_D": bd}), consts
+
+    @torch.library.custom_op(f"ddl::{name}", mutates_args=())
+    def op(a: torch.Tensor, wt: torch.Tensor, T: int) -> torch.Tensor:
+        N, D, cfg, grid, consts = launch(a, wt, "chan_fwd")
+        out = _new(out_shape(a, wt), a)
+        fwd_kernel[grid](a, wt, out, N, T, D, TOKENS=cfg["TOKENS"], CT=_ct(a, wt), **consts)
+        return out
+
+    @op.register_fake
+    def _(a, wt, T):
+        return a.new_empty(out_shape(a, wt))
+
+    @torch.library.custom_op(f"ddl::{name}_bwd", mutates_args=())
+    def op_bwd(
+        a: torch.Tensor, wt: torch.Tensor, g: torch.Tensor, T: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        N, D, cfg, grid, consts = launch(a, wt, "chan_bwd")
+        da = _new(a.shape, a)
+        dwp = _new((grid[0],) + tuple(wt.shape), a, dtype=acc_dtype(a))  # weight-gradient partials
+        bwd_kernel[grid](a, wt, g, da, dwp, N, T, D, cfg["TOKENS"], CT=_ct(a, wt, g), **consts)
+        return da, dwp.sum(0).to(wt.dtype)
+
+    @op_bwd.register_fake
+    def _(a, wt, g, T):
+        return torch.empty_like(a), torch.empty_like(wt)
+
+    def setup(ctx, inputs, output):
+        a, wt, T = inputs
+        ctx.save_for_backward(a, wt)
+        ctx.T = T
+
+    def backward(ctx, g):
+        a, wt = ctx.saved_tensors
+        da, dwt = op_bwd(a, wt, g.contiguous(), ctx.T)
+        return da, dwt, None
+
+    torch.library.register_autograd(f"ddl::{name}", backward, setup_context=setup)
+    return op
+
+
+_tc_op = _token_conv_op("tc", _tc_fwd_kernel, _tc_bwd_kernel, lambda x, wt: (x.shape[0], x.shape[1]))
+_ec_op = _token_conv_op(
+    "ec", _ec_fwd_kernel, _ec_bwd_kernel, lambda emb, wt: (emb.shape[0], emb.shape[1], wt.shape[2])
+)
+
+
+@torch.library.custom_op("ddl::update_tc", mutates_args=())
+def _update_tc_op(
+    x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, wt: torch.Tensor, T: int,
+    eps: float, erase: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    N, D, DV = x.shape
+    ft = acc_dtype(x)
+    x_new, h, rs, r = (
+        _new((N, D, DV), x),
+        _new((N, D), x),
+        _new((N,), x, dtype=ft),
+        _new((N, DV), x, dtype=ft),
+    )
+    _update_tc_fwd_kernel[(N,)](
+        x, k, v, beta, wt, x_new, h, rs, r, N, T, D, eps, KW=wt.shape[0], DV=DV, BLOCK_D=_pow2(D),
+        BLOCK_V=_pow2(DV), ERASE=erase, CT=_ct(x, k, v, beta), num_warps=LAUNCH["update_fwd"]["num_warps"],
+    )  # fmt: skip
+    return x_new, h, rs, r
+
+
+@_update_tc_op.register_fake
+def _(x, k, v, beta, wt, T, eps, erase):
+    ft = acc_dtype(x)
+    N, D, DV = x.shape
+    return (
+        torch.empty_like(x),
+        x.new_empty((N, D)),
+        x.new_empty((N,), dtype=ft),
+        x.new_empty((N, DV), dtype=ft),
+    )
+
+
+@torch.library.custom_op("ddl::update_tc_bwd", mutates_args=())
+def _update_tc_bwd_op(
+    x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, wt: torch.Tensor, rs: torch.Tensor,
+    r: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, T: int, eps: float, erase: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    N, D, DV = x.shape
+    KW = wt.shape[0]
+    dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
+    ct = _ct(x, k, v, beta, g)
+    _update_tc_bwd_kernel[(N,)](
+        x, k, v, beta, wt, g, dh, dx, dk, dv, dbeta, N, T, D, eps, KW=KW, DV=DV, BLOCK_D=_pow2(D),
+        BLOCK_V=_pow2(DV), ERASE=erase, CT=ct, num_warps=LAUNCH["update_fwd"]["num_warps"],
+    )  # fmt: skip
+    cfg = LAUNCH["chan_bwd"]
+    bd = min(cfg["BLOCK_D"], _pow2(D))
+    grid = _chan_grid(N, D, {**cfg, "BLOCK_D": bd})
+    dwp = _new((grid[0], KW, D, DV), x, dtype=rs.dtype)
+    _update_tc_wgrad_kernel[grid](
+        x, k, beta, rs, r, dh, dwp, N, T, D, cfg["TOKENS"], KW=KW, KP=_pow2(KW), DV=DV, BLOCK_D=bd,
+        BLOCK_V=_pow2(DV), CT=ct, num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return dx, dk, dv, dbeta, dwp.sum(0).to(wt.dtype)
+
+
+@_update_tc_bwd_op.register_fake
+def _(x, k, v, beta, wt, rs, r, g, dh, T, eps, erase):
+    return (
+        torch.empty_like(x),
+        torch.empty_like(k),
+        torch.empty_like(v),
+        torch.empty_like(beta),
+        torch.empty_like(wt),
+    )
+
+
+def _update_tc_setup(ctx, inputs, output):
+    x, k, v, beta, wt, T, eps, erase = inputs
+    ctx.save_for_backward(x, k, v, beta, wt, output[2], output[3])
+    ctx.T, ctx.eps, ctx.erase = T, eps, erase
+
+
+def _update_tc_backward(ctx, gx, gh, _grs, _gr):
+    x, k, v, beta, wt, rs, r = ctx.saved_tensors
+    gx = torch.zeros_like(x) if gx is None else gx.contiguous()
+    gh = torch.zeros(x.shape[:2], dtype=x.dtype, device=x.device) if gh is None else gh.contiguous()
+    dx, dk, dv, dbeta, dwt = _update_tc_bwd_op(x, k, v, beta, wt, rs, r, gx, gh, ctx.T, ctx.eps, ctx.erase)
+    return dx, dk, dv, dbeta, dwt, None, None, None
+
+
+torch.library.register_autograd("ddl::update_tc", _update_tc_backward, setup_context=_update_tc_setup)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The public functions' Triton branch (kernels/ddl/__init__.py checks the arguments): flatten, call the op.
+
+
+def _flat(x, k, v, beta):
+    """The update's arguments as the ops take them: x [N, d, d_v], k [N, d], v [N, d_v], beta [N]."""
+    d, dv = x.shape[-2:]
+    return (
+        x.reshape(-1, d, dv).contiguous(),
+        k.reshape(-1, d).contiguous(),
+        v.reshape(-1, dv).contiguous(),
+        beta.reshape(-1).contiguous(),
+    )
+
+
+def _tap_weights(conv_weight, read=None):
+    """A [d, d_v, K] conv weight as [K, d, d_v] taps, with the read-out [d_v] folded in (a tiny tensor;
+    autograd carries its gradient to conv_weight and read)."""
+    if read is not None:
+        conv_weight = conv_weight * read[None, :, None]
+    return conv_weight.permute(2, 0, 1).contiguous()
+
+
+def update(x, k, v, beta, eps, erase):
+    x_new, _ = _update_op(*_flat(x, k, v, beta), None, float(eps), bool(erase))
+    return x_new.view(x.shape)
+
+
+def update_compress_cc(x, k, v, beta, weight, eps, erase):
+    B, T, d, _ = x.shape
+    x_new, h = _update_op(*_flat(x, k, v, beta), weight.contiguous(), float(eps), bool(erase))
+    return x_new.view(x.shape), h.view(B, T, d)
+
+
+def update_compress_tc(x, k, v, beta, conv_weight, read, eps, erase):
+    B, T, d, _ = x.shape
+    wt = _tap_weights(conv_weight, read)
+    x_new, h, _, _ = _update_tc_op(*_flat(x, k, v, beta), wt, T, float(eps), bool(erase))
+    return x_new.view(x.shape), h.view(B, T, d)
+
+
+def compress_cc(x, weight):
+    B, T, d, dv = x.shape
+    return _cc_op(x.reshape(-1, d, dv).contiguous(), weight.contiguous()).view(B, T, d)
+
+
+def compress_tc(x, conv_weight, read):
+    B, T, d, dv = x.shape
+    return _tc_op(x.reshape(-1, d, dv).contiguous(), _tap_weights(conv_weight, read), T).view(B, T, d)
+
+
+def expand_ec(emb, conv_weight):
+    B, T, d = emb.shape
+    x0 = _ec_op(emb.reshape(-1, d).contiguous(), _tap_weights(conv_weight), T)
+    return x0.view(B, T, d, conv_weight.shape[1])
