@@ -14,13 +14,11 @@ bf16 matrix rate, and the minimal bytes (inputs read once, outputs written once)
 work, which at these sizes can exceed it (--overhead). Prints the command, GPU and versions first; --json
 writes every number.
 
---variants / --graph-variants / --kernel-profile time our kernel's options (VARIANTS) by setting
-kernels.deltaformer.TUNING entries (restored after each) and deltaformer_u_triton's keyword arguments;
---overhead also sets kernels.deltaformer.EAGER_CUSTOM_OP for one row (the custom op in eager mode).
+--variants / --graph-variants / --kernel-profile time our kernel's options (VARIANTS: deltaformer_u_triton's
+keyword arguments).
 """
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -34,7 +32,6 @@ import torch.nn.functional as F  # noqa: E402
 from common import atomic_write, versions  # noqa: E402  (bench/common.py, this script's folder)
 from triton.testing import do_bench  # noqa: E402
 
-import kernels.deltaformer as df  # noqa: E402
 from kernels.deltaformer import deltaformer_u_triton  # noqa: E402
 
 SHAPES = [(8, 12, 1024, 64), (8, 6, 1024, 128), (4, 12, 2048, 64), (2, 12, 4096, 64), (8, 16, 1024, 64)]
@@ -94,21 +91,13 @@ def ours(kernel, **opts):
 
 
 # Our kernel's variants, each against the default in the same run: (name, keyword arguments of
-# deltaformer_u_triton, kernels.deltaformer.TUNING switches), for --variants / --graph-variants (times, and
-# u / gradient differences to the default) and --kernel-profile (kernel-by-kernel times). Few on purpose:
-# every variant compiles its kernels anew (~2 s each).
+# deltaformer_u_triton), for --variants / --graph-variants (times, and u / gradient differences to the
+# default) and --kernel-profile (kernel-by-kernel times). Few on purpose: every variant compiles its
+# kernels anew (~2 s each).
 VARIANTS = [
-    ("default", {}, {}),
-    ("xprec=bf16x3", {}, {"xprec": "bf16x3"}),
-    ("dK_pass", {}, {"dk_in_wavefront": 0}),  # dK by its own launch (the default at D = 128)
-    ("dK_in_wavefront", {}, {"dk_in_wavefront": 1}),  # (the default at D <= 64)
-    ("poll=ld", {}, {"poll": 1}),
-    ("lowp=False", {"lowp": False}, {}),
-    ("rec=lowp", {"rec": "lowp"}, {}),
-    ("lse_kernel=64", {}, {"lse_kernel": 64}),  # the softmax lse by its own kernel, 64 rows per program
-    ("lse_kernel=128", {}, {"lse_kernel": 128}),
-    ("num_warps=8", {}, {"num_warps": 8}),
-    ("chunk=32", {"chunk": 32}, {}),
+    ("default", {}),
+    ("lowp=False", {"lowp": False}),
+    ("chunk=32", {"chunk": 32}),
 ]
 
 
@@ -179,7 +168,6 @@ def overhead(shape, kernels, results):
     the host's issue time alone (the GPU held busy by a sleep kernel meanwhile, so the host never waits
     for it); a CUDA graph's replay (the same kernels without host gaps); the sum of GPU kernel times."""
     fns = {"sdpa": sdpa, **{kernel: ours(kernel) for kernel in kernels}}
-    fns[f"{kernels[0]} (custom op)"] = custom_op(ours(kernels[0]))
     print(f"\nhost overhead at {shape}, ms per forward+backward")
     print("| fn | do_bench | host issue | CUDA graph replay | kernel sum |")
     print("|---|---|---|---|---|")
@@ -219,31 +207,6 @@ def overhead(shape, kernels, results):
     torch.cuda.synchronize()
 
 
-def custom_op(fn):
-    """fn with the u-stage through its torch.library custom op also in eager mode (as under torch.compile)."""
-
-    def wrapped(*args):
-        df.EAGER_CUSTOM_OP = True
-        try:
-            return fn(*args)
-        finally:
-            df.EAGER_CUSTOM_OP = False
-
-    return wrapped
-
-
-@contextlib.contextmanager
-def tuned(switches):
-    """kernels.deltaformer.TUNING with `switches` set, restored afterwards."""
-    saved = dict(df.TUNING)
-    df.TUNING.update(switches)
-    try:
-        yield
-    finally:
-        df.TUNING.clear()
-        df.TUNING.update(saved)
-
-
 def selected(names):
     """The VARIANTS entries named in `names` (all if empty)."""
     return [entry for entry in VARIANTS if not names or entry[0] in names]
@@ -255,10 +218,9 @@ def compile_variants(shapes, kernels, variants):
     for shape in shapes:
         for kernel in kernels:
             inputs = make(*shape, kernel=kernel)
-            for _, opts, switches in selected(variants):
-                with tuned(switches):
-                    ours(kernel, **opts)(*inputs).sum().backward()
-                    torch.cuda.synchronize()
+            for _, opts in selected(variants):
+                ours(kernel, **opts)(*inputs).sum().backward()
+                torch.cuda.synchronize()
 
 
 def kernel_profile(shape, kernels, results, variants):
@@ -267,12 +229,11 @@ def kernel_profile(shape, kernels, results, variants):
     for kernel in kernels:
         inputs = make(*shape, kernel=kernel)
         table = {}
-        for name, opts, switches in selected(variants):
+        for name, opts in selected(variants):
             try:
-                with tuned(switches):
-                    times = kernel_times(ours(kernel, **opts), inputs)
-                    times["(f+b ms, do_bench)"] = 1e3 * time_fn(ours(kernel, **opts), inputs, True)
-                    times["(f+b ms, CUDA graph)"] = 1e3 * graph_time(ours(kernel, **opts), inputs)
+                times = kernel_times(ours(kernel, **opts), inputs)
+                times["(f+b ms, do_bench)"] = 1e3 * time_fn(ours(kernel, **opts), inputs, True)
+                times["(f+b ms, CUDA graph)"] = 1e3 * graph_time(ours(kernel, **opts), inputs)
                 table[name] = times
             except Exception as e:  # noqa: BLE001
                 print(
@@ -311,19 +272,18 @@ def graph_variants(shapes, kernels, results, variants):
             print(f"\n{kernel} at {shape}: f+b ms (CUDA graph replay; SDPA alone: {sd:.3f})")
             print("| variant | fwd graph | f+b graph | f+b do_bench | u-diff | grad-diff | wall s |")
             print("|---" * 7 + "|")
-            for name, opts, switches in selected(variants):
+            for name, opts in selected(variants):
                 t0 = time.perf_counter()
                 try:
-                    with tuned(switches):
-                        u, g = u_and_grads(inputs, kernel, opts, grad_u)
-                        row = {
-                            "fwd graph": graph_time(ours(kernel, **opts), inputs, backward=False),
-                            "f+b graph": graph_time(ours(kernel, **opts), inputs),
-                            "f+b do_bench": time_fn(ours(kernel, **opts), inputs, True),
-                            "u-diff": rel(u, u0),
-                            "grad-diff": rel(g, g0),
-                            "wall s": time.perf_counter() - t0,
-                        }
+                    u, g = u_and_grads(inputs, kernel, opts, grad_u)
+                    row = {
+                        "fwd graph": graph_time(ours(kernel, **opts), inputs, backward=False),
+                        "f+b graph": graph_time(ours(kernel, **opts), inputs),
+                        "f+b do_bench": time_fn(ours(kernel, **opts), inputs, True),
+                        "u-diff": rel(u, u0),
+                        "grad-diff": rel(g, g0),
+                        "wall s": time.perf_counter() - t0,
+                    }
                 except Exception as e:  # noqa: BLE001  (a variant that fails must not end the run)
                     print(f"variant {kernel} {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     continue

@@ -1,21 +1,22 @@
-"""DDL kernel micro-benchmarks (kernels/ddl.py, one GPU): time per call of the update, the fused update +
+"""DDL kernel micro-benchmarks (kernels/ddl/, one GPU): time per call of the update, the fused update +
 read-out and the compressors, forward and forward + backward, with the bytes each must move and the
 resulting GB/s against the copy bandwidth measured in the same run; torch.compile of the PyTorch reference
 beside them (fp32).
 
     python bench/bench_ddl.py                 # fp32 and bf16 state, d 768, d_v 4 and 1, K 4
     python bench/bench_ddl.py --quick         # Triton, fp32 only
-    python bench/bench_ddl.py --sweeps        # only the update kernels' launch shapes (kernels.ddl._CFG)
+    python bench/bench_ddl.py --sweeps        # only the update kernels' launch shapes (LAUNCH)
 
 N = --tokens tokens (as [N / 1024, 1024]); times are medians of triton.testing.do_bench. Bytes are the
 minimal passes over the state (S = N d d_v elements) and the [N, d] vectors (V): e.g. the update's forward
 reads x and writes x' (2 S + V), its forward + backward also reads dL/dx' and x again and writes dx
-(5 S + 3 V). Forward + backward uses autograd.grad (no accumulation into .grad). The launch-shape rows set
-kernels.ddl._CFG entries for their timing and restore them after. Prints the command, GPU and versions,
-then one line per case; --out also writes bench_ddl.json.
+(5 S + 3 V). Forward + backward uses autograd.grad (no accumulation into .grad). The launch-shape rows
+run with entries of the launch table (kernels/ddl/triton.py LAUNCH) replaced (`launch_shapes`). Prints
+the command, GPU and versions, then one line per case; --out also writes bench_ddl.json.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -24,6 +25,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from common import atomic_write, versions  # noqa: E402  (bench/common.py, this script's folder)
+
+
+@contextlib.contextmanager
+def launch_shapes(**entries):
+    """The DDL kernels' launch table with these entries replaced, restored afterwards."""
+    from kernels.ddl.triton import LAUNCH
+
+    saved = dict(LAUNCH)
+    LAUNCH.update(entries)
+    try:
+        yield
+    finally:
+        LAUNCH.clear()
+        LAUNCH.update(saved)
 
 
 def bench_kernels(args):
@@ -53,7 +68,7 @@ def bench_kernels(args):
 
 def bench_kernel_sweeps(args, do_bench, report):
     """Launch choices of the update kernels, bf16 and fp32 state, N tokens, d 768, forward + backward
-    (autograd.grad: no accumulation into .grad). Each line names the _CFG entry it sets; the shipped
+    (autograd.grad: no accumulation into .grad). Each line names the LAUNCH entry it sets; the shipped
     one is marked. Bytes: the minimal passes (update: 5 S + 3 V; fused CC: 5 S + 5 V; S a state pass)."""
     for dtype in (torch.bfloat16, torch.float32):
         for dv in (4, 1):
@@ -63,13 +78,11 @@ def bench_kernel_sweeps(args, do_bench, report):
 
 def sweep_update(args, do_bench, report, dtype, dv):
     from kernels import ddl
+    from kernels.ddl.triton import LAUNCH, _cfg
 
     N, d = args.tokens, 768
-    shipped = {key: dict(val) for key, val in ddl._CFG.items()}
     # what ships for this state dtype (an entry's per-dtype shape, else its own, without the sub-entries)
-    ship = {
-        key: {n: c for n, c in ddl._cfg(key, dtype).items() if not isinstance(c, dict)} for key in shipped
-    }
+    ship = {key: {n: c for n, c in _cfg(key, dtype).items() if not isinstance(c, dict)} for key in LAUNCH}
     es = torch.finfo(dtype).bits // 8
     tag = f"{str(dtype).replace('torch.', '')}, N={N}"
     x = torch.randn(N // 1024, 1024, d, dv, device="cuda", dtype=dtype, requires_grad=True)
@@ -107,37 +120,30 @@ def sweep_update(args, do_bench, report, dtype, dv):
             dict(ROWS=r, num_warps=nw) for r, nw in ((1, 4), (2, 4), (4, 4), (4, 8), (8, 8), (16, 8))
         ]
         for cfg in row_cfgs:
-            ddl._CFG["update_row"] = cfg
             mark = " (shipped)" if cfg == ship["update_row"] else ""
-            timed(f"d_v=1 update f+b update_row={cfg}{mark}", upd, 5 * S + 3 * V)
-        ddl._CFG.update(shipped)
+            with launch_shapes(update_row=cfg):
+                timed(f"d_v=1 update f+b update_row={cfg}{mark}", upd, 5 * S + 3 * V)
         return
     bwd_cfgs = [
-        dict(TOKENS=32, LOOP=0, num_warps=4),
-        dict(TOKENS=8, LOOP=0, num_warps=4),
-        dict(TOKENS=4, LOOP=1, num_warps=4),
-        dict(TOKENS=8, LOOP=1, num_warps=4),
-        dict(TOKENS=8, LOOP=1, num_warps=8),
-        dict(TOKENS=16, LOOP=1, num_warps=8),
-        dict(TOKENS=16, LOOP=2, num_warps=4),
-        dict(TOKENS=32, LOOP=2, num_warps=4),
+        dict(TOKENS=32, PIPELINE=False, num_warps=4),
+        dict(TOKENS=8, PIPELINE=False, num_warps=4),
+        dict(TOKENS=16, PIPELINE=True, num_warps=4),
+        dict(TOKENS=32, PIPELINE=True, num_warps=4),
     ]
     for tok, nw in ((1, 4), (1, 2), (2, 4), (4, 4)):  # forward: 1 token/program looked latency-bound in bf16
         cfg = dict(TOKENS=tok, num_warps=nw)
-        ddl._CFG["update_fwd"] = cfg
         mark = " (shipped)" if cfg == ship["update_fwd"] else ""
-        timed(
-            f"update+cc fwd update_fwd={cfg}{mark}",
-            lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"),
-            2 * S + 2 * V,
-        )
-    ddl._CFG.update(shipped)
+        with launch_shapes(update_fwd=cfg):
+            timed(
+                f"update+cc fwd update_fwd={cfg}{mark}",
+                lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"),
+                2 * S + 2 * V,
+            )
     for cfg in bwd_cfgs:
-        ddl._CFG["update_bwd"] = cfg
         mark = " (shipped)" if cfg == ship["update_bwd"] else ""
-        timed(f"update f+b update_bwd={cfg}{mark}", upd, 5 * S + 3 * V)
-        timed(f"update+cc f+b update_bwd={cfg}{mark}", fused, 5 * S + 5 * V)
-    ddl._CFG.update(shipped)
+        with launch_shapes(update_bwd=cfg):
+            timed(f"update f+b update_bwd={cfg}{mark}", upd, 5 * S + 3 * V)
+            timed(f"update+cc f+b update_bwd={cfg}{mark}", fused, 5 * S + 5 * V)
 
 
 def bench_kernels_dv1(args, do_bench, report):
@@ -257,25 +263,21 @@ def bench_kernels_dtype(args, dtype, do_bench, report):
     if dtype != torch.float32 or args.quick:
         return
     # launch shapes of the update kernels
-    saved = {key: dict(val) for key, val in ddl._CFG.items()}
     for tok, nw in ((1, 4), (1, 8), (2, 4), (4, 8)):
-        ddl._CFG["update_fwd"] = dict(TOKENS=tok, num_warps=nw)
-        ms = do_bench(lambda: ddl.ddl_update(x, k, v, beta, backend="triton"), return_mode="median")
+        with launch_shapes(update_fwd=dict(TOKENS=tok, num_warps=nw)):
+            ms = do_bench(lambda: ddl.ddl_update(x, k, v, beta, backend="triton"), return_mode="median")
         report(f"  cfg update_fwd TOKENS={tok} warps={nw} [{tag}]", ms, 2 * S + V)
-    ddl._CFG.update(saved)
     f = fb(lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"), (gx, gh))
     for tok, nw in ((8, 4), (32, 4), (64, 4), (32, 8)):
-        ddl._CFG["update_bwd"] = dict(TOKENS=tok, num_warps=nw)
-        ms = do_bench(f, return_mode="median")
+        with launch_shapes(update_bwd=dict(TOKENS=tok, num_warps=nw)):
+            ms = do_bench(f, return_mode="median")
         report(f"  cfg update_bwd TOKENS={tok} warps={nw} (fused f+b) [{tag}]", ms, 5 * S + 5 * V)
-    ddl._CFG.update(saved)
     f = fb(lambda: ddl.compress_tc(x, cw, read, backend="triton"), (gh,))
     for tok, bd, nw in ((4, 256, 4), (8, 128, 4), (16, 256, 8), (64, 256, 4)):
-        ddl._CFG["chan_fwd"] = dict(TOKENS=min(tok, 8), BLOCK_D=bd, num_warps=nw)
-        ddl._CFG["chan_bwd"] = dict(TOKENS=tok, BLOCK_D=bd, num_warps=nw)
-        ms = do_bench(f, return_mode="median")
+        chan_fwd = dict(TOKENS=min(tok, 8), BLOCK_D=bd, num_warps=nw)
+        with launch_shapes(chan_fwd=chan_fwd, chan_bwd=dict(TOKENS=tok, BLOCK_D=bd, num_warps=nw)):
+            ms = do_bench(f, return_mode="median")
         report(f"  cfg chan TOKENS={tok} BLOCK_D={bd} warps={nw} (tc f+b) [{tag}]", ms, 3 * S + 2 * V)
-    ddl._CFG.update(saved)
 
 
 def main():

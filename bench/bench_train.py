@@ -210,11 +210,11 @@ def worker(job, results):
     torch.backends.cudnn.allow_tf32 = True
     torch._dynamo.config.automatic_dynamic_shapes = False  # a smaller batch after an OOM: static again
     try:
-        from kernels import ddl
+        from kernels.common import set_auto_backend
         from model import GPT, GPTConfig
 
         if args.ddl_backend != "auto":
-            ddl.set_auto_backend(args.ddl_backend)
+            set_auto_backend(args.ddl_backend)
         cfg = GPTConfig.preset(size, block_size=args.seq, **overrides, **args.model_overrides)
         torch.manual_seed(0)
         model = GPT(cfg).to(args.device)
@@ -467,7 +467,12 @@ def main():
         help="model: torch.compile(model); blocks: each Block and the LM head + loss (compiles ~L times "
         "faster; the embedding runs eagerly)",
     )
-    p.add_argument("--ddl-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument(
+        "--ddl-backend",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="what backend='auto' means for the DDL and Deltaformer ops (kernels.common.set_auto_backend)",
+    )
     p.add_argument("--peak-tflops", type=float, default=989.0, help="for MFU (H100/H200 dense bf16: 989)")
     p.add_argument("--time-limit", type=float, default=540, help="seconds for the whole table")
     p.add_argument("--job-timeout", type=float, default=420, help="seconds for one (model, variant)")

@@ -9,8 +9,8 @@ How: every `kernel[grid](...)` launch is intercepted and compiled for sm_90 with
 constexprs it was launched with, instead of run (outputs stay uninitialised: values mean nothing here).
 What launches: a forward and backward of every model variant at the gpt2-small width on a few tokens (the
 shipped launch shapes, fp32 and bf16 DDL state), of the fused update + TC read-out, and of the
-Deltaformer u-stage with every `rec` / `lowp` and speed switch (set in kernels.deltaformer.TUNING,
-restored after each). Prints each distinct compile
+Deltaformer u-stage for every kernel, head dim 64 and 128, each dtype and both `lowp`. Prints each distinct
+compile
 (ok with its shared memory, or the error); exit 1 if any failed. ptxas comes with the triton wheel (a 3.6
 wheel unzipped anywhere works). A few minutes on 2 cores the first time (Triton caches compiles)."""
 
@@ -71,11 +71,11 @@ def intercepted(self, grid):
 
 
 def run_model_variants():
-    from kernels import ddl
+    from kernels.common import set_auto_backend
     from model import GPT, GPTConfig
 
-    ddl.set_auto_backend("triton")
-    # kernels/ddl.py accepts CPU tensors for backend="triton" only under the interpreter; its kernels were
+    set_auto_backend("triton")
+    # kernels/common.py accepts CPU tensors for backend="triton" only under the interpreter; its kernels were
     # decorated (compiled, not interpreted) at import, so this only passes that check
     os.environ["TRITON_INTERPRET"] = "1"
     variants = [
@@ -104,7 +104,7 @@ def run_model_variants():
 
 
 def run_fused_tc():
-    """The fused update + TC read-out (kernels/ddl.py; tested, not used by model.py), both state dtypes."""
+    """The fused update + TC read-out (kernels/ddl/; tested, not used by model.py), both state dtypes."""
     from kernels import ddl
 
     for dtype in (torch.float32, torch.bfloat16):
@@ -117,30 +117,16 @@ def run_fused_tc():
 
 
 def run_deltaformer_variants():
-    import kernels.deltaformer as df
+    from kernels.deltaformer import KERNELS, deltaformer_u_triton
 
     for D, dtype in ((64, torch.bfloat16), (128, torch.bfloat16), (64, torch.float32), (64, torch.float16),
                      (128, torch.float32)):  # fmt: skip
         k, v, w = (torch.randn(1, 2, 70, D, dtype=dtype, requires_grad=True) for _ in range(3))
         beta = torch.rand(1, 2, 70, dtype=dtype, requires_grad=True)
-        for kernel in df.KERNELS:
-            configs = [(rec, lowp, {}) for rec in df.RECS for lowp in (True, False)]
-            if (D, dtype) == (64, torch.bfloat16):  # the speed switches (TUNING), with the defaults
-                configs += [("split", True, {"late_loads": 1}), ("split", True, {"poll": 1})]
-                configs += [("split", True, {"xprec": "bf16x3"})]
-            # every dtype (fp32 takes 3-D ieee products in the blocked inverse)
-            configs += [("split", True, {"lse_kernel": 64}), ("split", True, {"lse_kernel": 128})]
-            dkw = 1 - (D <= 64)  # the other setting than the default
-            configs += [(rec, lowp, {"dk_in_wavefront": dkw}) for rec in df.RECS for lowp in (True, False)]
-            for rec, lowp, switches in configs:
-                saved = dict(df.TUNING)
-                df.TUNING.update(switches)
-                try:
-                    u = df.deltaformer_u_triton(k, v, w, beta, kernel=kernel, lowp=lowp, rec=rec)
-                    u.float().sum().backward()
-                finally:
-                    df.TUNING.clear()
-                    df.TUNING.update(saved)
+        for kernel in KERNELS:
+            for lowp in (True, False):  # fp32 ignores it
+                u = deltaformer_u_triton(k, v, w, beta, kernel=kernel, lowp=lowp)
+                u.float().sum().backward()
 
 
 def main():

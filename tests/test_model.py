@@ -155,7 +155,7 @@ def test_triton_backend_matches_torch_backend(overrides):
 
 
 def naive_compress(residual, comp, X):
-    """x_in = compress(X), written out independently of kernels/ddl.py and of Compressor.cc_weight."""
+    """x_in = compress(X), written out independently of kernels/ddl/ and of Compressor.cc_weight."""
     if residual == "ddl":
         return X[..., 0]
     if residual == "ddl-cc":  # conv along d_v (kernel d_v, left pad (d_v-1)//2, zeros outside), then read
