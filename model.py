@@ -31,7 +31,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.ddl import compress_cc, compress_tc, ddl_update, ddl_update_compress_cc, expand_ec
+from kernels.ddl import (
+    compress_cc,
+    compress_tc,
+    ddl_update,
+    ddl_update_compress_cc,
+    ddl_update_compress_tc,
+    expand_ec,
+)
 from kernels.deltaformer import deltaformer_attention, deltaformer_step, deltaformer_u_torch
 
 RESIDUALS = ("additive", "ddl", "ddl-tc", "ddl-cc")
@@ -363,25 +370,33 @@ class Residual(nn.Module):
             self.v_proj = nn.Linear(cfg.n_embd, cfg.ddl_dv, bias=cfg.ddl_v == "sigmoid")  # W_v (, b_v)
             self.beta = nn.Linear(cfg.n_embd, 1, bias=True)  # W_beta, b_beta
 
-    def forward(self, X, sublayer, read=None, x_in=None, next_read=None, cache=None, slot=None):
-        """Returns (new stream, the next sublayer's input if this write computed it already, else None).
+    def forward(
+        self, X, sublayer, read=None, x_in=None, next_read=None, cache=None, slot=None, rebuild_from=None
+    ):
+        """Returns (new stream, the next sublayer's input if this write computed it already, else None,
+        this update's (X, k, v, beta) for DDL, else None).
 
         read: the block's Compressor (DDL); x_in: this sublayer's input when the previous write produced
-        it; next_read: the Compressor that reads the stream after this sublayer (a CC read is fused into
-        the update); slot: which of the Compressor's reads this is (its decoding history).
+        it; next_read: the Compressor that reads the stream after this sublayer (its CC or TC read is fused
+        into the update); slot: which of the Compressor's reads this is (its decoding history);
+        rebuild_from: the update that made X, which the kernels rebuild X from in the backward instead of
+        keeping it (one state per block in memory, not two).
         """
         if not self.cfg.is_ddl:
-            return X + self.drop(sublayer(self.norm(X))), None
+            return X + self.drop(sublayer(self.norm(X))), None, None
         if x_in is None:
             x_in = read(X, cache, slot)
         x_in = x_in.to(self.norm.weight.dtype)  # a bf16 state's read joins the parameter dtype
         c = self.norm(x_in)
         h = self.drop(sublayer(c))
         v, beta = self.value_and_gate(x_in, c)
-        kw = dict(eps=DDL_EPS, erase=self.cfg.ddl_erase, backend=self.cfg.backend)
-        if next_read is not None and next_read.kind == "ddl-cc":
-            return ddl_update_compress_cc(X, h, v, beta, next_read.cc_weight(), **kw)
-        return ddl_update(X, h, v, beta, **kw), None
+        kw = dict(eps=DDL_EPS, erase=self.cfg.ddl_erase, backend=self.cfg.backend, rebuild_from=rebuild_from)
+        update, kind = (X, h, v, beta), next_read.kind if next_read is not None else None
+        if kind == "ddl-cc":
+            return *ddl_update_compress_cc(X, h, v, beta, next_read.cc_weight(), **kw), update
+        if kind == "ddl-tc" and cache is None:  # decoding reads through the Compressor's history instead
+            return *ddl_update_compress_tc(X, h, v, beta, next_read.conv, next_read.read, **kw), update
+        return ddl_update(X, h, v, beta, **kw), None, update
 
     def value_and_gate(self, x_in, c):
         """(v [B, T, d_v], beta [B, T]) in fp32: v = 4 sigmoid(W_v x_in + b_v) of the compressed input
@@ -406,8 +421,11 @@ class Block(nn.Module):
         """(stream, precomputed input or None) -> the same after attention and MLP (see Residual)."""
         read = getattr(self, "compress", None)
         attn = lambda c: self.attn(c, pos, cache)
-        X, x_in = self.res_attn(X, attn, read, x_in, next_read=read, cache=cache, slot="attn")
-        return self.res_mlp(X, self.mlp, read, x_in, next_read=next_read, cache=cache, slot="mlp")
+        X, x_in, update = self.res_attn(X, attn, read, x_in, next_read=read, cache=cache, slot="attn")
+        X, x_in, _ = self.res_mlp(
+            X, self.mlp, read, x_in, next_read=next_read, cache=cache, slot="mlp", rebuild_from=update
+        )
+        return X, x_in
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -354,6 +354,68 @@ def test_triton_update_compress_cc_matches_reference(triton_small, dv, erase):
     )
 
 
+def second_update(kind, x1, k, v, beta, extra, erase, rebuild_from=None, backend="triton"):
+    """A block's second update of kind "plain" | "cc" | "tc" (the read-out of the next block fused)."""
+    kw = dict(erase=erase, backend=backend, rebuild_from=rebuild_from)
+    if kind == "plain":
+        return ddl_update(x1, k, v, beta, **kw)
+    if kind == "cc":
+        return ddl.ddl_update_compress_cc(x1, k, v, beta, *extra, **kw)
+    return ddl.ddl_update_compress_tc(x1, k, v, beta, *extra, **kw)
+
+
+@pytest.mark.parametrize("kind,dv", [("plain", 1), ("plain", 4), ("cc", 4), ("tc", 3), ("tc", 1)])
+@pytest.mark.parametrize("erase", [True, False])
+def test_triton_update_rebuilt_matches_reference(triton_small, kind, dv, erase):
+    """Two updates in a row, the second rebuilding its input state in the backward: values and gradients
+    of every input (the first update's too) against the reference chain."""
+    x0, k0, v0, b0 = rand_update_args(lead=(2, 5), d=20, dv=dv)
+    k, v, b = rand_update_args(lead=(2, 5), d=20, dv=dv)[1:]
+    extra = read_out_weights(kind, dv)
+    inputs = tuple(t.requires_grad_() for t in (x0, k0, v0, b0, k, v, b, *extra))
+
+    def chain(backend, rebuild):
+        def f(x0, k0, v0, b0, k, v, b, *extra):
+            x1 = ddl_update(x0, k0, v0, b0, erase=erase, backend=backend)
+            upd = (x0, k0, v0, b0) if rebuild else None
+            return second_update(kind, x1, k, v, b, extra, erase, upd, backend)
+
+        return f
+
+    compare(chain("triton", True), chain("torch", False), inputs)
+
+
+def read_out_weights(kind, dv, d=20, K=3):
+    """The fused read-out's weights of a second update: none, CC's [d, d_v], TC's conv and read."""
+    if kind == "plain":
+        return []
+    if kind == "cc":
+        return [torch.randn(d, dv, dtype=F64)]
+    return [torch.randn(d, dv, K, dtype=F64), torch.randn(dv, dtype=F64)]
+
+
+def kept_by_autograd(fn, *args):
+    """fn(*args) and the data pointers of the tensors autograd saved for its backward."""
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.data_ptr()) or t, lambda t: t):
+        out = fn(*args)
+    return out, kept
+
+
+@pytest.mark.parametrize("kind", ["plain", "cc", "tc"])
+def test_triton_update_rebuilt_keeps_no_input_state(kind):
+    """The point of rebuild_from: autograd keeps x0 (the first update keeps it anyway), never x1."""
+    x0, k0, v0, b0 = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=4))
+    k, v, b = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=4)[1:])
+    extra = read_out_weights(kind, 4)
+    for rebuild in (False, True):
+        x1 = ddl_update(x0, k0, v0, b0, backend="triton")
+        upd = (x0, k0, v0, b0) if rebuild else None
+        _, kept = kept_by_autograd(second_update, kind, x1, k, v, b, extra, True, upd)
+        assert (x1.data_ptr() in kept) != rebuild
+        assert (x0.data_ptr() in kept) == rebuild
+
+
 @pytest.mark.parametrize("dv,K,erase", [(1, 3, True), (3, 1, False), (4, 6, True), (3, 3, False)])
 def test_triton_update_compress_tc_matches_reference(triton_small, dv, K, erase):
     x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=dv))

@@ -668,13 +668,15 @@ def test_interpreter_bf16_cast_truncates():
     assert torch.all(y.float().abs() <= x.abs()) and (y != x.to(torch.bfloat16)).float().mean() > 0.3
 
 
-def test_inductor_compile_of_the_triton_deltaformer_model():
+@pytest.mark.parametrize("residual", ["ddl-cc", "ddl-tc"])
+def test_inductor_compile_of_the_triton_deltaformer_model(residual):
     # Inductor (not only aot_eager) checks the custom ops' outputs against their fake strides; the model
-    # feeds the Deltaformer op permuted views, which once made the GPU training benchmark fall back to eager
+    # feeds the Deltaformer op permuted views, which once made the GPU training benchmark fall back to eager.
+    # Two layers: the second update of each block rebuilds its input state (and TC fuses its read-out).
     torch.manual_seed(0)
     cfg = GPTConfig(
-        n_layer=1, n_head=2, n_embd=32, head_dim=16, block_size=32, vocab_size=64,
-        attention="deltaformer", residual="ddl-cc", backend="triton",
+        n_layer=2, n_head=2, n_embd=32, head_dim=16, block_size=32, vocab_size=64,
+        attention="deltaformer", residual=residual, backend="triton",
     )  # fmt: skip
     model = GPT(cfg)
     x, y = torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32))

@@ -78,27 +78,49 @@ __all__ = [
 ]
 
 
-def ddl_update(x, k, v, beta, eps=1e-5, erase=True, backend="auto"):
+# rebuild_from (every update below): (x0, k0, v0, beta0) of the update that made x from x0, with the same eps
+# and erase. The Triton path then keeps x0 for the backward instead of x and rebuilds x there (one more
+# update kernel), so a block's two updates keep one state alive, not two; the reference ignores it.
+
+
+def _check_rebuild_from(fn, x, rebuild_from):
+    if rebuild_from is None:
+        return
+    if not (isinstance(rebuild_from, (tuple, list)) and len(rebuild_from) == 4):
+        raise ValueError(f"{fn}: rebuild_from must be (x0, k0, v0, beta0), got {type(rebuild_from).__name__}")
+    _check_update_args(*rebuild_from)
+    if rebuild_from[0].shape != x.shape or rebuild_from[0].dtype != x.dtype:
+        raise ValueError(
+            f"{fn}: rebuild_from's x0 must be like x ({x.dtype} {tuple(x.shape)}), got "
+            f"{rebuild_from[0].dtype} {tuple(rebuild_from[0].shape)}"
+        )
+
+
+def ddl_update(x, k, v, beta, eps=1e-5, erase=True, backend="auto", rebuild_from=None):
     """x + beta*khat*(v^T - khat^T x), or x + beta*khat*v^T (erase=False); x [..., d, d_v], k [..., d]."""
     _check_update_args(x, k, v, beta)
+    _check_rebuild_from("ddl_update", x, rebuild_from)
     if resolve_backend("ddl_update", backend, x, k, v, beta) == "torch":
         return ddl_update_ref(x, k, v, beta, eps=eps, erase=erase)
-    return _triton.update(x, k, v, beta, eps, erase)
+    return _triton.update(x, k, v, beta, eps, erase, rebuild_from)
 
 
-def ddl_update_compress_cc(x, k, v, beta, weight, eps=1e-5, erase=True, backend="auto"):
+def ddl_update_compress_cc(x, k, v, beta, weight, eps=1e-5, erase=True, backend="auto", rebuild_from=None):
     """(x_new, compress_cc(x_new, weight)) in one pass over the state: the update of one sublayer fused
     with the CC read-out of the next; x [B, T, d, d_v], weight [d, d_v]. Saves a read of x_new forward
     and a read+write of its gradient backward."""
     _check_update_args(x, k, v, beta)
     _check_state("ddl_update_compress_cc", x)
     _check_cc_weight("ddl_update_compress_cc", x, weight)
+    _check_rebuild_from("ddl_update_compress_cc", x, rebuild_from)
     if resolve_backend("ddl_update_compress_cc", backend, x, k, v, beta, weight) == "torch":
         return ddl_update_compress_cc_ref(x, k, v, beta, weight, eps=eps, erase=erase)
-    return _triton.update_compress_cc(x, k, v, beta, weight, eps, erase)
+    return _triton.update_compress_cc(x, k, v, beta, weight, eps, erase, rebuild_from)
 
 
-def ddl_update_compress_tc(x, k, v, beta, conv_weight, read, eps=1e-5, erase=True, backend="auto"):
+def ddl_update_compress_tc(
+    x, k, v, beta, conv_weight, read, eps=1e-5, erase=True, backend="auto", rebuild_from=None
+):
     """(x_new, compress_tc(x_new, conv_weight, read)) in one pass over the state: the update of one
     sublayer fused with the TC read-out of the next (the K-1 earlier tokens' new states are recomputed
     in registers, not re-read). x [B, T, d, d_v], conv_weight [d, d_v, K], read [d_v]."""
@@ -106,9 +128,10 @@ def ddl_update_compress_tc(x, k, v, beta, conv_weight, read, eps=1e-5, erase=Tru
     _check_state("ddl_update_compress_tc", x)
     _check_conv("ddl_update_compress_tc", "conv_weight", conv_weight, *x.shape[-2:])
     _check_read("ddl_update_compress_tc", x, read)
+    _check_rebuild_from("ddl_update_compress_tc", x, rebuild_from)
     if resolve_backend("ddl_update_compress_tc", backend, x, k, v, beta, conv_weight, read) == "torch":
         return ddl_update_compress_tc_ref(x, k, v, beta, conv_weight, read, eps=eps, erase=erase)
-    return _triton.update_compress_tc(x, k, v, beta, conv_weight, read, eps, erase)
+    return _triton.update_compress_tc(x, k, v, beta, conv_weight, read, eps, erase, rebuild_from)
 
 
 def compress_cc(x, weight, backend="auto"):

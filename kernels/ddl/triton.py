@@ -592,15 +592,20 @@ def _update_setup(ctx, inputs, output):
     ctx.eps, ctx.erase = eps, erase
 
 
-def _update_backward(ctx, gx, gh):
-    x, k, v, beta, weight = ctx.saved_tensors
+def _update_grads_of(x, k, v, beta, weight, gx, gh, eps, erase):
+    """(dx, dk, dv, dbeta, dweight or None) of ddl::update at x, for the output gradients gx, gh."""
     gx = torch.zeros_like(x) if gx is None else gx.contiguous()
     if weight is not None:
         gh = torch.zeros(x.shape[:2], dtype=x.dtype, device=x.device) if gh is None else gh.contiguous()
     dx, dk, dv, dbeta, dw = _update_bwd_op(
-        x, k, v, beta, weight, gx, gh if weight is not None else None, ctx.eps, ctx.erase
+        x, k, v, beta, weight, gx, gh if weight is not None else None, eps, erase
     )
-    return dx, dk, dv, dbeta, (dw if weight is not None else None), None, None
+    return dx, dk, dv, dbeta, (dw if weight is not None else None)
+
+
+def _update_backward(ctx, gx, gh):
+    x, k, v, beta, weight = ctx.saved_tensors
+    return *_update_grads_of(x, k, v, beta, weight, gx, gh, ctx.eps, ctx.erase), None, None
 
 
 torch.library.register_autograd("ddl::update", _update_backward, setup_context=_update_setup)
@@ -787,15 +792,67 @@ def _update_tc_setup(ctx, inputs, output):
     ctx.T, ctx.eps, ctx.erase = T, eps, erase
 
 
-def _update_tc_backward(ctx, gx, gh, _grs, _gr):
-    x, k, v, beta, wt, rs, r = ctx.saved_tensors
+def _update_tc_grads_of(x, k, v, beta, wt, rs, r, gx, gh, T, eps, erase):
+    """(dx, dk, dv, dbeta, dwt) of ddl::update_tc at x, for the output gradients gx, gh."""
     gx = torch.zeros_like(x) if gx is None else gx.contiguous()
     gh = torch.zeros(x.shape[:2], dtype=x.dtype, device=x.device) if gh is None else gh.contiguous()
-    dx, dk, dv, dbeta, dwt = _update_tc_bwd_op(x, k, v, beta, wt, rs, r, gx, gh, ctx.T, ctx.eps, ctx.erase)
-    return dx, dk, dv, dbeta, dwt, None, None, None
+    return _update_tc_bwd_op(x, k, v, beta, wt, rs, r, gx, gh, T, eps, erase)
+
+
+def _update_tc_backward(ctx, gx, gh, _grs, _gr):
+    x, k, v, beta, wt, rs, r = ctx.saved_tensors
+    return *_update_tc_grads_of(x, k, v, beta, wt, rs, r, gx, gh, ctx.T, ctx.eps, ctx.erase), None, None, None
 
 
 torch.library.register_autograd("ddl::update_tc", _update_tc_backward, setup_context=_update_tc_setup)
+
+
+# The second update of a block, on a state x that the block's first update made from x0: the same forward
+# as ddl::update (wt None) or ddl::update_tc, but autograd keeps x0 and the first update's (k0, v0, beta0),
+# which the first update keeps anyway, instead of x: the backward rebuilds x with one more update kernel
+# (a read of x0 and a write of x). One state per block stays alive for the backward instead of two.
+@torch.library.custom_op("ddl::update_rebuilt", mutates_args=())
+def _update_rebuilt_op(
+    x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor | None,
+    wt: torch.Tensor | None, T: int, x0: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
+    beta0: torch.Tensor, eps: float, erase: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    if wt is not None:
+        return _update_tc_op(x, k, v, beta, wt, T, eps, erase)
+    x_new, h = _update_op(x, k, v, beta, weight, eps, erase)
+    return x_new, h, x.new_empty(0), x.new_empty(0)
+
+
+@_update_rebuilt_op.register_fake
+def _(x, k, v, beta, weight, wt, T, x0, k0, v0, beta0, eps, erase):
+    if wt is not None:
+        return _update_tc_op(x, k, v, beta, wt, T, eps, erase)
+    return (*_update_op(x, k, v, beta, weight, eps, erase), x.new_empty(0), x.new_empty(0))
+
+
+def _update_rebuilt_setup(ctx, inputs, output):
+    x, k, v, beta, weight, wt, T, x0, k0, v0, beta0, eps, erase = inputs
+    ctx.save_for_backward(k, v, beta, weight, wt, output[2], output[3], x0, k0, v0, beta0)
+    ctx.T, ctx.eps, ctx.erase = T, eps, erase
+
+
+def _update_rebuilt_backward(ctx, gx, gh, _grs, _gr):
+    k, v, beta, weight, wt, rs, r, x0, k0, v0, beta0 = ctx.saved_tensors
+    x, _ = _update_op(x0, k0, v0, beta0, None, ctx.eps, ctx.erase)
+    if wt is not None:
+        dx, dk, dv, dbeta, dwt = _update_tc_grads_of(
+            x, k, v, beta, wt, rs, r, gx, gh, ctx.T, ctx.eps, ctx.erase
+        )
+        dw = None
+    else:
+        dx, dk, dv, dbeta, dw = _update_grads_of(x, k, v, beta, weight, gx, gh, ctx.eps, ctx.erase)
+        dwt = None
+    return dx, dk, dv, dbeta, dw, dwt, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "ddl::update_rebuilt", _update_rebuilt_backward, setup_context=_update_rebuilt_setup
+)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -821,22 +878,35 @@ def _tap_weights(conv_weight, read=None):
     return conv_weight.permute(2, 0, 1).contiguous()
 
 
-def update(x, k, v, beta, eps, erase):
-    x_new, _ = _update_op(*_flat(x, k, v, beta), None, float(eps), bool(erase))
-    return x_new.view(x.shape)
+def _update_any(x, k, v, beta, weight, wt, T, eps, erase, rebuild_from):
+    """(x_new, h) of the update (+ CC read-out with weight, + TC read-out with taps wt), through the op that
+    keeps x for the backward, or, given rebuild_from = (x0, k0, v0, beta0) with x = update(x0, ...), the
+    op that rebuilds x there."""
+    flat, eps, erase = _flat(x, k, v, beta), float(eps), bool(erase)
+    if rebuild_from is not None:
+        out = _update_rebuilt_op(*flat, weight, wt, T, *_flat(*rebuild_from), eps, erase)
+    elif wt is not None:
+        out = _update_tc_op(*flat, wt, T, eps, erase)
+    else:
+        out = _update_op(*flat, weight, eps, erase)
+    return out[0].view(x.shape), out[1]
 
 
-def update_compress_cc(x, k, v, beta, weight, eps, erase):
+def update(x, k, v, beta, eps, erase, rebuild_from=None):
+    return _update_any(x, k, v, beta, None, None, 0, eps, erase, rebuild_from)[0]
+
+
+def update_compress_cc(x, k, v, beta, weight, eps, erase, rebuild_from=None):
     B, T, d, _ = x.shape
-    x_new, h = _update_op(*_flat(x, k, v, beta), weight.contiguous(), float(eps), bool(erase))
-    return x_new.view(x.shape), h.view(B, T, d)
+    x_new, h = _update_any(x, k, v, beta, weight.contiguous(), None, T, eps, erase, rebuild_from)
+    return x_new, h.view(B, T, d)
 
 
-def update_compress_tc(x, k, v, beta, conv_weight, read, eps, erase):
+def update_compress_tc(x, k, v, beta, conv_weight, read, eps, erase, rebuild_from=None):
     B, T, d, _ = x.shape
     wt = _tap_weights(conv_weight, read)
-    x_new, h, _, _ = _update_tc_op(*_flat(x, k, v, beta), wt, T, float(eps), bool(erase))
-    return x_new.view(x.shape), h.view(B, T, d)
+    x_new, h = _update_any(x, k, v, beta, None, wt, T, eps, erase, rebuild_from)
+    return x_new, h.view(B, T, d)
 
 
 def compress_cc(x, weight):
