@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.common import BACKENDS
 from kernels.ddl import (
     compress_cc,
     compress_tc,
@@ -39,13 +40,12 @@ from kernels.ddl import (
     ddl_update_compress_tc,
     expand_ec,
 )
-from kernels.deltaformer import deltaformer_attention, deltaformer_step, deltaformer_u_torch
+from kernels.deltaformer import deltaformer_attention, deltaformer_decode
 
 RESIDUALS = ("additive", "ddl", "ddl-tc", "ddl-cc")
 ATTENTIONS = ("softmax", "deltaformer")
 DELTAFORMER_WS = ("q", "k", "proj")
 DELTAFORMER_KERNELS = ("softmax", "relu", "linear")
-BACKENDS = ("auto", "torch", "triton")
 INITS = ("scaled", "nanogpt")
 DDL_EPS = 1e-5  # khat = h / sqrt(|h|^2 + eps^2)
 DDL_V_SCALE = 4.0  # v = 4 sigmoid(.) in (0, 4)
@@ -292,25 +292,11 @@ class Attention(nn.Module):
             w = self.w_norm(apply_rope(heads[3], *rope))
         beta = cfg.deltaformer_beta_max * torch.sigmoid(fp32_linear(c, self.beta.weight, self.beta.bias))
         beta = beta.transpose(1, 2)  # [B, H, T], fp32
+        kernel = cfg.deltaformer_kernel
         if cache is None:
-            return deltaformer_attention(q, k, v, w, beta, kernel=cfg.deltaformer_kernel, backend=cfg.backend)
-        if self not in cache.store:  # prefill: stage 1 for the whole prompt at once, then plain attention
-            u = deltaformer_u_torch(k, v, w, beta, kernel=cfg.deltaformer_kernel)
-            cache.store[self] = (k, u)
-            return F.scaled_dot_product_attention(q, k, u, is_causal=True)
-        # Decoding: token by token with the cached keys and u's (a chunk of T tokens loops T times).
-        k_cache, u_cache = cache.store[self]
-        outs = []
-        for t in range(q.shape[2]):
-            s = slice(t, t + 1)
-            o_t, u_t = deltaformer_step(
-                q[:, :, s], k[:, :, s], v[:, :, s], w[:, :, s], beta[:, :, s], k_cache, u_cache,
-                kernel=cfg.deltaformer_kernel,
-            )  # fmt: skip
-            k_cache, u_cache = torch.cat([k_cache, k[:, :, s]], dim=2), torch.cat([u_cache, u_t], dim=2)
-            outs.append(o_t)
-        cache.store[self] = (k_cache, u_cache)
-        return torch.cat(outs, dim=2)
+            return deltaformer_attention(q, k, v, w, beta, kernel=kernel, backend=cfg.backend)
+        y, cache.store[self] = deltaformer_decode(q, k, v, w, beta, cache.store.get(self), kernel)
+        return y
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ does ~14 (S re-formed per pass, the split's three products) and SDPA 7, so (14 +
 SDPA's efficiency; the wavefronts run at the SMs' throughput, so scheduling does not shorten that.
 """
 
+import torch
 import torch.nn.functional as F
 
 from ..common import BACKENDS, default_scale, resolve_backend
@@ -66,6 +67,7 @@ __all__ = [
     "KERNELS",
     "NORM_EPS",
     "deltaformer_attention",
+    "deltaformer_decode",
     "deltaformer_reference",
     "deltaformer_step",
     "deltaformer_u_torch",
@@ -83,3 +85,23 @@ def deltaformer_attention(q, k, v, w, beta, kernel="softmax", scale=None, backen
     stage1 = deltaformer_u_triton if backend == "triton" else deltaformer_u_torch
     u = stage1(k, v, w, beta, kernel=kernel, scale=s)
     return F.scaled_dot_product_attention(q, k, u, is_causal=True, scale=s)
+
+
+def deltaformer_decode(q, k, v, w, beta, past=None, kernel="softmax"):
+    """Deltaformer attention of T new tokens after the cached `past` = (keys, u's) of the earlier ones
+    (None: no earlier tokens): returns (o [B, H, T, D], the past including the new tokens). Without a
+    past (a prompt) stage 1 runs at once, then causal attention; after one, tokens go one at a time
+    through deltaformer_step."""
+    if past is None:
+        u = deltaformer_u_torch(k, v, w, beta, kernel=kernel)
+        return F.scaled_dot_product_attention(q, k, u, is_causal=True), (k, u)
+    k_cache, u_cache = past
+    outs = []
+    for t in range(q.shape[2]):
+        s = slice(t, t + 1)
+        o_t, u_t = deltaformer_step(
+            q[:, :, s], k[:, :, s], v[:, :, s], w[:, :, s], beta[:, :, s], k_cache, u_cache, kernel=kernel
+        )
+        k_cache, u_cache = torch.cat([k_cache, k[:, :, s]], dim=2), torch.cat([u_cache, u_t], dim=2)
+        outs.append(o_t)
+    return torch.cat(outs, dim=2), (k_cache, u_cache)
