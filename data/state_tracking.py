@@ -25,6 +25,11 @@ row_count, global_rows)` has the data-contract interface of data/loader.py: glob
 pure function of (task, task args, split, length, seed, step), ranks take disjoint row ranges of it.
 Train and val draw from disjoint seed streams; val steps 0..k-1 are a fixed held-out set.
 
+Training helpers (train.py): `loaders` checks that the model can take the task, `Curriculum`
+doubles the loaders' length as validation accuracy reaches a threshold, `accuracy_counts` and
+`accuracy` give per-position accuracy summed over batches and ranks, `at_lengths` evaluates at
+several lengths.
+
 CLI: python data/state_tracking.py swap --n 5 --length 32 --num 4 [--out x.npy]
      python data/state_tracking.py dag --n_nodes 32 --length 93 --num 2
 """
@@ -157,11 +162,74 @@ class StateTrackingLoader:
         return torch.from_numpy(x[sl].copy()), torch.from_numpy(y[sl].copy())
 
 
+def loaders(task, length, seed, lengths, model_args, **task_args):
+    """(train, val) loaders of `task` starting at `length`; ValueError when a model of model_args'
+    vocab_size and block_size cannot take the task's tokens or sequences of every length in `lengths`."""
+    train, val = (StateTrackingLoader(task, split, length, seed, **task_args) for split in SPLITS)
+    vocab_size, block_size, need = model_args["vocab_size"], model_args["block_size"], max((length, *lengths))
+    if vocab_size < train.vocab_size or block_size < need:
+        raise ValueError(
+            f"task {task!r} needs vocab_size >= {train.vocab_size} and block_size >= {need} for its "
+            f"lengths; got vocab_size {vocab_size}, block_size {block_size}"
+        )
+    return train, val
+
+
 def per_position_accuracy(logits, y):
     """(correct, counted) per position: int64 [T] each, over rows, ignoring targets of -1."""
     mask = y >= 0
     correct = (logits.argmax(-1) == y) & mask
     return correct.sum(0), mask.sum(0)
+
+
+def accuracy_counts(logits, y):
+    """float64 [4] to sum over batches and ranks: correct and labelled positions (targets of -1 are not
+    labelled), then the same at the last position only. accuracy() turns the sums into metrics."""
+    correct, counted = per_position_accuracy(logits, y)
+    return torch.stack([correct.sum(), counted.sum(), correct[-1], counted[-1]]).double()
+
+
+def accuracy(counts):
+    """{"val_acc": over all labelled positions, "val_acc_last": at the last position} from summed counts."""
+    return {
+        "val_acc": (counts[0] / counts[1]).item(),
+        "val_acc_last": (counts[2] / counts[3].clamp(min=1)).item(),
+    }
+
+
+class Curriculum:
+    """The training length of a run, kept on the loaders it drives (train and val): update(acc) doubles it
+    when acc >= threshold, up to max_length; with enabled=False it stays where it is."""
+
+    def __init__(self, loaders, max_length, threshold, enabled=True):
+        self.loaders, self.max_length, self.threshold, self.enabled = loaders, max_length, threshold, enabled
+
+    @property
+    def length(self):
+        return self.loaders[0].length
+
+    @length.setter
+    def length(self, value):
+        for loader in self.loaders:
+            loader.length = value
+
+    def update(self, acc):
+        """Double the length (at most max_length) if acc >= threshold; True when it changed."""
+        if not (self.enabled and acc >= self.threshold and self.length < self.max_length):
+            return False
+        self.length = min(2 * self.length, self.max_length)
+        return True
+
+
+def at_lengths(evaluate, loader, lengths):
+    """evaluate()'s metrics with `loader` drawing at each of `lengths`, keys suffixed "@length"; the
+    loader's length is restored afterwards."""
+    metrics, restore = {}, loader.length
+    for length in lengths:
+        loader.length = length
+        metrics.update({f"{k}@{length}": v for k, v in evaluate().items()})
+    loader.length = restore
+    return metrics
 
 
 def main(argv=None):

@@ -10,9 +10,14 @@ import pytest
 import torch
 
 from data.state_tracking import (
+    Curriculum,
     StateTrackingLoader,
+    accuracy,
+    accuracy_counts,
+    at_lengths,
     dag_min_length,
     dag_task,
+    loaders,
     per_position_accuracy,
     swap_pairs,
     swap_task,
@@ -174,6 +179,68 @@ def test_per_position_accuracy():
     logits[1, 0, 2] = logits[1, 1, 1] = logits[1, 2, 1] = 1.0  # right, ignored, right
     correct, counted = per_position_accuracy(logits, y)
     assert correct.tolist() == [2, 0, 1] and counted.tolist() == [2, 1, 1]
+
+
+def test_curriculum_doubles_at_the_threshold_up_to_the_max_length():
+    train, val = StateTrackingLoader("swap", "train", 32), StateTrackingLoader("swap", "val", 32)
+    c = Curriculum((train, val), max_length=96, threshold=0.9)
+    lengths = []
+    for acc in (0.5, 0.89, 0.9, 0.3, 1.0, 1.0, 1.0):
+        c.update(acc)
+        lengths.append((train.length, val.length))
+    assert lengths == [(32, 32), (32, 32), (64, 64), (64, 64), (96, 96), (96, 96), (96, 96)]
+    assert not c.update(1.0) and c.length == 96
+    off = Curriculum((train, val), max_length=1024, threshold=0.0, enabled=False)
+    assert not off.update(1.0) and train.length == val.length == 96
+    off.length = 48  # as a resumed run sets it from the checkpoint
+    assert (train.length, val.length) == (48, 48)
+
+
+def test_accuracy_counts_ignore_unlabelled_targets():
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(3):
+        y = torch.from_numpy(rng.integers(-1, 3, size=(4, 6)))
+        y[0, -1], y[1, -1] = -1, 2  # the last position labelled in some rows only
+        batches.append((torch.from_numpy(rng.normal(size=(4, 6, 3))), y))
+    correct = counted = correct_last = counted_last = 0
+    for logits, y in batches:  # naive loops over every row and position
+        for b in range(y.shape[0]):
+            for t in range(y.shape[1]):
+                if y[b, t] == -1:
+                    continue
+                hit = int(max(range(3), key=lambda c: logits[b, t, c]) == y[b, t])
+                correct, counted = correct + hit, counted + 1
+                if t == y.shape[1] - 1:
+                    correct_last, counted_last = correct_last + hit, counted_last + 1
+    totals = sum(accuracy_counts(logits, y) for logits, y in batches)
+    assert totals.dtype == torch.float64
+    assert totals.tolist() == [correct, counted, correct_last, counted_last]
+    assert accuracy(totals) == pytest.approx(
+        {"val_acc": correct / counted, "val_acc_last": correct_last / counted_last}
+    )
+    assert accuracy(torch.tensor([1.0, 2.0, 0.0, 0.0], dtype=torch.float64))["val_acc_last"] == 0.0
+
+
+def test_at_lengths_suffixes_the_keys_and_restores_the_length():
+    val = StateTrackingLoader("swap", "val", 32)
+    seen = []
+
+    def evaluate():
+        seen.append(val.length)
+        return {"val_acc": val.length / 1000}
+
+    assert at_lengths(evaluate, val, (64, 128)) == {"val_acc@64": 0.064, "val_acc@128": 0.128}
+    assert seen == [64, 128] and val.length == 32
+
+
+def test_loaders_check_the_model_size():
+    train, val = loaders("swap", 32, 0, (256, 512), {"vocab_size": 16, "block_size": 512}, n=5)
+    assert (train.split, val.split, train.length, val.length) == ("train", "val", 32, 32)
+    with pytest.raises(ValueError, match="needs vocab_size >= 10 and block_size >= 512"):
+        loaders("swap", 32, 0, (256, 512), {"vocab_size": 16, "block_size": 256}, n=5)
+    with pytest.raises(ValueError, match="needs vocab_size >= 10"):
+        loaders("swap", 32, 0, (), {"vocab_size": 8, "block_size": 64}, n=5)
 
 
 def test_cli(tmp_path):
