@@ -91,6 +91,15 @@ def model_config(model_args, path="checkpoint"):
         raise CheckpointError(f"{path}: model_args do not fit this model.py: {e}") from None
 
 
+def load_for_resume(path, model_args, run_fields):
+    """(checkpoint, model_args) of a run resumed from `path`: the architecture from the checkpoint, the
+    run_fields (e.g. dropout, the kernel backend) from this run's `model_args`; CheckpointError when the
+    checkpoint is unreadable or its model_args do not fit model.py."""
+    ckpt = load_checkpoint(path, required=("model", "model_args", "optimizer", "iter_num"))
+    resumed = {**ckpt["model_args"], **{k: model_args[k] for k in run_fields if k in model_args}}
+    return ckpt, dataclasses.asdict(model_config(resumed, path))
+
+
 def load_model(path, device="cpu"):
     """(GPT with the checkpoint's weights, in eval mode on `device`; the checkpoint dict)."""
     ckpt = load_checkpoint(path)

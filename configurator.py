@@ -8,11 +8,14 @@ plain string when that fails and the key holds a string (so --residual=ddl-cc ne
 value is checked against the type of the key's default: a bool key takes only True/False, an int key
 only ints, a float key ints or floats (stored as float), a tuple key a list/tuple of the same length;
 a key whose default is None takes any literal. An unknown key fails with the closest known keys.
+command_line adds the usage and --help (every key with its default and comment); check_values checks
+allowed values and lower bounds.
 """
 
 import ast
 import difflib
 import io
+import sys
 import tokenize
 import traceback
 import types
@@ -143,3 +146,24 @@ def key_help(defaults, sources):
     items = [(f"{key} = {value!r}", comments.get(key, "")) for key, value in defaults.items()]
     width = max(len(a) for a, _ in items) + 2
     return "\n".join(f"  {a:<{width}}{'# ' + b if b else ''}".rstrip() for a, b in items)
+
+
+def command_line(defaults, argv, usage, sources):
+    """load_config(defaults, argv); without arguments exit with `usage`, with -h or --help print it and
+    key_help(defaults, sources) and exit 0 (usage, not a 124M-parameter run on a CPU)."""
+    if not argv:
+        sys.exit(usage)
+    if {"-h", "--help"} & set(argv):
+        print(f"{usage}\n\nconfig keys (default, meaning):\n{key_help(defaults, sources)}")
+        sys.exit(0)
+    return load_config(defaults, argv)
+
+
+def check_values(config, choices, at_least):
+    """ConfigError for the first key whose value is not one of choices[key] or is below at_least[key]."""
+    for key, allowed in choices.items():
+        if config[key] not in allowed:
+            raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got {config[key]!r}")
+    for key, low in at_least.items():
+        if config[key] < low:
+            raise ConfigError(f"{key} must be >= {low}, got {config[key]}")

@@ -1,5 +1,4 @@
-"""
-Train a GPT with any residual x attention variant, on one CPU/GPU or with DDP.
+"""Train a GPT with any residual x attention variant, on one CPU/GPU or with DDP.
 
 usage: python train.py [CONFIG.py ...] [--key=value ...]   (config files and overrides apply left to right)
 
@@ -8,26 +7,19 @@ usage: python train.py [CONFIG.py ...] [--key=value ...]   (config files and ove
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_small.py
     python train.py --help                                   # every config key, its default and meaning
 
-Every module-level name in the "config keys" section below, and every GPTConfig field, is a config key:
-set it in a config file (plain Python) or with --key=value (see configurator.py). A fresh run refuses an
-out_dir that holds a previous run (ckpt.pt or log.jsonl): --init_from=resume continues it,
---overwrite=True replaces it (its files go when the new run writes its first log record).
+Config keys: the names in the "config keys" section below and the GPTConfig fields (configurator.py). A
+fresh run refuses an out_dir holding a run: --init_from=resume continues it, --overwrite=True replaces it.
 
-Reproducibility contract:
-  * global batch `iter_num` is a pure function of (data, seed, iter_num) and holds
-    G = batch_size * gradient_accumulation_steps rows; rank r, micro-step m takes rows
-    (m * world_size + r) * batch_size ... of it, so the global batches do not depend on the number of ranks;
-  * the loss of each micro-step is weighted so that the summed gradient is that of the mean loss over all
-    valid (!= -1) targets of the global batch, whatever the number of ranks;
-  * a checkpoint holds everything that decides the future (model, optimizer, iteration = data position,
-    RNG states), so init_from="resume" continues bit-exactly on CPU.
+Reproducibility: global batch `iter_num` (batch_size * gradient_accumulation_steps rows) is a function of
+(data, seed, iter_num); rank r, micro-step m takes rows from (m * world_size + r) * batch_size; losses are
+weighted to the mean over its valid (!= -1) targets, whatever the number of ranks; a checkpoint holds all
+that decides the future (model, optimizer, iteration, RNG states), so a resume on CPU is bit-exact.
 """
 
 import contextlib
 import dataclasses
 import functools
 import inspect
-import json
 import math
 import os
 import random
@@ -40,7 +32,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint as ck
-from configurator import ConfigError, key_help, load_config
+from configurator import ConfigError, check_values, command_line
+from data import state_tracking as st
 from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -87,17 +80,17 @@ seed = 1337  # initial weights, data order and dropout
 device = "cuda" if torch.cuda.is_available() else "cpu"  # "cpu", "cuda", "cuda:1", ...
 dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast dtype: "bfloat16" | "float32"
 compile = torch.cuda.is_available()  # torch.compile the model
-# compile + DDP: let Dynamo split the graph at DDP's gradient buckets so the all-reduce overlaps the
-# backward (DDPOptimizer). Off: one graph, all-reduce after the backward. Measured on 2 H200s
-# (bench/bench_ddp.py, gpt2-small): the split cost ddl-cc 0.98 -> 0.73 of linear scaling, additive nothing
-ddp_split_graph = False  # compile + DDP: split the graph at DDP's buckets (see above)
+ddp_split_graph = False  # compile + DDP: split the graph at DDP's buckets (bench/RESULTS.md: slower)
 dry_run = False  # print the resolved config and the model size, then exit (needs no data)
 # -----------------------------------------------------------------------------
-_train_keys = [k for k in globals() if k not in _names_before_config and not k.startswith("_")]
-_model_fields = [f for f in dataclasses.fields(GPTConfig) if f.name not in _train_keys]
-_defaults = {k: globals()[k] for k in _train_keys}
-_defaults.update({f.name: f.default for f in _model_fields})
+_defaults = {k: v for k, v in globals().items() if k not in _names_before_config and not k.startswith("_")}
+_fields = dataclasses.fields(GPTConfig)
+_defaults |= {f.name: f.default for f in _fields if f.name not in _defaults}
 DATASETS = ("shakespeare", "fineweb_edu", "state_tracking")
+CHOICES = {"init_from": ("scratch", "resume"), "dataset": DATASETS, "dtype": ("float32", "bfloat16")}
+_ones = "batch_size block_size gradient_accumulation_steps eval_interval eval_iters log_interval".split()
+_zeros = "max_iters warmup_iters lr_decay_iters weight_decay grad_clip".split()
+AT_LEAST = {**dict.fromkeys(_ones, 1), **dict.fromkeys(_zeros, 0)}
 RUN_FIELDS = ("dropout", "backend")  # GPTConfig fields that a resumed run may change
 USAGE = __doc__.split("Reproducibility")[0].strip()  # printed by --help and without arguments
 
@@ -110,32 +103,14 @@ def fail(message):
     sys.exit(1)
 
 
-if not sys.argv[1:] or {"-h", "--help"} & set(sys.argv[1:]):  # usage, not a 124M-parameter run on a CPU
-    if not sys.argv[1:]:
-        sys.exit(USAGE)
-    sources = [(__file__, None), (inspect.getsourcefile(GPTConfig), "GPTConfig")]
-    print(f"{USAGE}\n\nconfig keys (default, meaning):\n{key_help(_defaults, sources)}")
-    sys.exit(0)
-try:
-    config = load_config(_defaults, sys.argv[1:])
+# ---- config: defaults <- config files <- --key=value, checked before any data or model work ----
+try:  # --help lists every key with the comment of its assignment here or in GPTConfig
+    _sources = [(__file__, None), (inspect.getsourcefile(GPTConfig), "GPTConfig")]
+    config = command_line(_defaults, sys.argv[1:], USAGE, _sources)
+    check_values(config, CHOICES, AT_LEAST)
 except ConfigError as e:
     fail(str(e))
 globals().update(config)
-
-# ---- validate early, before any data or model work ----
-if init_from not in ("scratch", "resume"):
-    fail(f"init_from must be 'scratch' or 'resume', got {init_from!r}")
-if dataset not in DATASETS:
-    fail(f"dataset must be one of {', '.join(DATASETS)}; got {dataset!r}")
-if dtype not in ("float32", "bfloat16"):
-    fail(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
-_positive = ("batch_size", "block_size", "gradient_accumulation_steps", "eval_interval", "eval_iters")
-for _key in (*_positive, "log_interval"):
-    if config[_key] < 1:
-        fail(f"{_key} must be >= 1, got {config[_key]}")
-for _key in ("max_iters", "warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip"):
-    if config[_key] < 0:
-        fail(f"{_key} must be >= 0, got {config[_key]}")
 if not 0 <= min_lr <= learning_rate:
     fail(f"need 0 <= min_lr <= learning_rate, got min_lr={min_lr}, learning_rate={learning_rate}")
 if not (device == "cpu" or device.startswith("cuda")):
@@ -143,9 +118,7 @@ if not (device == "cpu" or device.startswith("cuda")):
 if device.startswith("cuda") and not torch.cuda.is_available():
     fail(f"device={device!r} but CUDA is not available (use --device=cpu)")
 try:  # resolved (e.g. ddl_dv=None -> 4), so model_args round-trips through the checkpoint
-    model_args = dataclasses.asdict(
-        GPTConfig(**{f.name: config[f.name] for f in dataclasses.fields(GPTConfig)})
-    )
+    model_args = dataclasses.asdict(GPTConfig(**{f.name: config[f.name] for f in _fields}))
 except (ValueError, TypeError) as e:
     fail(f"model config: {e}")
 
@@ -154,19 +127,14 @@ ckpt_path = os.path.join(out_dir, "ckpt.pt")
 log_path = os.path.join(out_dir, "log.jsonl")
 checkpoint = None
 if init_from == "resume":
-    try:
-        checkpoint = ck.load_checkpoint(ckpt_path, required=("model", "model_args", "optimizer", "iter_num"))
-        # the architecture comes from the checkpoint; dropout and the kernel backend from this run's config
-        resumed = {**checkpoint["model_args"], **{k: model_args[k] for k in RUN_FIELDS if k in model_args}}
-        resumed = dataclasses.asdict(ck.model_config(resumed, ckpt_path))
+    try:  # the architecture comes from the checkpoint, RUN_FIELDS from this run's config
+        checkpoint, resumed = ck.load_for_resume(ckpt_path, model_args, RUN_FIELDS)
     except ck.CheckpointError as e:
         fail(f"init_from='resume': {e}")
-    changed = {k: (v, resumed[k]) for k, v in model_args.items() if k in resumed and resumed[k] != v}
+    changed = [f"{k}={v!r} (not {model_args[k]!r})" for k, v in resumed.items() if v != model_args.get(k, v)]
     if changed and os.environ.get("RANK", "0") == "0":
-        _values = ", ".join(f"{k}={new!r} (not {old!r})" for k, (old, new) in changed.items())
-        print(f"resume: the model comes from {ckpt_path}: {_values}", flush=True)
-    model_args = resumed
-    block_size = model_args["block_size"]  # the loaders cut rows of the model's length
+        print(f"resume: the model comes from {ckpt_path}: {', '.join(changed)}", flush=True)
+    model_args, block_size = resumed, resumed["block_size"]  # the loaders cut rows of the model's length
 elif not dry_run:
     previous = [p for p in (ckpt_path, log_path) if os.path.isfile(p) and os.path.getsize(p) > 0]
     if previous and not overwrite:
@@ -185,23 +153,18 @@ if dry_run:
 
 # ---- distributed setup: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE ----
 ddp = "RANK" in os.environ
+rank, local_rank, world_size = 0, 0, 1
 if ddp:
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if device.startswith("cuda"):
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-else:
-    rank, local_rank, world_size = 0, 0, 1
 master = rank == 0
 if gradient_accumulation_steps % world_size:
-    fail(
-        f"gradient_accumulation_steps={gradient_accumulation_steps} (global) must be divisible by the "
-        f"number of ranks ({world_size})"
-    )
+    fail(f"{gradient_accumulation_steps=} (global) must be divisible by the number of ranks ({world_size})")
 micro_steps = gradient_accumulation_steps // world_size  # per rank
 global_rows = batch_size * gradient_accumulation_steps
-tokens_per_iter = global_rows * block_size
 device_type = "cuda" if device.startswith("cuda") else "cpu"
 if device_type == "cuda":
     torch.set_float32_matmul_precision("high")  # TF32 matmuls (only on CUDA: CPU stays exact float32)
@@ -211,48 +174,31 @@ if device_type == "cuda":
 cuda_device = device if device_type == "cuda" else None  # for the CUDA RNG state
 bf16 = dtype == "bfloat16"
 autocast = torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-
-
-def log(*args):
-    if master:
-        print(*args, flush=True)
-
-
+log = functools.partial(print, flush=True) if master else lambda *args: None  # console: rank 0 only
+to_device = lambda t: t.pin_memory().to(device, non_blocking=True) if device_type == "cuda" else t
 if master:  # temp files of a run killed while writing them
     os.makedirs(out_dir, exist_ok=True)
-    for _tmp in (ckpt_path + ".tmp", log_path + ".tmp"):
-        if os.path.exists(_tmp):
-            os.remove(_tmp)
+    for _tmp in filter(os.path.exists, (ckpt_path + ".tmp", log_path + ".tmp")):
+        os.remove(_tmp)
 
 
-# ---- data ----
-def make_loaders():
-    """(train_loader, val_loader) for `dataset`, each with get_batch(step, row_start, row_count, global_rows).
-
-    A new data source is one more branch here returning two objects with that method."""
-    if dataset == "state_tracking":  # generated on the fly; train and val use disjoint seed streams
-        from data.state_tracking import StateTrackingLoader
-
-        args = dict(task=st_task, length=st_length, seed=seed, n=st_n, n_nodes=st_n_nodes)
-        try:
-            train, val = StateTrackingLoader(split="train", **args), StateTrackingLoader(split="val", **args)
-        except ValueError as e:
-            fail(f"dataset='state_tracking': {e}")
-        need = max(st_length, st_max_length, *st_eval_lengths)  # set vocab_size small in the config
-        if model_args["vocab_size"] < train.vocab_size or model_args["block_size"] < need:
-            fail(
-                f"st_task={st_task!r} needs vocab_size >= {train.vocab_size} and block_size >= {need} "
-                f"for its lengths; got vocab_size {model_args['vocab_size']}, block_size {block_size}"
-            )
-        return train, val
+# ---- data: loaders with get_batch(step, row_start, row_count, global_rows) ----
+curriculum = None  # state tracking: the training length, kept on both loaders
+if dataset == "state_tracking":  # generated on the fly; train and val use disjoint seed streams
+    lengths, task_args = (st_max_length, *st_eval_lengths), dict(n=st_n, n_nodes=st_n_nodes)
+    try:
+        train_loader, val_loader = st.loaders(st_task, st_length, seed, lengths, model_args, **task_args)
+    except ValueError as e:
+        fail(f"dataset='state_tracking': {e}")
+    curriculum = st.Curriculum((train_loader, val_loader), st_max_length, st_curriculum_acc, st_curriculum)
+else:
     from data.loader import shard_loaders
 
-    prepare = {"shakespeare": "python data/shakespeare.py", "fineweb_edu": "python data/fineweb_edu.py"}
     try:  # every token id must be < vocab_size (checked when a shard is first used)
         directory = data_dir or os.path.join(REPO, "data", dataset)
-        return shard_loaders(directory, block_size, seed=seed, vocab_size=model_args["vocab_size"])
+        train_loader, val_loader = shard_loaders(directory, block_size, seed, model_args["vocab_size"])
     except FileNotFoundError as e:
-        fail(f"{e}\n  dataset={dataset!r}: prepare it first with `{prepare[dataset]}` (or set data_dir)")
+        fail(f"{e}\n  {dataset=}: prepare it first with `python data/{dataset}.py` (or set data_dir)")
     except ValueError as e:
         fail(f"dataset={dataset!r}: {e}")
 
@@ -265,12 +211,6 @@ def micro_batch(loader, step, m):
         fail(f"dataset={dataset!r}: {e}")
 
 
-def to_device(t):
-    if device_type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
-
-
 def all_reduce_sum(t):
     if ddp:
         dist.all_reduce(t)
@@ -278,9 +218,8 @@ def all_reduce_sum(t):
 
 
 # ---- model, optimizer, resume ----
-random.seed(seed)
-np.random.seed(seed)
-torch.manual_seed(seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+seed_all = lambda s: [f(s) for f in (random.seed, np.random.seed, torch.manual_seed)]
+seed_all(seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
 raw_model = GPT(GPTConfig(**model_args))
 if checkpoint is not None:
     try:
@@ -288,24 +227,18 @@ if checkpoint is not None:
     except RuntimeError as e:
         fail(f"{ckpt_path}: its weights do not fit its model_args: {str(e).splitlines()[0]}")
 raw_model.to(device)
-train_loader, val_loader = make_loaders()
 
 params = [p for p in raw_model.parameters() if p.requires_grad]
-optimizer = torch.optim.AdamW(
-    [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ],
-    lr=learning_rate,
-    betas=betas,
-    fused=True if device_type == "cuda" else None,
-)
+decay = {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay}
+no_decay = {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}
+fused = True if device_type == "cuda" else None
+optimizer = torch.optim.AdamW([decay, no_decay], lr=learning_rate, betas=betas, fused=fused)
 iter_num, best_val_loss = 0, float("inf")
 if checkpoint is not None:
     optimizer.load_state_dict(checkpoint["optimizer"])
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
-    if checkpoint.get("st_length"):  # the curriculum's current training length
-        train_loader.length = val_loader.length = checkpoint["st_length"]
+    if curriculum and checkpoint.get("st_length"):
+        curriculum.length = checkpoint["st_length"]
 
 if compile:
     torch._dynamo.config.optimize_ddp = ddp_split_graph
@@ -314,17 +247,12 @@ eval_model = model  # evaluation skips DDP: no gradients to sync
 if ddp:
     model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
 
-random.seed(seed + rank)
-np.random.seed(seed + rank)
-torch.manual_seed(seed + rank)  # per-rank randomness from here on (dropout)
-if checkpoint is not None:
-    if len(checkpoint["rng"]) == world_size:
-        ck.set_rng_state(checkpoint["rng"][rank], cuda_device)
-    else:
-        log(
-            f"resume: checkpoint has RNG states of {len(checkpoint['rng'])} ranks, not {world_size}: reseeded"
-        )
-    del checkpoint
+seed_all(seed + rank)  # per-rank randomness from here on (dropout)
+if checkpoint is not None and len(checkpoint["rng"]) == world_size:
+    ck.set_rng_state(checkpoint["rng"][rank], cuda_device)
+elif checkpoint is not None:
+    log(f"resume: checkpoint has RNG states of {len(checkpoint['rng'])} ranks, not {world_size}: reseeded")
+del checkpoint  # frees the loaded tensors
 
 
 def save():
@@ -341,7 +269,7 @@ def save():
         "config": config,
         "iter_num": iter_num,  # also the data position: global batch iter_num comes next
         "best_val_loss": best_val_loss,
-        "st_length": getattr(train_loader, "length", None),  # state-tracking curriculum position
+        "st_length": curriculum.length if curriculum else None,
         "rng": states,
     }
     try:
@@ -367,56 +295,31 @@ def evaluate():
     eval_model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
-    hits = torch.zeros(3, dtype=torch.float64, device=device)  # state tracking: correct, correct last, n last
+    hits = torch.zeros(4, dtype=torch.float64, device=device)  # state tracking: st.accuracy_counts
     for step in range(eval_iters):
         for m in range(micro_steps):
             x, y = micro_batch(val_loader, step, m)
             n = int((y != -1).sum())
             if n == 0:
                 continue
+            x, y = to_device(x), to_device(y)
             with autocast:
-                logits, loss = eval_model(to_device(x), to_device(y))
+                logits, loss = eval_model(x, y)
             loss_sum += loss.double() * n
             count += n
-            if dataset == "state_tracking":  # per-position accuracy; a target of -1 never equals an argmax
-                hit = logits.argmax(-1) == to_device(y)
-                hits += torch.stack([hit.sum(), hit[:, -1].sum(), (y[:, -1] != -1).sum().to(device)])
+            if curriculum:
+                hits += st.accuracy_counts(logits, y)
     eval_model.train()
-    all_reduce_sum(loss_sum)
-    all_reduce_sum(count)
-    all_reduce_sum(hits)
-    metrics = {"val_loss": (loss_sum / count).item()}
-    if dataset == "state_tracking":
-        metrics["val_acc"] = (hits[0] / count).item()  # over all labelled positions
-        metrics["val_acc_last"] = (hits[1] / hits[2].clamp(min=1)).item()  # the last position only
+    metrics = {"val_loss": (all_reduce_sum(loss_sum) / all_reduce_sum(count)).item()}
+    metrics |= st.accuracy(all_reduce_sum(hits)) if curriculum else {}
+    if not all(math.isfinite(v) for v in metrics.values()):
+        fail(f"iteration {iter_num}: non-finite evaluation {metrics}; last good checkpoint left as is")
     return metrics
-
-
-def evaluate_lengths(lengths):
-    """State tracking: evaluate() at each length (the same fixed val batches, drawn at that length)."""
-    metrics = {}
-    for length in lengths:
-        val_loader.length = length
-        metrics.update({f"{k}@{length}": v for k, v in evaluate().items()})
-    val_loader.length = train_loader.length
-    return metrics
-
-
-def grow_curriculum(val_acc, it):
-    """Double the training length once val_acc >= st_curriculum_acc, up to st_max_length; return it.
-    Only at iterations on the eval_interval grid: a run stopped and resumed elsewhere, or stopped by
-    max_seconds, follows the same curriculum."""
-    if st_curriculum and it % eval_interval == 0 and val_acc >= st_curriculum_acc:
-        if train_loader.length < st_max_length:
-            train_loader.length = val_loader.length = min(2 * train_loader.length, st_max_length)
-            log(f"curriculum: training length now {train_loader.length}")
-    return train_loader.length
 
 
 def train_iteration(step):
-    """Forward/backward over this rank's micro-batches of global batch `step`; returns the mean loss
-    over all valid targets of the global batch (all ranks, all micro-steps). Gradients end up as those
-    of that same mean, independent of the number of ranks."""
+    """Forward/backward over this rank's micro-batches of global batch `step`: the gradients and the
+    returned loss are those of the mean loss over all valid targets of the global batch (all ranks)."""
     batches = [micro_batch(train_loader, step, m) for m in range(micro_steps)]
     counts = [int((y != -1).sum()) for _, y in batches]
     total = all_reduce_sum(torch.tensor(float(sum(counts)), dtype=torch.float64, device=device)).item()
@@ -424,37 +327,25 @@ def train_iteration(step):
         fail(f"global batch {step} has no valid targets (all -1)")
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for m, ((x, y), n) in enumerate(zip(batches, counts)):
-        last = m == micro_steps - 1
-        with model.no_sync() if ddp and not last else contextlib.nullcontext():
+        with model.no_sync() if ddp and m < micro_steps - 1 else contextlib.nullcontext():
             with autocast:
                 logits, loss = model(to_device(x), to_device(y))
             if n == 0:  # mean over zero targets is NaN; still run a backward so DDP's sync happens
                 logits.float().sum().mul(0.0).backward()
                 continue
-            # DDP averages gradients over ranks, hence * world_size
-            (loss * (n * world_size / total)).backward()
+            (loss * (n * world_size / total)).backward()  # DDP averages over ranks: * world_size
         loss_sum += loss.detach().double() * n
     return all_reduce_sum(loss_sum).item() / total
 
 
 # ---- logging ----
-def peak_flops():
-    """bf16 dense peak of one GPU from its name, or None when unknown (then MFU is not reported)."""
-    if device_type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, flops in (("H100", 989e12), ("H200", 989e12), ("A100", 312e12)):
-        if key in name:
-            return flops
-    return None
-
-
-log_file, log_kept = None, []  # the previous log's lines that a resumed run keeps
-if master and init_from == "resume":
+run_log = None  # rank 0 writes log.jsonl; a resumed run keeps the previous lines up to its checkpoint
+if master:
     try:
-        log_kept = ck.log_lines_before(log_path, iter_num, warn=log)
+        kept = ck.log_lines_before(log_path, iter_num, warn=log) if init_from == "resume" else []
     except ck.CheckpointError as e:
         fail(f"{e} to resume")
+    run_log = ck.RunLog(log_path, kept, replaces=ckpt_path if init_from == "scratch" else None)
 wandb = None
 if wandb_log and master:
     try:
@@ -465,53 +356,39 @@ if wandb_log and master:
 
 
 def write_log(record):
-    """Append a record to log.jsonl; until the first one, a previous run's files stay as they were."""
-    global log_file
+    """Append a record to log.jsonl (until the first, a previous run's files stay as they were), and wandb."""
     if not master:
         return
-    line = json.dumps(record) + "\n"
     try:
-        if log_file is None:  # the first record: only now is a previous run's log replaced
-            if init_from == "scratch" and os.path.exists(ckpt_path):
-                os.remove(ckpt_path)  # --overwrite=True: the previous run's checkpoint goes with its log
-            log_file = ck.start_log(log_path, log_kept + [line])
-        else:
-            log_file.write(line)
-            log_file.flush()
-    except OSError as e:
-        fail(ck.write_error(log_path, e, len(line) + sum(map(len, log_kept))))
+        run_log.write(record)
+    except ck.CheckpointError as e:
+        fail(str(e))
     if wandb is not None:
         wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
 
-def hms(seconds):
-    return f"{int(seconds // 3600)}:{int(seconds % 3600 // 60):02d}:{int(seconds % 60):02d}"
-
-
-peak = peak_flops()
+hms = lambda s: f"{int(s // 3600)}:{int(s % 3600 // 60):02d}:{int(s % 60):02d}"  # the ETA
+_gpu = torch.cuda.get_device_name(device) if device_type == "cuda" else ""  # bf16 dense peak, for MFU
+peak = next((f for k, f in (("H100", 989e12), ("H200", 989e12), ("A100", 312e12)) if k in _gpu), None)
 flops_per_token = functools.cache(raw_model.flops_per_token)  # per training length (it counts parameters)
 log(
     f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {model_args['residual']} residual, "
-    f"{model_args['attention']} attention"
-)
-log(
-    f"{world_size} rank(s) on {device}, {micro_steps} micro-steps of {batch_size} x {block_size} per rank, "
-    f"{tokens_per_iter:,} tokens per iteration"
+    f"{model_args['attention']} attention\n{world_size} rank(s) on {device}, {micro_steps} micro-steps of "
+    f"{batch_size} x {block_size} per rank, {global_rows * block_size:,} tokens per iteration"
 )
 
 # ---- training loop ----
 resumed_at = iter_num if init_from == "resume" else None
-timed_from = iter_num + 2  # the ETA leaves out this process's first iterations (compilation, warm-up)
-dt_avg = None
+timed_from, dt_avg = iter_num + 2, None  # the ETA leaves out this process's first iterations (compiling)
 train_start = time.time()  # for max_seconds (counts this process only, not earlier resumed runs)
 while True:
     if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != resumed_at:
         metrics = evaluate()
-        if not all(math.isfinite(v) for v in metrics.values()):
-            fail(f"iteration {iter_num}: non-finite evaluation {metrics}; last good checkpoint left as is")
         best_val_loss = min(best_val_loss, metrics["val_loss"])
-        if dataset == "state_tracking":  # st_length: the training length from this iteration on
-            metrics["st_length"] = grow_curriculum(metrics["val_acc"], iter_num)
+        if curriculum:  # grows only on the eval_interval grid, so a resumed or time-stopped run agrees
+            if iter_num % eval_interval == 0 and curriculum.update(metrics["val_acc"]):
+                log(f"curriculum: training length now {curriculum.length}")
+            metrics["st_length"] = curriculum.length  # the training length from this iteration on
         log(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         write_log({"iter": iter_num, **metrics})
         if iter_num > 0:
@@ -538,8 +415,7 @@ while True:
     dt = time.time() - t0
     if iter_num >= timed_from:
         dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
-    # state tracking trains at the curriculum's length, not block_size
-    length = train_loader.length if dataset == "state_tracking" else block_size
+    length = curriculum.length if curriculum else block_size
     tok_per_s = global_rows * length / dt
     mfu = flops_per_token(length) * tok_per_s / (peak * world_size) if peak else None
     record = dict(iter=iter_num, train_loss=train_loss, lr=lr, tok_per_s=tok_per_s, grad_norm=grad_norm)
@@ -551,26 +427,22 @@ while True:
             f"mfu {f'{100 * mfu:.1f}%' if mfu is not None else '-'}, {1000 * dt:.0f} ms, eta {eta}"
         )
     iter_num += 1
-    if max_seconds:
-        # rank 0's clock decides, so that every rank stops at the same iteration
+    if max_seconds:  # rank 0's clock decides, so that every rank stops at the same iteration
         time_up = torch.tensor(float(time.time() - train_start >= max_seconds), device=device)
         if ddp:
             dist.broadcast(time_up, 0)
         if time_up.item():
             max_iters = min(max_iters, iter_num)  # time is up: the loop evaluates, checkpoints and stops
 
-if dataset == "state_tracking":
-    metrics = evaluate_lengths(st_eval_lengths)
-    if not all(math.isfinite(v) for v in metrics.values()):
-        fail(f"final evaluation: non-finite metrics {metrics}")
+if curriculum:
+    metrics = st.at_lengths(evaluate, val_loader, st_eval_lengths)
     log("final: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     write_log({"iter": iter_num, "final": True, **metrics})
 if device_type == "cuda":
     log(f"peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
 log(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f}, checkpoint {ckpt_path}")
 if master:
-    if log_file is not None:
-        log_file.close()
+    run_log.close()
     if wandb is not None:
         wandb.finish()
 if ddp:

@@ -209,7 +209,7 @@ def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path, data_dir):
         (["--learnig_rate=1e-3"], "unknown config key 'learnig_rate'. Did you mean learning_rate"),
         (["--dataset=wikitext"], "dataset must be one of shakespeare, fineweb_edu"),
         (["--residual=ddl-xx"], "GPTConfig.residual must be one of"),
-        (["--dtype=float16"], "dtype must be 'float32' or 'bfloat16'"),
+        (["--dtype=float16"], "dtype must be one of float32, bfloat16; got 'float16'"),
         (["--max_iters=2", "--data_dir=/nonexistent"], "does not exist"),
     ],
 )
