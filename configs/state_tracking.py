@@ -36,7 +36,7 @@ deltaformer_kernel = "softmax"
 deltaformer_w = "k"
 
 # optimisation: constant learning rate after warmup (the run length is set by a time budget)
-batch_size = 256
+batch_size = 64  # linear kappa with w = k passed the curriculum at 64 and stalled at length 32 at 256
 learning_rate = 1e-3
 min_lr = 1e-3
 warmup_iters = 100
