@@ -7,6 +7,8 @@ each against additive + softmax attention of the same size measured in the same 
                                                       # one job per GPU at a time
     CUDA_VISIBLE_DEVICES=1 python bench/bench_train.py --models gpt2-small --variants additive --profile
                                                       # + where one step's GPU time goes (torch.profiler)
+    python bench/bench_train.py --models gpt2-small --variants additive --nanogpt ../nanoGPT/model.py
+                                                      # + nanoGPT's own GPT-2 124M, timed the same way
 
 Variants: additive, ddl (d_v = 1), ddl-tc, ddl-cc (EC on), each with softmax attention, and additive /
 ddl-cc with Deltaformer; a "-bf16" suffix (ddl-bf16, ddl-tc-bf16, ddl-cc-bf16, ddl-cc-bf16+deltaformer)
@@ -56,6 +58,7 @@ VARIANTS = {
     "additive+deltaformer": dict(residual="additive", attention="deltaformer"),
     "ddl-cc+deltaformer": dict(residual="ddl-cc", attention="deltaformer"),
     "ddl-cc-bf16+deltaformer": dict(residual="ddl-cc", attention="deltaformer", **BF16),
+    "nanogpt": None,  # nanoGPT's own GPT (its model.py, given by --nanogpt) at the preset's depth and width
 }
 
 
@@ -202,6 +205,30 @@ def kernel_kind(name):
     return "other"
 
 
+def nanogpt_model(path, size, seq, overrides):
+    """nanoGPT's GPT from its model.py at `path`, at the preset's depth and width with its own 64-wide
+    heads, no biases, vocab 50304 (its GPT-2 124M recipe at gpt2-small); flops_per_token = 6 N + 12 L d T,
+    the count of GPT.flops_per_token for a softmax model."""
+    import importlib.util
+
+    from model import PRESETS
+
+    spec = importlib.util.spec_from_file_location("nanogpt_model", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    shape = {**PRESETS[size], "vocab_size": 50304, **overrides}
+    L, d = shape["n_layer"], shape["n_embd"]
+    cfg = mod.GPTConfig(
+        n_layer=L, n_embd=d, n_head=d // 64, block_size=seq,
+        vocab_size=shape["vocab_size"], dropout=0.0, bias=False,
+    )  # fmt: skip
+    model = mod.GPT(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    model.flops_per_token = lambda T: 6 * n + 12 * L * d * T
+    model.num_params = lambda: n
+    return model, cfg
+
+
 def worker(job, results):
     """One (model, variant) in a fresh process: static shapes, compiled at the batch it is timed at."""
     name, size, overrides, args = job["variant"], job["model"], job["overrides"], job["args"]
@@ -215,9 +242,15 @@ def worker(job, results):
 
         if args.ddl_backend != "auto":
             set_auto_backend(args.ddl_backend)
-        cfg = GPTConfig.preset(size, block_size=args.seq, **overrides, **args.model_overrides)
         torch.manual_seed(0)
-        model = GPT(cfg).to(args.device)
+        if name == "nanogpt":
+            if args.compile and args.compile_scope != "model":
+                raise ValueError("the nanogpt row compiles the whole model (--compile-scope model)")
+            model, cfg = nanogpt_model(args.nanogpt, size, args.seq, args.model_overrides)
+            model = model.to(args.device)
+        else:
+            cfg = GPTConfig.preset(size, block_size=args.seq, **overrides, **args.model_overrides)
+            model = GPT(cfg).to(args.device)
         row["params_M"] = model.num_params() / 1e6
         for B in job["batches"]:
             compiled = model
@@ -485,6 +518,12 @@ def main():
         "--device", default="cuda", help="cpu: a smoke test of this script (tiny --model-overrides)"
     )
     p.add_argument("--model-overrides", default="", help="GPTConfig overrides, e.g. n_layer=2,n_embd=64")
+    p.add_argument(
+        "--nanogpt",
+        default="",
+        help="nanoGPT's model.py (github.com/karpathy/nanoGPT): adds the row 'nanogpt', its GPT at the "
+        "same depth and width (64-wide heads), timed like the others",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_train.json / .md")
     args = p.parse_args()
     args.command = "python bench/bench_train.py " + " ".join(sys.argv[1:])
@@ -495,6 +534,10 @@ def main():
             raise SystemExit(f"--variants: unknown variant {v!r}; allowed: {', '.join(VARIANTS)}")
     if "additive" not in args.variants:
         args.variants.insert(0, "additive")
+    if args.nanogpt and "nanogpt" not in args.variants:
+        args.variants.append("nanogpt")
+    if "nanogpt" in args.variants and not os.path.isfile(args.nanogpt):
+        raise SystemExit(f"--nanogpt: the row 'nanogpt' needs nanoGPT's model.py, got {args.nanogpt!r}")
     args.batches = parse_batches(args.batches, args.models)
     args.gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] or [None]
     if len(set(args.gpus)) != len(args.gpus):

@@ -187,3 +187,69 @@ def test_cpu_smoke_two_fake_gpus(tmp_path):
     ratio = float(ddl_row.split("|")[5])  # tokens/s against the additive row above
     assert math.isclose(ratio, run["rows"][1]["tok_s"] / run["rows"][0]["tok_s"], rel_tol=1e-2)
     assert text.strip() in p.stdout  # printed as written
+
+
+NANOGPT_STANDIN = """
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:  # the fields of nanoGPT's GPTConfig
+    block_size: int = 1024
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+
+
+class GPT(nn.Module):  # nanoGPT's interface: GPT(config), forward(idx, targets) -> (logits, loss)
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0 and not config.bias and config.dropout == 0.0
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        d = config.n_embd
+        self.h = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(config.n_layer))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx, targets=None):
+        x = self.wte(idx)
+        for layer in self.h:
+            x = x + layer(x)
+        logits = self.lm_head(x)
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+"""
+
+
+def test_cpu_smoke_nanogpt_row(tmp_path):
+    """--nanogpt adds the row 'nanogpt': nanoGPT's GPT (here a stand-in with its interface) built at the
+    preset's depth and width with 64-wide heads, timed like the others, MFU from 6 N + 12 L d T."""
+    (tmp_path / "nanogpt_model.py").write_text(NANOGPT_STANDIN)
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, "bench/bench_train.py", "--device", "cpu", "--compile", "0", "--models", "gpt2-small",
+        "--variants", "additive", "--batches", "gpt2-small=2", "--seq", "16", "--warmup", "1", "--steps", "1",
+        "--model-overrides", "n_layer=2,n_embd=128,n_head=2,vocab_size=64",
+        "--nanogpt", str(tmp_path / "nanogpt_model.py"), "--out", str(out),
+    ]  # fmt: skip
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads((out / "bench_train.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["additive", "nanogpt"]
+    nano = rows[1]
+    assert "error" not in nano and nano["tok_s"] > 0, nano
+    n = 64 * 128 + 2 * 128 * 128  # tied embedding + two layers of the stand-in
+    assert math.isclose(nano["params_M"], n / 1e6) and math.isclose(
+        nano["mfu"], nano["tok_s"] * (6 * n + 12 * 2 * 128 * 16) / 989e12, rel_tol=1e-9
+    )
+    assert "| gpt2-small | nanogpt | 2 |" in (out / "bench_train.md").read_text()
+    bad = subprocess.run(
+        cmd[:-4] + ["--nanogpt", str(tmp_path / "missing.py")], cwd=ROOT, capture_output=True, text=True
+    )
+    assert bad.returncode != 0 and "--nanogpt" in bad.stderr
