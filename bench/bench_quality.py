@@ -74,8 +74,9 @@ def run_args(setting, row, seed, out_dir, data_dir=None, max_seconds=0.0, extra=
     return [sys.executable, os.path.join(REPO, "train.py"), *args]
 
 
-def launch_all(jobs, parallel):
-    """Run (cmd, out_dir) jobs, `parallel` at a time; each writes its console output to out_dir/train.out."""
+def launch_all(jobs, parallel, on_finish=lambda: None):
+    """Run (cmd, out_dir) jobs, `parallel` at a time; each writes its console output to out_dir/train.out.
+    on_finish() runs after each job ends (the table so far, so that a run cut short keeps it)."""
     pending, running = list(jobs), []
     while pending or running:
         while pending and len(running) < parallel:
@@ -89,6 +90,7 @@ def launch_all(jobs, parallel):
             if proc.poll() is not None:
                 running.remove((proc, out_dir))
                 print(f"finished {out_dir} (exit {proc.returncode})", flush=True)
+                on_finish()
 
 
 def read_run(out_dir):
@@ -124,7 +126,12 @@ def table(dirs):
     """Markdown table over every <row>-s<seed> run found under dirs (grouped by setting folder)."""
     runs = {}  # (setting, row) -> [(seed, best, final, note)]
     for top in dirs:
-        for setting in sorted(os.listdir(top)):
+        top = os.path.normpath(top)
+        if os.path.basename(top) in SETTINGS:  # a setting's own folder
+            top, settings = os.path.dirname(top), [os.path.basename(top)]
+        else:
+            settings = sorted(os.listdir(top)) if os.path.isdir(top) else []
+        for setting in settings:
             if setting not in SETTINGS or not os.path.isdir(os.path.join(top, setting)):
                 continue
             for name in sorted(os.listdir(os.path.join(top, setting))):
@@ -139,6 +146,8 @@ def table(dirs):
                     "" if final and all(map(math.isfinite, vals.values())) else f"stopped at iter {last_iter}"
                 )
                 runs.setdefault((setting, row), []).append((seed, best, last, note))
+    if not runs:
+        raise ValueError(f"no runs (<setting>/<row>-s<seed> folders) under {', '.join(dirs)}")
     lines = []
     for setting in SETTINGS:
         rows = [r for r in ROWS if (setting, r) in runs]
@@ -194,16 +203,22 @@ def main(argv=None):
                         out_dir,
                     )
                 )
-        launch_all(jobs, args.parallel or PARALLEL[args.setting])
-    text = "\n".join(
-        [
-            f"command: `python bench/bench_quality.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
-            versions(),
-            table(dirs),
-        ]
-    )
-    print(text)
-    atomic_write(os.path.join(dirs[0], "quality.md"), text + "\n")
+    command = f"command: `python bench/bench_quality.py {' '.join(sys.argv[1:] if argv is None else argv)}`"
+
+    def write_table(show=False):
+        try:
+            text = "\n".join([command, versions(), table(dirs)])
+        except ValueError as e:
+            if show:
+                p.error(str(e))
+            return
+        if show:
+            print(text)
+        atomic_write(os.path.join(dirs[0], "quality.md"), text + "\n")
+
+    if args.table is None:
+        launch_all(jobs, args.parallel or PARALLEL[args.setting], on_finish=write_table)
+    write_table(show=True)
     if args.plot:
         logs = sorted(
             os.path.join(root, name, "log.jsonl")

@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -36,6 +37,24 @@ def test_table_means_spreads_and_baseline(tmp_path):
     assert "s2 stopped at iter 1" in lines["ddl-cc"]
 
 
+def test_table_of_a_setting_folder_and_of_nothing(tmp_path, capsys):
+    """--table takes the --out folder or one setting's folder (same table); a folder without runs is an
+    error naming it, not an empty table."""
+    top = str(tmp_path / "out")
+    write_run(top, "corpus", "additive-s2", [(0, 5.0), (1, 4.0)])
+    write_run(top, "corpus", "ddl-s2", [(0, 5.0), (1, 3.5)])
+    assert bq.table([os.path.join(top, "corpus")]) == bq.table([top])
+    assert "| ddl | 2 | 3.5000 | 3.5000 | -0.5000 | ok |" in bq.table([os.path.join(top, "corpus") + "/"])
+    with pytest.raises(ValueError, match="no runs"):
+        bq.table([str(tmp_path)])
+    with pytest.raises(SystemExit):
+        bq.main(["--table", str(tmp_path / "empty")])
+    assert "no runs" in capsys.readouterr().err
+    bq.main(["--table", os.path.join(top, "corpus")])
+    assert "| additive | 2 |" in capsys.readouterr().out
+    assert "| ddl | 2 |" in open(os.path.join(top, "corpus", "quality.md")).read()
+
+
 @pytest.mark.parametrize(
     "setting,row", [("shakespeare", "ddl-cc-write-only"), ("corpus", "ddl-cc-bf16-state")]
 )
@@ -67,3 +86,12 @@ def test_package_corpus_is_deterministic_deduplicated_and_capped(tmp_path):
     assert total == sum(len(t.encode()) for t in texts)
     n_capped, _ = package_corpus.build([str(root)], out, max_mb=1e-6)  # stops after the first file
     assert n_capped == 1
+
+
+def test_launch_all_reports_each_finished_run(tmp_path):
+    """on_finish runs after every job (the bench rewrites its table then, so a cut-short run keeps it)."""
+    seen = []
+    jobs = [([sys.executable, "-c", f"print({i})"], str(tmp_path / f"run{i}")) for i in range(3)]
+    bq.launch_all(jobs, 2, on_finish=lambda: seen.append(len(seen)))
+    assert seen == [0, 1, 2]
+    assert [open(tmp_path / f"run{i}" / "train.out").read() for i in range(3)] == ["0\n", "1\n", "2\n"]
