@@ -807,6 +807,14 @@ def _update_tc_backward(ctx, gx, gh, _grs, _gr):
 torch.library.register_autograd("ddl::update_tc", _update_tc_backward, setup_context=_update_tc_setup)
 
 
+def _update_with_read(x, k, v, beta, weight, wt, T, eps, erase):
+    """ddl::update (wt None; weight: the CC read-out or None) or ddl::update_tc (wt: the TC taps) as one
+    4-tuple (x_new, h, rs, r); rs and r are empty without TC."""
+    if wt is not None:
+        return _update_tc_op(x, k, v, beta, wt, T, eps, erase)
+    return (*_update_op(x, k, v, beta, weight, eps, erase), x.new_empty(0), x.new_empty(0))
+
+
 # The second update of a block, on a state x that the block's first update made from x0: the same forward
 # as ddl::update (wt None) or ddl::update_tc, but autograd keeps x0 and the first update's (k0, v0, beta0),
 # which the first update keeps anyway, instead of x: the backward rebuilds x with one more update kernel
@@ -817,17 +825,12 @@ def _update_rebuilt_op(
     wt: torch.Tensor | None, T: int, x0: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
     beta0: torch.Tensor, eps: float, erase: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    if wt is not None:
-        return _update_tc_op(x, k, v, beta, wt, T, eps, erase)
-    x_new, h = _update_op(x, k, v, beta, weight, eps, erase)
-    return x_new, h, x.new_empty(0), x.new_empty(0)
+    return _update_with_read(x, k, v, beta, weight, wt, T, eps, erase)
 
 
 @_update_rebuilt_op.register_fake
-def _(x, k, v, beta, weight, wt, T, x0, k0, v0, beta0, eps, erase):
-    if wt is not None:
-        return _update_tc_op(x, k, v, beta, wt, T, eps, erase)
-    return (*_update_op(x, k, v, beta, weight, eps, erase), x.new_empty(0), x.new_empty(0))
+def _(x, k, v, beta, weight, wt, T, x0, k0, v0, beta0, eps, erase):  # the ops it calls have fakes
+    return _update_with_read(x, k, v, beta, weight, wt, T, eps, erase)
 
 
 def _update_rebuilt_setup(ctx, inputs, output):
@@ -885,10 +888,8 @@ def _update_any(x, k, v, beta, weight, wt, T, eps, erase, rebuild_from):
     flat, eps, erase = _flat(x, k, v, beta), float(eps), bool(erase)
     if rebuild_from is not None:
         out = _update_rebuilt_op(*flat, weight, wt, T, *_flat(*rebuild_from), eps, erase)
-    elif wt is not None:
-        out = _update_tc_op(*flat, wt, T, eps, erase)
     else:
-        out = _update_op(*flat, weight, eps, erase)
+        out = _update_with_read(*flat, weight, wt, T, eps, erase)
     return out[0].view(x.shape), out[1]
 
 
