@@ -23,7 +23,7 @@ lm-eval's own command line, with this model registered and data/tasks included:
 Scoring: `loglikelihood` batches requests longest first (results in the request order), each its context
 left-truncated so that context + continuation fit in block_size; `loglikelihood_rolling` scores a text in
 disjoint windows of block_size tokens (lm-eval's get_rolling_token_windows, as its HF model does);
-`generate_until` decodes greedily with model.generate (top_k=1) for max_gen_toks tokens, then cuts the text
+`generate_until` decodes greedily with sample.generate (top_k=1) for max_gen_toks tokens, then cuts the text
 at the first stop string. GPT-2 tokens (data/tokenizer.py); EOT is the prefix of an empty context.
 """
 
@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from checkpoint import CheckpointError, load_model
 from data.tokenizer import EOT, get_encoding
+from sample import generate
 
 try:
     import lm_eval
@@ -222,11 +223,11 @@ class CheckpointLM(TemplateLM):
 
     @torch.no_grad()
     def generate_until(self, requests, disable_tqdm=False):
-        """[(context, gen_kwargs)] -> greedy continuations (model.generate, top_k=1) of max_gen_toks tokens,
+        """[(context, gen_kwargs)] -> greedy continuations (sample.generate, top_k=1) of max_gen_toks tokens,
         each cut before its first stop string (gen_kwargs["until"] and EOT's text).
 
-        Requests with equal prompt length and settings share a model.generate call (no padding). A prompt
-        is cut to its last block_size tokens: model.generate never looks further back."""
+        Requests with equal prompt length and settings share a sample.generate call (no padding). A prompt
+        is cut to its last block_size tokens: sample.generate never looks further back."""
         eos = self.tok_decode([self.eot_token_id])
         groups = defaultdict(list)
         for k, req in enumerate(requests):
@@ -246,7 +247,7 @@ class CheckpointLM(TemplateLM):
                 chunk = items[i : i + self.batch_size]
                 x = torch.tensor([ids for _, ids in chunk], dtype=torch.long, device=self._device)
                 with self._autocast():
-                    y = self.model.generate(x, max_gen_toks, top_k=1)
+                    y = generate(self.model, x, max_gen_toks, top_k=1)
                 for (k, _), row in zip(chunk, y[:, T:].tolist()):
                     text = self.tok_decode(row)
                     for stop in until:

@@ -1,12 +1,8 @@
 """GPT with switchable residual (additive | Deep Delta Learning) and attention (softmax | Deltaformer).
-
-Read top to bottom: config -> small pieces (RMSNorm, RoPE, MLP, attention) -> the residual interface (the
-only place the residual variants differ) -> Block -> GPT. The defaults are the model the DDL authors'
-released code builds (arXiv 2601.00417); where the paper's text differs, the text is a named option.
-Shared by every variant: pre-norm RMSNorm, RoPE then a per-head QK-RMSNorm, SwiGLU, no biases, tied
-embedding / LM head.
-
-The stream is a vector x [B, T, d] (additive) or, for DDL, a state X [B, T, d, d_v] per token. A sublayer F:
+The defaults build the model of the DDL authors' released code (arXiv 2601.00417); where the paper's text
+differs, the text is a named option. Read top to bottom: config, small pieces, the residual interface (the
+only variant-specific code), Block, GPT. The stream is a vector x [B, T, d] (additive) or, for DDL, a state
+X [B, T, d, d_v] per token. A sublayer F:
 
     additive:  x <- x + F(RMSNorm(x))
     DDL:       x_in = compress(X);  c = RMSNorm(x_in);  h = F(c);  khat = h / sqrt(|h|^2 + eps^2)
@@ -14,18 +10,13 @@ The stream is a vector x [B, T, d] (additive) or, for DDL, a state X [B, T, d, d
                beta = 2 sigmoid(W_beta c + b_beta)  (in (0, 2): identity .. reflection)
                X <- X + beta khat (v^T - khat^T X)  (ddl_erase=False: X <- X + beta khat v^T)
 
-compress (one Compressor per block, read before attention and before the MLP; one more before the final
-norm): "ddl" (d_v = 1) takes X[..., 0]; "ddl-cc" a depthwise conv along d_v then a read over d_v (one
-linear map, fused into the update before it); "ddl-tc" a causal depthwise conv over tokens then the read.
-X0 is the embedding repeated d_v times, or with EC a causal conv of the embeddings.
-
-Deltaformer (kernels/deltaformer): u_i = v_i - beta_i sum_{j<i} kappa(w_i, k_j) u_j, then causal softmax
-attention of q over (k, u); w is q, k or its own projection. Norms, gates and DDL updates compute in fp32;
-X is stored in `ddl_state_dtype`. `generate` caches per module (keys/values, keys/u's, conv histories).
+compress (a Compressor per block, one before the final norm): "ddl" takes X[..., 0]; "ddl-cc" a depthwise
+conv along d_v, "ddl-tc" a causal depthwise conv over tokens, then a read over d_v. X0: the embedding d_v
+times, or with EC a causal conv of it. Norms, gates and updates compute in fp32, X is in `ddl_state_dtype`.
 """
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -33,6 +24,7 @@ import torch.nn.functional as F
 
 from kernels.common import BACKENDS
 from kernels.ddl import (
+    cc_read_weight,
     compress_cc,
     compress_tc,
     ddl_update,
@@ -44,18 +36,13 @@ from kernels.deltaformer import deltaformer_attention, deltaformer_decode
 
 RESIDUALS = ("additive", "ddl", "ddl-tc", "ddl-cc")
 ATTENTIONS = ("softmax", "deltaformer")
-DELTAFORMER_WS = ("q", "k", "proj")
-DELTAFORMER_KERNELS = ("softmax", "relu", "linear")
-INITS = ("scaled", "nanogpt")
+CHOICES = {  # GPTConfig fields with a fixed set of values
+    "residual": RESIDUALS, "attention": ATTENTIONS, "deltaformer_w": ("q", "k", "proj"),
+    "deltaformer_kernel": ("softmax", "relu", "linear"), "backend": BACKENDS, "init": ("scaled", "nanogpt"),
+    "ddl_v": ("sigmoid", "linear"), "ddl_state_dtype": ("float32", "bfloat16"),
+}  # fmt: skip
 DDL_EPS = 1e-5  # khat = h / sqrt(|h|^2 + eps^2)
 DDL_V_SCALE = 4.0  # v = 4 sigmoid(.) in (0, 4)
-DDL_VS = ("sigmoid", "linear")
-DDL_STATE_DTYPES = ("float32", "bfloat16")
-CHOICES = {  # GPTConfig fields with a fixed set of values
-    "residual": RESIDUALS, "attention": ATTENTIONS, "deltaformer_w": DELTAFORMER_WS,
-    "deltaformer_kernel": DELTAFORMER_KERNELS, "backend": BACKENDS, "init": INITS, "ddl_v": DDL_VS,
-    "ddl_state_dtype": DDL_STATE_DTYPES,
-}  # fmt: skip
 INIT_STD_FACTOR = 0.5  # init="scaled": std = 0.5 / sqrt(d)
 EMBED_STD = 0.02
 
@@ -100,7 +87,7 @@ class GPTConfig:
         def is_int(x):
             return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
-        def is_number(ok):
+        def number(ok):
             return lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and ok(x)
 
         for name, allowed in CHOICES.items():
@@ -111,32 +98,26 @@ class GPTConfig:
         for name in ("ddl_ec", "ddl_erase"):
             check(name, lambda x: isinstance(x, bool), "True or False")
         check("head_dim", lambda x: x % 2 == 0, "even (RoPE rotates pairs)")
-        check("dropout", is_number(lambda x: 0 <= x < 1), "a number in [0, 1)")
+        check("dropout", number(lambda x: 0 <= x < 1), "a number in [0, 1)")
         for name in ("rope_base", "norm_eps", "deltaformer_beta_max"):
-            check(name, is_number(lambda x: x > 0), "a number > 0")
-        check("ddl_beta_init", is_number(lambda x: 0 < x < 2), "a number in (0, 2) (beta = 2 sigmoid(.))")
+            check(name, number(lambda x: x > 0), "a number > 0")
+        check("ddl_beta_init", number(lambda x: 0 < x < 2), "a number in (0, 2) (beta = 2 sigmoid(.))")
         # d_v: resolved here so that asdict() -> GPTConfig(**) round-trips to the same model.
-        if self.residual == "additive" and self.ddl_dv is not None:
-            raise ValueError(f"GPTConfig.ddl_dv must be None for residual='additive', got {self.ddl_dv!r}")
-        if self.residual == "ddl" and self.ddl_dv not in (None, 1):
-            raise ValueError(
-                f"GPTConfig.ddl_dv must be 1 (or None) for residual='ddl' (use 'ddl-cc' or 'ddl-tc' for a "
-                f"matrix state), got {self.ddl_dv!r}"
-            )
-        if self.is_ddl:
-            if self.ddl_dv is None:
-                self.ddl_dv = 1 if self.residual == "ddl" else 4
-            check("ddl_dv", is_int, "a positive int")
+        allowed_dv = {"additive": (None,), "ddl": (None, 1)}.get(self.residual)
+        if allowed_dv is not None:
+            check("ddl_dv", lambda x: x in allowed_dv, f"one of {allowed_dv} for residual={self.residual!r}")
+        if self.is_ddl and self.ddl_dv is None:
+            self.ddl_dv = 1 if self.residual == "ddl" else 4
+        check("ddl_dv", lambda x: not self.is_ddl or is_int(x), "a positive int")
 
     @classmethod
     def preset(cls, name, **overrides):
         """Paper Table 6 shapes: "gpt2-small" (12L, d 768, 6x128), "gpt2-medium" (24L, d 1024, 8x128)."""
         if name not in PRESETS:
             raise ValueError(f"GPTConfig.preset: name must be one of {tuple(PRESETS)}, got {name!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(overrides) - known)
+        unknown = sorted(set(overrides) - {f.name for f in fields(cls)})
         if unknown:
-            raise ValueError(f"GPTConfig.preset: unknown field(s) {unknown}; known fields: {sorted(known)}")
+            raise ValueError(f"GPTConfig.preset: unknown field(s) {unknown}; the fields are GPTConfig's")
         return cls(**{**PRESETS[name], **overrides})
 
     @property
@@ -152,12 +133,12 @@ class GPTConfig:
         return self.mlp_hidden if self.mlp_hidden is not None else (8 * self.n_embd) // 3
 
 
+@dataclass
 class Cache:
     """Decoding: `pos` tokens seen so far, and per-module tensors (keyed by module or (module, slot))."""
 
-    def __init__(self):
-        self.pos = 0
-        self.store = {}
+    pos: int = 0
+    store: dict = field(default_factory=dict)
 
 
 def with_history(cache, key, x, n):
@@ -165,16 +146,13 @@ def with_history(cache, key, x, n):
     i.e. the same zero padding a causal conv uses at t < 0); remembers the last n steps for next time."""
     if n == 0:
         return x
-    past = cache.store.get(key)
-    if past is None:
-        past = x.new_zeros((x.shape[0], n) + tuple(x.shape[2:]))
+    past = cache.store.get(key, x.new_zeros((x.shape[0], n) + tuple(x.shape[2:])))
     full = torch.cat([past, x], dim=1)
     cache.store[key] = full[:, -n:]
     return full
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Small pieces
+# ---- Small pieces ----------------------------------------------------------------------------------------
 
 
 class RMSNorm(nn.Module):
@@ -246,20 +224,15 @@ class Attention(nn.Module):
             self.beta = nn.Linear(cfg.n_embd, cfg.n_head, bias=True)  # per-head gate
         # RoPE angles of positions 0..block_size-1, computed once (recomputing the sines inside the compiled
         # q/k kernels cost 12% of a GPT-2 small training step, measured). Not saved in checkpoints.
-        for name, table in zip(
-            ("rope_cos", "rope_sin"), rope_tables(cfg.block_size, cfg.head_dim, cfg.rope_base)
-        ):
-            self.register_buffer(name, table, persistent=False)
-
-    def rope(self, pos, T):
-        """cos, sin [T, D/2] for positions pos..pos+T-1 (GPT.forward keeps pos + T <= block_size)."""
-        return self.rope_cos[pos : pos + T], self.rope_sin[pos : pos + T]
+        cos, sin = rope_tables(cfg.block_size, cfg.head_dim, cfg.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, c, pos=0, cache=None):
         B, T, _ = c.shape
         heads = self.c_attn(c).view(B, T, -1, self.n_head, self.head_dim)
         heads = heads.permute(2, 0, 3, 1, 4)  # [n, B, H, T, D], n = q, k, v (, w)
-        cos, sin = self.rope(pos, T)
+        cos, sin = self.rope_cos[pos : pos + T], self.rope_sin[pos : pos + T]  # pos + T <= block_size
         q = self.q_norm(apply_rope(heads[0], cos, sin))
         k = self.k_norm(apply_rope(heads[1], cos, sin))
         v = heads[2]
@@ -284,23 +257,20 @@ class Attention(nn.Module):
 
     def _deltaformer(self, c, q, k, v, heads, rope, cache):
         cfg = self.cfg
-        if cfg.deltaformer_w == "q":
-            w = q
-        elif cfg.deltaformer_w == "k":
-            w = k
-        else:
+        w = {"q": q, "k": k}.get(cfg.deltaformer_w)
+        if w is None:  # "proj": its own projection, roped and normed like k
             w = self.w_norm(apply_rope(heads[3], *rope))
         beta = cfg.deltaformer_beta_max * torch.sigmoid(fp32_linear(c, self.beta.weight, self.beta.bias))
         beta = beta.transpose(1, 2)  # [B, H, T], fp32
-        kernel = cfg.deltaformer_kernel
         if cache is None:
-            return deltaformer_attention(q, k, v, w, beta, kernel=kernel, backend=cfg.backend)
-        y, cache.store[self] = deltaformer_decode(q, k, v, w, beta, cache.store.get(self), kernel)
+            return deltaformer_attention(q, k, v, w, beta, kernel=cfg.deltaformer_kernel, backend=cfg.backend)
+        y, cache.store[self] = deltaformer_decode(
+            q, k, v, w, beta, cache.store.get(self), cfg.deltaformer_kernel
+        )
         return y
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The residual interface: how a sublayer reads from and writes to the stream. The only variant-specific code.
+# ---- The residual interface: how a sublayer reads from and writes to the stream (the variants differ here)
 
 
 class Compressor(nn.Module):
@@ -308,8 +278,7 @@ class Compressor(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.kind, d, dv = cfg.residual, cfg.n_embd, cfg.ddl_dv
-        self.backend = cfg.backend
+        self.kind, self.backend, d, dv = cfg.residual, cfg.backend, cfg.n_embd, cfg.ddl_dv
         if self.kind == "ddl-cc":  # depthwise conv along d_v (kernel d_v, centred), then the read
             self.conv = nn.Parameter(identity_conv(d, 1, dv, tap=(dv - 1) // 2)[:, 0])
         elif self.kind == "ddl-tc":  # causal depthwise conv over tokens (tap K-1 = now), then the read
@@ -317,14 +286,8 @@ class Compressor(nn.Module):
         if self.kind != "ddl":
             self.read = nn.Parameter(torch.full((dv,), 1.0 / dv))
 
-    def cc_weight(self):
-        """DDL-CC's conv and read as the one linear map they are: W [d, d_v] with
-        W[i, v] = sum_j read[j] conv[i, v - j + (d_v - 1) // 2] (taps outside the kernel are 0)."""
-        dv = self.read.shape[0]
-        ar = torch.arange(dv, device=self.conv.device)
-        tap = ar[:, None] - ar[None, :] + (dv - 1) // 2  # [v, j]
-        taps = self.conv[:, tap.clamp(0, dv - 1)] * ((tap >= 0) & (tap < dv)).to(self.conv.dtype)
-        return taps @ self.read
+    def cc_weight(self):  # DDL-CC's conv and read as the one linear map [d, d_v] they are
+        return cc_read_weight(self.conv, self.read)
 
     def forward(self, X, cache=None, slot=None):
         if self.kind == "ddl":
@@ -359,15 +322,9 @@ class Residual(nn.Module):
     def forward(
         self, X, sublayer, read=None, x_in=None, next_read=None, cache=None, slot=None, rebuild_from=None
     ):
-        """Returns (new stream, the next sublayer's input if this write computed it already, else None,
-        this update's (X, k, v, beta) for DDL, else None).
-
-        read: the block's Compressor (DDL); x_in: this sublayer's input when the previous write produced
-        it; next_read: the Compressor that reads the stream after this sublayer (its CC or TC read is fused
-        into the update); slot: which of the Compressor's reads this is (its decoding history);
-        rebuild_from: the update that made X, which the kernels rebuild X from in the backward instead of
-        keeping it (one state per block in memory, not two).
-        """
+        """-> (new stream, the next sublayer's input if the write computed it (a fused CC/TC read of
+        next_read) else None, this DDL update's (X, k, v, beta) else None). rebuild_from: the update that
+        made X; the backward rebuilds X from it instead of keeping it (one state per block in memory)."""
         if not self.cfg.is_ddl:
             return X + self.drop(sublayer(self.norm(X))), None, None
         if x_in is None:
@@ -385,8 +342,7 @@ class Residual(nn.Module):
         return ddl_update(X, h, v, beta, **kw), None, update
 
     def value_and_gate(self, x_in, c):
-        """(v [B, T, d_v], beta [B, T]) in fp32: v = 4 sigmoid(W_v x_in + b_v) of the compressed input
-        before its norm (ddl_v="linear": W_v c) and beta = 2 sigmoid(W_beta c + b_beta)."""
+        """(v [B, T, d_v], beta [B, T]) in fp32, as in the module docstring."""
         beta = 2.0 * torch.sigmoid(fp32_linear(c, self.beta.weight, self.beta.bias)[..., 0])
         if self.cfg.ddl_v == "linear":
             return fp32_linear(c, self.v_proj.weight), beta
@@ -414,8 +370,7 @@ class Block(nn.Module):
         return X, x_in
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The model
+# ---- The model -------------------------------------------------------------------------------------------
 
 
 class GPT(nn.Module):
@@ -459,11 +414,8 @@ class GPT(nn.Module):
                 nn.init.normal_(proj.weight, mean=0.0, std=out_std)
             if block.attn.deltaformer:
                 nn.init.zeros_(block.attn.beta.bias)
-            if not cfg.is_ddl:
-                continue
-            for res in (block.res_attn, block.res_mlp):
-                p = cfg.ddl_beta_init / 2
-                res.beta.bias.fill_(math.log(p / (1 - p)))
+            for res in (block.res_attn, block.res_mlp) if cfg.is_ddl else ():
+                res.beta.bias.fill_(math.log(cfg.ddl_beta_init / (2 - cfg.ddl_beta_init)))  # logit(beta0 / 2)
                 if not scaled:
                     nn.init.zeros_(res.beta.weight)
                 if res.v_proj.bias is not None:
@@ -476,26 +428,13 @@ class GPT(nn.Module):
         emb = self.drop(self.wte(idx))
         if not cfg.is_ddl:
             return emb
-        emb = emb.to(self.state_dtype)  # EC then writes X0 in that dtype (it computes in fp32)
+        emb = emb.to(torch.bfloat16 if cfg.ddl_state_dtype == "bfloat16" else emb.dtype)  # X's dtype
         if not cfg.uses_ec:
             return emb[..., None].expand(*emb.shape, cfg.ddl_dv).contiguous()
         T = emb.shape[1]
         if cache is not None:
             emb = with_history(cache, self, emb, cfg.ddl_conv_size - 1)
         return expand_ec(emb, self.ec_conv, backend=cfg.backend)[:, emb.shape[1] - T :]
-
-    @property
-    def state_dtype(self):
-        """The dtype the DDL state X is stored in (cfg.ddl_state_dtype; "float32" = the parameters')."""
-        if self.config.ddl_state_dtype == "bfloat16":
-            return torch.bfloat16
-        return self.wte.weight.dtype
-
-    def reader_after(self, i):
-        """The Compressor that reads the DDL state after block i (None for additive)."""
-        if not self.config.is_ddl:
-            return None
-        return self.blocks[i + 1].compress if i + 1 < len(self.blocks) else self.readout
 
     def hidden_states(self, idx, cache=None):
         """Final-normed features [B, T, d] of tokens idx; with a cache, idx continues the cached sequence."""
@@ -507,15 +446,15 @@ class GPT(nn.Module):
         X, x_in = self.embed(idx, cache), None
         if cfg.is_ddl:  # the first read here, so every Block gets an x_in (one compiled Block serves all)
             x_in = self.blocks[0].compress(X, cache, "attn")
-        for i, block in enumerate(self.blocks):
-            X, x_in = block(X, x_in, pos, cache, next_read=self.reader_after(i))
-        if not cfg.is_ddl:
-            x = X
-        else:
-            x = (x_in if x_in is not None else self.readout(X, cache)).to(self.ln_f.weight.dtype)
+        # the Compressor that reads the state after each block, whose read the block's last write fuses
+        readers = [getattr(b, "compress", None) for b in self.blocks[1:]] + [getattr(self, "readout", None)]
+        for block, next_read in zip(self.blocks, readers):
+            X, x_in = block(X, x_in, pos, cache, next_read=next_read)
+        if cfg.is_ddl:  # the last write fused the readout's read unless it could not (d_v = 1, TC decoding)
+            X = (x_in if x_in is not None else self.readout(X, cache)).to(self.ln_f.weight.dtype)
         if cache is not None:
             cache.pos += T
-        return self.ln_f(x)
+        return self.ln_f(X)
 
     def forward(self, idx, targets=None):
         if idx.dim() != 2 or idx.dtype != torch.long:
@@ -536,38 +475,6 @@ class GPT(nn.Module):
         # (autocast runs cross_entropy in fp32)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """Append max_new_tokens sampled tokens to idx [B, T]. top_k=1 is greedy (argmax).
-
-        Uses the cache while the sequence fits in block_size; after that it crops like nanoGPT (plain
-        forward over the last block_size tokens per new token: the window slides, no cache applies).
-        """
-        block_size = self.config.block_size
-        cache = None
-        for _ in range(max_new_tokens):
-            if idx.size(1) > block_size:
-                cache = None
-                logits = self.lm_head(self.hidden_states(idx[:, -block_size:])[:, -1])
-            elif cache is None:
-                cache = Cache()
-                logits = self.lm_head(self.hidden_states(idx, cache)[:, -1])
-            else:
-                logits = self.lm_head(self.hidden_states(idx[:, -1:], cache)[:, -1])
-            idx = torch.cat([idx, self.sample(logits, temperature, top_k)], dim=1)
-        return idx
-
-    @staticmethod
-    def sample(logits, temperature=1.0, top_k=None):
-        """logits [B, V] -> token ids [B, 1]."""
-        if top_k == 1:
-            return logits.argmax(dim=-1, keepdim=True)
-        logits = logits.float() / temperature
-        if top_k is not None:
-            kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
 
     def num_params(self, non_embedding=False):
         """Parameter count (the tied embedding / LM head once); non_embedding=True leaves it out."""

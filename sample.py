@@ -6,7 +6,7 @@ Sample from a trained model (out_dir/ckpt.pt written by train.py); runs on CPU o
 
 The prompt is GPT-2 tokenized; "<|endoftext|>" in it is the EOT token (the document separator the model
 saw before every document, so it asks for the start of a fresh document). Generation uses the model's
-incremental cache (model.generate). --top_k=1 is greedy decoding.
+incremental cache (`generate` below, also what eval.py uses). --top_k=1 is greedy decoding.
 """
 
 import argparse
@@ -15,9 +15,40 @@ import re
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from checkpoint import CheckpointError, load_model
 from data.tokenizer import get_encoding
+from model import Cache
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None):
+    """Append max_new_tokens sampled tokens to idx [B, T] (top_k=1: greedy), through the model's cache
+    while the sequence fits in block_size, then cropped like nanoGPT (the window slides: no cache applies)."""
+    block_size = model.config.block_size
+    cache = None
+    for _ in range(max_new_tokens):
+        if idx.size(1) > block_size:
+            cache, x = None, model.hidden_states(idx[:, -block_size:])
+        elif cache is None:
+            cache = Cache()
+            x = model.hidden_states(idx, cache)
+        else:
+            x = model.hidden_states(idx[:, -1:], cache)
+        idx = torch.cat([idx, sample_token(model.lm_head(x[:, -1]), temperature, top_k)], dim=1)
+    return idx
+
+
+def sample_token(logits, temperature=1.0, top_k=None):
+    """logits [B, V] -> token ids [B, 1]; top_k=1 is the argmax."""
+    if top_k == 1:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
 
 
 def parse_args(argv=None):
@@ -89,7 +120,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     x = torch.tensor(ids, dtype=torch.long, device=args.device)[None].repeat(args.num_samples, 1)
     top_k = args.top_k or None
-    y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=top_k)
+    y = generate(model, x, args.max_new_tokens, temperature=args.temperature, top_k=top_k)
     for k, row in enumerate(y.tolist()):
         # ids past GPT-2's 50257 (vocab padding rows) never occur in the data and have no text
         text = enc.decode([t for t in row if t < enc.n_vocab])

@@ -18,6 +18,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 import eval as ev  # noqa: E402
 from data.tokenizer import EOT, get_encoding  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from sample import generate  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 32
@@ -203,7 +204,7 @@ def test_generate_until_is_greedy_and_stops():
 
     def greedy(prompt, n):
         x = torch.tensor([enc.encode_ordinary(prompt)])
-        y = model.generate(x, n, top_k=1)[0, x.shape[1] :].tolist()
+        y = generate(model, x, n, top_k=1)[0, x.shape[1] :].tolist()
         return y, enc.decode([t for t in y if t < enc.n_vocab])
 
     reqs, expected = [], []
@@ -218,7 +219,7 @@ def test_generate_until_is_greedy_and_stops():
             until, want = ["@@never@@"], text
         reqs.append(Instance("generate_until", {}, (prompt, {"until": until, "max_gen_toks": 12}), k))
         expected.append(want)
-    # the same prompt length twice: those two share a batch of model.generate
+    # the same prompt length twice: those two share a batch of generate
     assert len(enc.encode_ordinary(prompts[1])) == len(enc.encode_ordinary(prompts[2]))
     assert lm.generate_until(reqs, disable_tqdm=True) == expected
     short = lm.generate_until(
@@ -235,11 +236,11 @@ def test_generate_until_cuts_at_eot(monkeypatch):
     model = tiny(seed=4)
     made = enc.encode_ordinary(" Good night, sweet prince") + [EOT] + enc.encode_ordinary(" And flights")
 
-    def generate(idx, max_new_tokens, temperature=1.0, top_k=None):
+    def fake_generate(model, idx, max_new_tokens, temperature=1.0, top_k=None):
         assert top_k == 1 and max_new_tokens == len(made)
         return torch.cat([idx, torch.tensor([made] * idx.shape[0])], dim=1)
 
-    monkeypatch.setattr(model, "generate", generate)
+    monkeypatch.setattr(ev, "generate", fake_generate)
     lm = ev.CheckpointLM(model=model, device="cpu")
     gen = {"until": [], "max_gen_toks": len(made)}
     out = lm.generate_until(

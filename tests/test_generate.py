@@ -1,4 +1,4 @@
-"""Cached decoding (model.generate) against full forward passes, for every residual x attention variant.
+"""Cached decoding (sample.generate) against full forward passes, for every residual x attention variant.
 
 Three checks per variant, float64, every parameter strongly perturbed off its init (so the TC/EC
 convolutions really mix in earlier tokens and the gates differ per token):
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from model import ATTENTIONS, GPT, RESIDUALS, Cache, GPTConfig
+from sample import generate, sample_token
 
 V = 67
 
@@ -66,7 +67,7 @@ def decode_by_full_forward(model, idx, n, **sampling):
     """nanoGPT's loop: a full forward over the last block_size tokens for every new token."""
     for _ in range(n):
         logits, _ = model(idx[:, -model.config.block_size :])
-        idx = torch.cat([idx, GPT.sample(logits[:, -1], **sampling)], dim=1)
+        idx = torch.cat([idx, sample_token(logits[:, -1], **sampling)], dim=1)
     return idx
 
 
@@ -74,7 +75,7 @@ def decode_by_full_forward(model, idx, n, **sampling):
 def test_generate_greedy_equals_full_forward(case):
     model = make(case)
     prompt = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2))
-    out = model.generate(prompt, 15, top_k=1)  # 5 + 15 = 20 > block_size 16: crosses the crop
+    out = generate(model, prompt, 15, top_k=1)  # 5 + 15 = 20 > block_size 16: crosses the crop
     want = prompt
     for _ in range(15):  # greedy by argmax, written out
         logits, _ = model(want[:, -16:])
@@ -90,7 +91,7 @@ def test_generate_sampled_equals_full_forward(case):
     model = make(case)
     prompt = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2))
     torch.manual_seed(7)
-    out = model.generate(prompt, 15, temperature=1.5)
+    out = generate(model, prompt, 15, temperature=1.5)
     torch.manual_seed(7)
     want = decode_by_full_forward(model, prompt, 15, temperature=1.5)
     assert torch.equal(out, want)
@@ -101,12 +102,12 @@ def test_generate_sampling_runs_and_respects_top_k():
     model = make(dict(residual="ddl-tc", attention="deltaformer"))
     prompt = torch.zeros(3, 1, dtype=torch.long)
     torch.manual_seed(0)
-    out = model.generate(prompt, 20, temperature=0.8, top_k=5)
+    out = generate(model, prompt, 20, temperature=0.8, top_k=5)
     assert out.shape == (3, 21) and out.min() >= 0 and out.max() < V
     # top_k: every sampled token is among the 5 most likely given its prefix (full forward)
     for t in range(1, 21):
         logits, _ = model(out[:, max(0, t - 16) : t])
         top5 = logits[:, -1].topk(5).indices
         assert (top5 == out[:, t : t + 1]).any(-1).all()
-    out = model.generate(prompt, 4)  # plain sampling, no top_k
+    out = generate(model, prompt, 4)  # plain sampling, no top_k
     assert out.shape == (3, 5)

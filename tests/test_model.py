@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from model import ATTENTIONS, DDL_EPS, GPT, RESIDUALS, GPTConfig, Residual
+from sample import generate
 
 COMBOS = [(r, a) for r in RESIDUALS for a in ATTENTIONS]
 DDL_RESIDUALS = [r for r in RESIDUALS if r != "additive"]
@@ -615,7 +616,7 @@ def test_bf16_state_generate_equals_full_forward(residual):
         for name, p in model.named_parameters():
             p.add_((0.1 if name == "wte.weight" else 0.5) * torch.randn_like(p))
     prompt = tokens(B=2, T=5, seed=3)
-    out = model.generate(prompt, 8, top_k=1)
+    out = generate(model, prompt, 8, top_k=1)
     want = prompt
     for _ in range(8):
         logits, _ = model(want)

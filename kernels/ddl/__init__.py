@@ -49,6 +49,7 @@ from .naive import (
     _check_read,
     _check_state,
     _check_update_args,
+    cc_read_weight,
     compress_cc_ref,
     compress_tc_ref,
     ddl_update_compress_cc_ref,
@@ -64,6 +65,7 @@ except ImportError:
 
 __all__ = [
     "BACKENDS",
+    "cc_read_weight",
     "compress_cc",
     "compress_cc_ref",
     "compress_tc",

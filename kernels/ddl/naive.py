@@ -72,6 +72,17 @@ def ddl_update_ref(x, k, v, beta, eps=1e-5, erase=True):
     return x_new.to(x.dtype)
 
 
+def cc_read_weight(conv, read):
+    """DDL-CC's depthwise conv along d_v (conv [d, d_v], centred) followed by its read over d_v (read [d_v])
+    as the one linear map compress_cc applies: W [d, d_v], W[i, v] = sum_j read[j] conv[i, v - j + (d_v-1)//2]
+    (taps outside the kernel are 0)."""
+    dv = read.shape[0]
+    ar = torch.arange(dv, device=conv.device)
+    tap = ar[:, None] - ar[None, :] + (dv - 1) // 2  # [v, j]
+    taps = conv[:, tap.clamp(0, dv - 1)] * ((tap >= 0) & (tap < dv)).to(conv.dtype)
+    return taps @ read
+
+
 def compress_cc_ref(x, weight):
     """h[b,t,i] = sum_v weight[i,v] * x[b,t,i,v]."""
     _check_state("compress_cc", x)
