@@ -402,18 +402,18 @@ def main(argv=None):
         if str(e).startswith("unknown task"):
             fail(str(e))
         raise
-    from lm_eval.utils import make_table
-
     seconds = time.perf_counter() - t0
     items = sum(n["effective"] for n in results.get("n-samples", {}).values())
     results["eval_seconds"] = seconds
+    write_json(args.output, results)  # first: a failure while printing the table loses nothing
+    where = next(lm.model.parameters()).device
+    print(f"{items} items in {seconds:.1f} s: {items / seconds:.1f} items/s on {where}", file=sys.stderr)
+    print(f"results -> {args.output}", file=sys.stderr)
+    from lm_eval.utils import make_table
+
     print(make_table(results))
     if results.get("groups"):
         print(make_table(results, "groups"))
-    where = next(lm.model.parameters()).device
-    print(f"{items} items in {seconds:.1f} s: {items / seconds:.1f} items/s on {where}", file=sys.stderr)
-    write_json(args.output, results)
-    print(f"results -> {args.output}", file=sys.stderr)
     return results
 
 

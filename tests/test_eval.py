@@ -390,6 +390,26 @@ def test_cli_local_task(tmp_path):
     assert not os.path.exists(str(out) + ".tmp")
 
 
+def test_results_are_written_before_the_table(tmp_path, monkeypatch):
+    """The JSON (with the timing) is on disk before lm-eval's table printer runs, so a failure there (a
+    missing optional dependency of its table writer, say) loses no evaluation."""
+    import lm_eval.utils
+
+    write_checkpoint(tmp_path / "out", tiny(block_size=64))
+    out = tmp_path / "results.json"
+
+    def broken_table(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'pytz'")
+
+    monkeypatch.setattr(lm_eval.utils, "make_table", broken_table)
+    with pytest.raises(ModuleNotFoundError, match="pytz"):
+        ev.main(
+            [f"--out_dir={tmp_path / 'out'}", "--tasks=shakespeare_cloze", "--limit=4", f"--output={out}"]
+        )
+    results = json.loads(out.read_text())
+    assert results["n-samples"]["shakespeare_cloze"]["effective"] == 4 and results["eval_seconds"] > 0
+
+
 @pytest.mark.slow
 def test_lm_eval_command_line(tmp_path):
     """`python eval.py lm_eval ...` is lm-eval's own command line with the model registered and data/tasks
