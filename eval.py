@@ -23,8 +23,9 @@ lm-eval's own command line, with this model registered and data/tasks included:
 Scoring: `loglikelihood` batches requests longest first (results in the request order), each its context
 left-truncated so that context + continuation fit in block_size; `loglikelihood_rolling` scores a text in
 disjoint windows of block_size tokens (lm-eval's get_rolling_token_windows, as its HF model does);
-`generate_until` decodes greedily with sample.generate (top_k=1) for max_gen_toks tokens, then cuts the text
-at the first stop string. GPT-2 tokens (data/tokenizer.py); EOT is the prefix of an empty context.
+`generate_until` decodes greedily with sample.generate (top_k=1) for up to max_gen_toks tokens (a batch
+stops once every row holds a stop string), then cuts the text at the first stop string. GPT-2 tokens
+(data/tokenizer.py); EOT is the prefix of an empty context.
 """
 
 import argparse
@@ -223,8 +224,9 @@ class CheckpointLM(TemplateLM):
 
     @torch.no_grad()
     def generate_until(self, requests, disable_tqdm=False):
-        """[(context, gen_kwargs)] -> greedy continuations (sample.generate, top_k=1) of max_gen_toks tokens,
-        each cut before its first stop string (gen_kwargs["until"] and EOT's text).
+        """[(context, gen_kwargs)] -> greedy continuations (sample.generate, top_k=1) of up to max_gen_toks
+        tokens, each cut before its first stop string (gen_kwargs["until"] and EOT's text); a batch stops
+        generating once every row holds a stop string.
 
         Requests with equal prompt length and settings share a sample.generate call (no padding). A prompt
         is cut to its last block_size tokens: sample.generate never looks further back."""
@@ -246,8 +248,12 @@ class CheckpointLM(TemplateLM):
             for i in range(0, len(items), self.batch_size):
                 chunk = items[i : i + self.batch_size]
                 x = torch.tensor([ids for _, ids in chunk], dtype=torch.long, device=self._device)
+
+                def stopped(new, until=until):  # every row has one of its stop strings
+                    return all(any(s in self.tok_decode(row) for s in until) for row in new.tolist())
+
                 with self._autocast():
-                    y = generate(self.model, x, max_gen_toks, top_k=1)
+                    y = generate(self.model, x, max_gen_toks, top_k=1, stop=stopped if until else None)
                 for (k, _), row in zip(chunk, y[:, T:].tolist()):
                     text = self.tok_decode(row)
                     for stop in until:

@@ -23,12 +23,15 @@ from model import Cache
 
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None):
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, stop=None):
     """Append max_new_tokens sampled tokens to idx [B, T] (top_k=1: greedy), through the model's cache
-    while the sequence fits in block_size, then cropped like nanoGPT (the window slides: no cache applies)."""
-    block_size = model.config.block_size
+    while the sequence fits in block_size, then cropped like nanoGPT (the window slides: no cache applies).
+    stop: called with the new tokens [B, t] after each step; generation ends early once it returns True."""
+    block_size, T = model.config.block_size, idx.size(1)
     cache = None
     for _ in range(max_new_tokens):
+        if stop is not None and idx.size(1) > T and stop(idx[:, T:]):
+            break
         if idx.size(1) > block_size:
             cache, x = None, model.hidden_states(idx[:, -block_size:])
         elif cache is None:

@@ -196,7 +196,7 @@ def test_loglikelihood_rolling_within_one_window_is_the_mean_loss(model64):
     assert abs(lp - (-loss.item() * len(tokens))) < 1e-5
 
 
-def test_generate_until_is_greedy_and_stops():
+def test_generate_until_is_greedy_and_stops(monkeypatch):
     model = tiny(seed=2)
     enc = get_encoding()
     lm = ev.CheckpointLM(model=model, device="cpu", batch_size=4)
@@ -222,6 +222,21 @@ def test_generate_until_is_greedy_and_stops():
     # the same prompt length twice: those two share a batch of generate
     assert len(enc.encode_ordinary(prompts[1])) == len(enc.encode_ordinary(prompts[2]))
     assert lm.generate_until(reqs, disable_tqdm=True) == expected
+    # a batch ends once every row holds a stop string: far fewer than max_gen_toks tokens here
+    lengths = []
+
+    def counting_generate(*args, **kwargs):
+        y = generate(*args, **kwargs)
+        lengths.append(y.shape[1] - args[1].shape[1])
+        return y
+
+    monkeypatch.setattr(ev, "generate", counting_generate)
+    ids, text = greedy(prompts[0], 12)
+    stop = enc.decode(ids[2:3])
+    req = Instance("generate_until", {}, (prompts[0], {"until": [stop], "max_gen_toks": 200}), 0)
+    assert lm.generate_until([req], disable_tqdm=True) == [text.split(stop)[0]]
+    first = next(t for t in range(1, 13) if stop in enc.decode(ids[:t]))  # <= 3: token 2 decodes to it
+    assert lengths == [first]
     short = lm.generate_until(
         [Instance("generate_until", {}, (prompts[1], {"until": [], "max_gen_toks": 3}), 0)], disable_tqdm=True
     )
@@ -236,7 +251,7 @@ def test_generate_until_cuts_at_eot(monkeypatch):
     model = tiny(seed=4)
     made = enc.encode_ordinary(" Good night, sweet prince") + [EOT] + enc.encode_ordinary(" And flights")
 
-    def fake_generate(model, idx, max_new_tokens, temperature=1.0, top_k=None):
+    def fake_generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, stop=None):
         assert top_k == 1 and max_new_tokens == len(made)
         return torch.cat([idx, torch.tensor([made] * idx.shape[0])], dim=1)
 

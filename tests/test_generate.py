@@ -84,6 +84,22 @@ def test_generate_greedy_equals_full_forward(case):
     assert torch.equal(out, want)
 
 
+def test_generate_stops_when_told():
+    """stop sees only the new tokens, after each step; the tokens up to the stop are the same as without."""
+    model = make(dict(residual="ddl-cc", attention="softmax"))
+    prompt = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(3))
+    full = generate(model, prompt, 10, top_k=1)
+    seen = []
+
+    def stop(new):
+        seen.append(new.shape[1])
+        return new.shape[1] >= 4
+
+    out = generate(model, prompt, 10, top_k=1, stop=stop)
+    assert seen == [1, 2, 3, 4] and torch.equal(out, full[:, :9])
+    assert torch.equal(generate(model, prompt, 10, top_k=1, stop=lambda new: False), full)
+
+
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_generate_sampled_equals_full_forward(case):
     """Sampling (same RNG seed) instead of argmax: random tokens keep the sequence from settling into a
