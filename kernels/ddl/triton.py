@@ -54,20 +54,29 @@ def _ct(*tensors):
 
 
 @triton.jit
+def _token_tile(D, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):
+    # the per-token kernels' tile, one token's [d, d_v] state: offsets, masks and the flat offset d*DV + v
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_v = tl.arange(0, BLOCK_V)
+    return offs_d, offs_v, offs_d < D, offs_v < DV, offs_d[:, None] * DV + offs_v[None, :]
+
+
+@triton.jit
 def _update_token_inputs(
-    n, X, Kd, V, BETA, N, D, eps, offs_d, offs_v, md, mv, off2,
+    n, ok, X, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, off2,
     DV: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
-    """What the update of token n reads, forward and backward: its masks, rs = 1 / sqrt(|k|^2 + eps^2)
-    and khat = k rs, the state x, beta, and r = v - khat^T x (r = v without the erase)."""
-    ok = n < N
-    okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+    """What the update of token n reads, forward and backward (zeros where ok, a scalar condition, is
+    false): its masks, rs = 1 / sqrt(|k|^2 + eps^2) and khat = k rs, the state x, beta, and
+    r = v - khat^T x (r = v without the erase)."""
+    okd = offs_d * 0 + ok.to(tl.int32) != 0  # vector masks (the interpreter rejects scalar & vector)
+    okv = offs_v * 0 + ok.to(tl.int32) != 0
     m2 = (md & okd)[:, None] & mv[None, :]
     k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
     rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
     kh = k * rs
     x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-    v = tl.load(V + n * DV + offs_v, mask=mv & (offs_v * 0 + n < N), other=0.0).to(CT)
+    v = tl.load(V + n * DV + offs_v, mask=mv & okv, other=0.0).to(CT)
     b = tl.load(BETA + n, mask=ok, other=0.0).to(CT)
     if ERASE:
         r = v - tl.sum(kh[:, None] * x, axis=0)  # v^T - khat^T x
@@ -99,17 +108,13 @@ def _update_fwd_kernel(
     ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_v = tl.arange(0, BLOCK_V)
-    md = offs_d < D
-    mv = offs_v < DV
-    off2 = offs_d[:, None] * DV + offs_v[None, :]
+    offs_d, offs_v, md, mv, off2 = _token_tile(D, DV, BLOCK_D, BLOCK_V)
     if COMPRESS:
         w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
     for tt in tl.static_range(TOKENS):
         n = pid * TOKENS + tt
         _, okd, m2, _, kh, x, b, r = _update_token_inputs(
-            n, X, Kd, V, BETA, N, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
+            n, n < N, X, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
         )
         xn = (x + b * kh[:, None] * r[None, :]).to(XOUT.dtype.element_ty)
         tl.store(XOUT + n * D * DV + off2, xn, mask=m2)
@@ -128,7 +133,7 @@ def _update_bwd_token(
     # dx = G - b khat (khat^T G);  dv = b G^T khat;  dbeta = r . (G^T khat);
     # dkhat = b (G r - x G^T khat);  dk = (dkhat - khat (khat . dkhat)) / sqrt(|k|^2 + eps^2).
     ok, okd, m2, rs, kh, x, b, r = _update_token_inputs(
-        n, X, Kd, V, BETA, N, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
+        n, n < N, X, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
     )
     g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
     dw = w * 0.0
@@ -154,11 +159,7 @@ def _update_bwd_kernel(
     # TOKENS tokens per program (the CC weight gradient is summed over them in registers), in a plain loop
     # (one token's loads in flight at a time) or, PIPELINE, a software-pipelined one (num_stages 2).
     pid = tl.program_id(0).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_v = tl.arange(0, BLOCK_V)
-    md = offs_d < D
-    mv = offs_v < DV
-    off2 = offs_d[:, None] * DV + offs_v[None, :]
+    offs_d, offs_v, md, mv, off2 = _token_tile(D, DV, BLOCK_D, BLOCK_V)
     if COMPRESS:
         w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
     else:
@@ -412,27 +413,14 @@ def _update_tc_fwd_kernel(
     # kept for the weight gradient, which needs x' again.
     n = tl.program_id(0).to(tl.int64)
     t = n % T
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_v = tl.arange(0, BLOCK_V)
-    md = offs_d < D
-    mv = offs_v < DV
+    offs_d, offs_v, md, mv, off2 = _token_tile(D, DV, BLOCK_D, BLOCK_V)
     m2 = md[:, None] & mv[None, :]
-    off2 = offs_d[:, None] * DV + offs_v[None, :]
     acc = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
-    for j in tl.static_range(KW):
-        s = n - (KW - 1) + j
-        okd = md & (offs_d * 0 + t - (KW - 1) + j >= 0)  # vector masks (the interpreter needs them)
-        okv = mv & (offs_v * 0 + t - (KW - 1) + j >= 0)
-        k = tl.load(Kd + s * D + offs_d, mask=okd, other=0.0).to(CT)
-        rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
-        kh = k * rs
-        x = tl.load(X + s * D * DV + off2, mask=okd[:, None] & mv[None, :], other=0.0).to(CT)
-        v = tl.load(V + s * DV + offs_v, mask=okv, other=0.0).to(CT)
-        b = tl.sum(tl.load(BETA + s + offs_v * 0, mask=okv & (offs_v == 0), other=0.0).to(CT), axis=0)
-        if ERASE:
-            r = v - tl.sum(kh[:, None] * x, axis=0)
-        else:
-            r = v
+    for j in tl.static_range(KW):  # token s = n - (KW-1) + j of the same sequence, or zeros before it
+        _, _, _, rs, kh, x, b, r = _update_token_inputs(
+            n - (KW - 1) + j, t - (KW - 1) + j >= 0, X, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv,
+            off2, DV, ERASE, CT,
+        )  # fmt: skip
         xn = (x + b * kh[:, None] * r[None, :]).to(XOUT.dtype.element_ty)
         w = tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT)
         acc += w * xn.to(CT)
@@ -453,14 +441,9 @@ def _update_tc_bwd_kernel(
     # tokens n .. n+KW-1 of its sequence).
     n = tl.program_id(0).to(tl.int64)
     t = n % T
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_v = tl.arange(0, BLOCK_V)
-    md = offs_d < D
-    mv = offs_v < DV
-    m2 = md[:, None] & mv[None, :]
-    off2 = offs_d[:, None] * DV + offs_v[None, :]
+    offs_d, offs_v, md, mv, off2 = _token_tile(D, DV, BLOCK_D, BLOCK_V)
     _, _, m2, rs, kh, x, b, r = _update_token_inputs(
-        n, X, Kd, V, BETA, N, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
+        n, n < N, X, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
     )
     g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
     for j in tl.static_range(KW):
