@@ -35,6 +35,7 @@ import os
 import sys
 import time
 from collections import defaultdict
+from functools import partial
 
 import torch
 from tqdm import tqdm
@@ -222,6 +223,10 @@ class CheckpointLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
         return totals
 
+    def _all_stopped(self, until, new):
+        """Whether every row of the new tokens [B, t] holds one of the stop strings."""
+        return all(any(s in self.tok_decode(row) for s in until) for row in new.tolist())
+
     @torch.no_grad()
     def generate_until(self, requests, disable_tqdm=False):
         """[(context, gen_kwargs)] -> greedy continuations (sample.generate, top_k=1) of up to max_gen_toks
@@ -248,12 +253,8 @@ class CheckpointLM(TemplateLM):
             for i in range(0, len(items), self.batch_size):
                 chunk = items[i : i + self.batch_size]
                 x = torch.tensor([ids for _, ids in chunk], dtype=torch.long, device=self._device)
-
-                def stopped(new, until=until):  # every row has one of its stop strings
-                    return all(any(s in self.tok_decode(row) for s in until) for row in new.tolist())
-
                 with self._autocast():
-                    y = generate(self.model, x, max_gen_toks, top_k=1, stop=stopped if until else None)
+                    y = generate(self.model, x, max_gen_toks, top_k=1, stop=partial(self._all_stopped, until))
                 for (k, _), row in zip(chunk, y[:, T:].tolist()):
                     text = self.tok_decode(row)
                     for stop in until:

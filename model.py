@@ -146,7 +146,9 @@ def with_history(cache, key, x, n):
     i.e. the same zero padding a causal conv uses at t < 0); remembers the last n steps for next time."""
     if n == 0:
         return x
-    past = cache.store.get(key, x.new_zeros((x.shape[0], n) + tuple(x.shape[2:])))
+    past = cache.store.get(key)
+    if past is None:  # the first call only: no zeros allocated on every decoding step
+        past = x.new_zeros((x.shape[0], n) + tuple(x.shape[2:]))
     full = torch.cat([past, x], dim=1)
     cache.store[key] = full[:, -n:]
     return full
