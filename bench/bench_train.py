@@ -59,12 +59,6 @@ VARIANTS = {
     "ddl-cc+deltaformer": dict(residual="ddl-cc", attention="deltaformer"),
     "ddl-cc-bf16+deltaformer": dict(residual="ddl-cc", attention="deltaformer", **BF16),
     "nanogpt": None,  # nanoGPT's own GPT (its model.py, given by --nanogpt) at the preset's depth and width
-    # the additive baseline with well-kept fused kernels instead of torch.compile's own fusion: a fused
-    # LM head + cross-entropy that never holds the [B*T, vocab] logits (Liger's, cut-cross-entropy's),
-    # and Liger's RMSNorm and SwiGLU; each needs its package installed
-    "additive+liger-flce": dict(residual="additive", fused=("liger-flce",)),
-    "additive+cce": dict(residual="additive", fused=("cce",)),
-    "additive+liger": dict(residual="additive", fused=("liger-flce", "liger-rmsnorm", "liger-swiglu")),
 }
 
 
@@ -235,43 +229,6 @@ def nanogpt_model(path, size, seq, overrides):
     return model, cfg
 
 
-def use_fused_kernels(model, names):
-    """Swap parts of `model` (this process's GPT) for the named fused kernels (VARIANTS' "fused")."""
-    import model as gpt
-
-    if "liger-rmsnorm" in names:
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-
-        # "gemma" casting: everything in fp32, the output in x's dtype, as RMSNorm.forward
-        def rmsnorm_forward(self, x):
-            return LigerRMSNormFunction.apply(x, self.weight, self.eps, 0.0, "gemma")
-
-        gpt.RMSNorm.forward = rmsnorm_forward
-    if "liger-swiglu" in names:
-        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-
-        def mlp_forward(self, x):
-            gate, up = self.c_fc(x).chunk(2, dim=-1)
-            return self.c_proj(LigerSiLUMulFunction.apply(gate.contiguous(), up.contiguous()))
-
-        gpt.MLP.forward = mlp_forward
-    if "liger-flce" in names or "cce" in names:
-
-        @torch.compiler.disable  # their own kernels; the model's blocks stay one compiled graph
-        def logits_and_loss(x, targets):
-            dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
-            x, w, t = x.reshape(-1, x.size(-1)).to(dt), model.lm_head.weight.to(dt), targets.reshape(-1)
-            if "cce" in names:
-                from cut_cross_entropy import linear_cross_entropy
-
-                return None, linear_cross_entropy(x, w, t, ignore_index=-1)
-            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-
-            return None, liger_fused_linear_cross_entropy(x, w, t, ignore_index=-1)
-
-        model.logits_and_loss = logits_and_loss
-
-
 def worker(job, results):
     """One (model, variant) in a fresh process: static shapes, compiled at the batch it is timed at."""
     name, size, overrides, args = job["variant"], job["model"], job["overrides"], job["args"]
@@ -292,11 +249,8 @@ def worker(job, results):
             model, cfg = nanogpt_model(args.nanogpt, size, args.seq, args.model_overrides)
             model = model.to(args.device)
         else:
-            fused = overrides.get("fused", ())
-            overrides = {k: v for k, v in overrides.items() if k != "fused"}
             cfg = GPTConfig.preset(size, block_size=args.seq, **overrides, **args.model_overrides)
             model = GPT(cfg).to(args.device)
-            use_fused_kernels(model, fused)
         row["params_M"] = model.num_params() / 1e6
         for B in job["batches"]:
             compiled = model
@@ -305,8 +259,7 @@ def worker(job, results):
             elif args.compile:  # regional: each Block (one compile serves all, they share code) + the loss
                 for block in model.blocks:
                     block.compile(dynamic=False)
-                if "logits_and_loss" not in model.__dict__:  # (a fused loss stays as it is)
-                    model.logits_and_loss = torch.compile(GPT.logits_and_loss.__get__(model), dynamic=False)
+                model.logits_and_loss = torch.compile(GPT.logits_and_loss.__get__(model), dynamic=False)
             try:
                 measure(model, compiled, cfg, B, args, row)
                 break
