@@ -35,11 +35,9 @@ over the [B, T, d, d_v] state. One program owns whole tokens ([d, d_v] tiles; d_
 the forward reads x and writes x' once, the backward reads x and dL/dx' and writes dx once, and the fused
 entry points form the next sublayer's read-out from x' in registers: 5 passes per sublayer where update
 then compressor take 11. All are torch.library custom ops with fake implementations, so torch.compile
-keeps them in its graph. Measured on an H200 by bench/bench_ddl.py (N = 32768 tokens, d 768, d_v 4, fp32
-state): the update's forward at the copy bandwidth (219 us, ~4.1 TB/s), the fused update + CC
-forward+backward ~1.5x its bytes floor. A block's second update can rebuild its input state in the
-backward (rebuild_from) so that autograd keeps one state per block; end to end (bench/RESULTS.md) gpt2-small
-ddl-cc then runs at 0.70x the additive model's tokens/s and 1.23x its memory.
+keeps them in its graph. A block's second update can rebuild its input state in the backward
+(rebuild_from) so that autograd keeps one state per block. Their speed against the bytes they must move:
+bench/bench_ddl.py and bench/RESULTS.md.
 """
 
 from ..common import BACKENDS, resolve_backend

@@ -17,10 +17,9 @@ from ..common import acc_dtype
 # Launch shapes (tokens per program, warps, channel block for the per-channel kernels), tuned on an H200
 # by `python bench/bench_ddl.py` / `--sweeps`. An entry may hold a whole launch shape for one state dtype
 # under that dtype's name ("bfloat16"), used instead of the entry's own for that dtype (`_cfg`). PIPELINE:
-# the backward's loop over a program's tokens software-pipelined (two stages) or plain. Measured on an H200
-# (N 32768, d 768, forward + backward): fused update + CC d_v 4, bf16 state 797 us at TOKENS 16 +
-# pipelined loop vs 1087 us at the fp32 best (TOKENS 32, plain loop: 812 us in fp32); d_v = 1 rows, bf16
-# 679 us at ROWS 4 / 8 warps vs 963 us at 4 warps, fp32 752 us at ROWS 2 / 4 warps vs 1076 us at ROWS 4.
+# the backward's loop over a program's tokens software-pipelined (two stages) or plain. Single-call timings
+# of the small (d_v = 1, bf16) cases include the host's dispatch and vary between runs: compare launch
+# shapes in a profile of a training step (bench_train.py --profile) before changing them.
 LAUNCH = {
     "update_fwd": dict(TOKENS=1, num_warps=4),
     "update_bwd": dict(
