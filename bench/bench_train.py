@@ -12,7 +12,8 @@ each against additive + softmax attention of the same size measured in the same 
 
 Variants: additive, ddl (d_v = 1), ddl-tc, ddl-cc (EC on), each with softmax attention, and additive /
 ddl-cc with Deltaformer; a "-bf16" suffix (ddl-bf16, ddl-tc-bf16, ddl-cc-bf16, ddl-cc-bf16+deltaformer)
-is the same model with the DDL state stored in bf16 (GPTConfig.ddl_state_dtype="bfloat16"). additive is
+is the same model with the DDL state stored in bf16 (GPTConfig.ddl_state_dtype="bfloat16"); ddl-tc-roll is
+ddl-tc with the other TC read-out forward (kernels/ddl/triton.py LAUNCH["tc_fwd"]). additive is
 always run (added to --variants when missing): every ratio is against it, in the same run. The DDL kernels
 alone: bench/bench_ddl.py.
 
@@ -53,6 +54,8 @@ VARIANTS = {
     "ddl-bf16": dict(residual="ddl", **BF16),
     "ddl-tc": dict(residual="ddl-tc"),
     "ddl-tc-bf16": dict(residual="ddl-tc", **BF16),
+    # the same model with the TC read-out's forward in one pass in token order (kernels/ddl LAUNCH["tc_fwd"])
+    "ddl-tc-roll": dict(residual="ddl-tc", launch=dict(tc_fwd=dict(ROLL=True))),
     "ddl-cc": dict(residual="ddl-cc"),
     "ddl-cc-bf16": dict(residual="ddl-cc", **BF16),
     "additive+deltaformer": dict(residual="additive", attention="deltaformer"),
@@ -249,6 +252,11 @@ def worker(job, results):
             model, cfg = nanogpt_model(args.nanogpt, size, args.seq, args.model_overrides)
             model = model.to(args.device)
         else:
+            for key, entry in overrides.get("launch", {}).items():  # kernel launch choices of this row
+                from kernels.ddl.triton import LAUNCH
+
+                LAUNCH[key] = {**LAUNCH[key], **entry}
+            overrides = {k: v for k, v in overrides.items() if k != "launch"}
             cfg = GPTConfig.preset(size, block_size=args.seq, **overrides, **args.model_overrides)
             model = GPT(cfg).to(args.device)
         row["params_M"] = model.num_params() / 1e6

@@ -8,7 +8,8 @@ a GPU run.
 How: every `kernel[grid](...)` launch is intercepted and compiled for sm_90 with the argument types and
 constexprs it was launched with, instead of run (outputs stay uninitialised: values mean nothing here).
 What launches: a forward and backward of every model variant at the gpt2-small width on a few tokens (the
-shipped launch shapes, fp32 and bf16 DDL state), of the fused update + TC read-out, and of the
+shipped launch shapes, fp32 and bf16 DDL state), of the fused update + TC read-out (with both TC
+read-out forwards, LAUNCH["tc_fwd"] ROLL), and of the
 Deltaformer u-stage for every kernel, head dim 64 and 128, each dtype and both `lowp`. Prints each distinct
 compile
 (ok with its shared memory, or the error); exit 1 if any failed. ptxas comes with the triton wheel (a 3.6
@@ -70,7 +71,7 @@ def intercepted(self, grid):
     return lambda *args, **kwargs: compile_launch(self, args, kwargs)
 
 
-def run_model_variants():
+def run_model_variants(variants=None):
     from kernels.common import set_auto_backend
     from model import GPT, GPTConfig
 
@@ -78,7 +79,7 @@ def run_model_variants():
     # kernels/common.py accepts CPU tensors for backend="triton" only under the interpreter; its kernels were
     # decorated (compiled, not interpreted) at import, so this only passes that check
     os.environ["TRITON_INTERPRET"] = "1"
-    variants = [
+    variants = variants or [
         dict(residual="additive", attention="deltaformer"),
         dict(residual="ddl"),
         dict(residual="ddl-cc"),
@@ -135,6 +136,11 @@ def main():
     torch.manual_seed(0)
     run_deltaformer_variants()
     run_model_variants()
+    run_fused_tc()
+    from kernels.ddl.triton import LAUNCH
+
+    LAUNCH["tc_fwd"] = {**LAUNCH["tc_fwd"], "ROLL": not LAUNCH["tc_fwd"]["ROLL"]}  # the other TC forward
+    run_model_variants([dict(residual="ddl-tc")])
     run_fused_tc()
     print(f"{len(SEEN)} distinct compiles; failed: {FAILED or 'none'}")
     sys.exit(1 if FAILED else 0)

@@ -236,6 +236,16 @@ def triton_small(monkeypatch):
     monkeypatch.setitem(ddl_triton.LAUNCH, "update_bwd", dict(TOKENS=3, num_warps=4))
     monkeypatch.setitem(ddl_triton.LAUNCH, "chan_fwd", dict(TOKENS=2, BLOCK_D=8, num_warps=4))
     monkeypatch.setitem(ddl_triton.LAUNCH, "chan_bwd", dict(TOKENS=3, BLOCK_D=8, num_warps=4))
+    monkeypatch.setitem(ddl_triton.LAUNCH, "tc_fwd", dict(ROLL=False, TOKENS=3, BLOCK_D=8, num_warps=4))
+
+
+@pytest.fixture(params=[False, True], ids=["window", "roll"])
+def tc_forward(request, monkeypatch):
+    """Both TC read-out forwards (LAUNCH["tc_fwd"] ROLL); 3 tokens per run, so that runs start before,
+    at and after a sequence's first token (T = 5) and the last run is ragged."""
+    entry = ddl_triton.LAUNCH["tc_fwd"]
+    monkeypatch.setitem(ddl_triton.LAUNCH, "tc_fwd", {**entry, "ROLL": request.param})
+    return request.param
 
 
 def compare(fn_triton, fn_ref, inputs, rtol=1e-10, atol=1e-10):
@@ -366,7 +376,7 @@ def second_update(kind, x1, k, v, beta, extra, erase, rebuild_from=None, backend
 
 @pytest.mark.parametrize("kind,dv", [("plain", 1), ("plain", 4), ("cc", 4), ("tc", 3), ("tc", 1)])
 @pytest.mark.parametrize("erase", [True, False])
-def test_triton_update_rebuilt_matches_reference(triton_small, kind, dv, erase):
+def test_triton_update_rebuilt_matches_reference(triton_small, tc_forward, kind, dv, erase):
     """Two updates in a row, the second rebuilding its input state in the backward: values and gradients
     of every input (the first update's too) against the reference chain."""
     x0, k0, v0, b0 = rand_update_args(lead=(2, 5), d=20, dv=dv)
@@ -417,7 +427,7 @@ def test_triton_update_rebuilt_keeps_no_input_state(kind):
 
 
 @pytest.mark.parametrize("dv,K,erase", [(1, 3, True), (3, 1, False), (4, 6, True), (3, 3, False)])
-def test_triton_update_compress_tc_matches_reference(triton_small, dv, K, erase):
+def test_triton_update_compress_tc_matches_reference(triton_small, tc_forward, dv, K, erase):
     x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=dv))
     cw = torch.randn(20, dv, K, dtype=F64, requires_grad=True)
     read = torch.randn(dv, dtype=F64, requires_grad=True)
@@ -454,7 +464,7 @@ def test_triton_update_gradcheck(triton_small):
 
 @pytest.mark.parametrize("K", [1, 3, 6])
 @pytest.mark.parametrize("dv", [1, 3])
-def test_triton_compressors_and_ec_match_reference(triton_small, K, dv):
+def test_triton_compressors_and_ec_match_reference(triton_small, tc_forward, K, dv):
     x = torch.randn(2, 5, 20, dv, dtype=F64, requires_grad=True)
     w = torch.randn(20, dv, dtype=F64, requires_grad=True)
     cw = torch.randn(20, dv, K, dtype=F64, requires_grad=True)
@@ -501,8 +511,10 @@ def rel_err(a, b):
 
 
 @cuda
+@pytest.mark.parametrize("roll", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_update_compress_tc_realistic(dtype):
+def test_gpu_update_compress_tc_realistic(dtype, roll, monkeypatch):
+    monkeypatch.setitem(ddl_triton.LAUNCH, "tc_fwd", {**ddl_triton.LAUNCH["tc_fwd"], "ROLL": roll})
     dev = "cuda"
     B, T, d, dv, K = 8, 1024, 768, 4, 4
     x = torch.randn(B, T, d, dv, device=dev, dtype=dtype, requires_grad=True)
@@ -569,8 +581,10 @@ def test_gpu_update_realistic(dtype, fused, dv, cfg, monkeypatch):
 
 
 @cuda
+@pytest.mark.parametrize("roll", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_compressors_realistic(dtype):
+def test_gpu_compressors_realistic(dtype, roll, monkeypatch):
+    monkeypatch.setitem(ddl_triton.LAUNCH, "tc_fwd", {**ddl_triton.LAUNCH["tc_fwd"], "ROLL": roll})
     dev = "cuda"
     B, T, d, dv, K = 8, 1024, 768, 4, 4
     x = torch.randn(B, T, d, dv, device=dev, dtype=dtype, requires_grad=True)

@@ -30,6 +30,10 @@ LAUNCH = {
     ),
     "chan_fwd": dict(TOKENS=4, BLOCK_D=256, num_warps=4),
     "chan_bwd": dict(TOKENS=64, BLOCK_D=256, num_warps=4),
+    # the TC read-out's forward: ROLL, one pass over the state in token order (_tc_roll_kernel; the fused
+    # update + TC read-out then runs as the update kernel followed by it), or the K-token window per token
+    # (_tc_fwd_kernel, and _update_tc_fwd_kernel recomputing the K-1 earlier updates)
+    "tc_fwd": dict(ROLL=False, TOKENS=64, BLOCK_D=128, num_warps=4),
 }
 # Tests set this: every output starts as NaN, so that an element a kernel fails to write cannot pass.
 _FILL_OUTPUTS_WITH_NAN = False
@@ -102,9 +106,9 @@ def _update_grads(g, x, kh, rs, b, r, ERASE: tl.constexpr):
 
 @triton.jit
 def _update_fwd_kernel(
-    X, Kd, V, BETA, W, XOUT, H, N, D, eps,
+    X, Kd, V, BETA, W, XOUT, H, RS, R, N, D, eps,
     DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TOKENS: tl.constexpr,
-    ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
+    ERASE: tl.constexpr, COMPRESS: tl.constexpr, STATS: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     offs_d, offs_v, md, mv, off2 = _token_tile(D, DV, BLOCK_D, BLOCK_V)
@@ -112,7 +116,7 @@ def _update_fwd_kernel(
         w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
     for tt in tl.static_range(TOKENS):
         n = pid * TOKENS + tt
-        _, okd, m2, _, kh, x, b, r = _update_token_inputs(
+        _, okd, m2, rs, kh, x, b, r = _update_token_inputs(
             n, n < N, X, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
         )
         xn = (x + b * kh[:, None] * r[None, :]).to(XOUT.dtype.element_ty)
@@ -120,6 +124,10 @@ def _update_fwd_kernel(
         if COMPRESS:  # the next sublayer's CC read-out of the state just written (as stored)
             h = tl.sum(xn.to(CT) * w, axis=1)
             tl.store(H + n * D + offs_d, h.to(H.dtype.element_ty), mask=md & okd)
+        if STATS:  # rs and r, which the TC read-out's weight gradient needs to rebuild x' per channel
+            okv = offs_v * 0 + n < N
+            tl.store(R + n * DV + offs_v, r, mask=mv & okv)
+            tl.store(RS + n + offs_v * 0, rs + tl.zeros([BLOCK_V], dtype=CT), mask=(offs_v == 0) & okv)
 
 
 @triton.jit
@@ -334,6 +342,34 @@ def _tc_fwd_kernel(
 
 
 @triton.jit
+def _tc_roll_kernel(
+    X, WT, H, N, T, D, TOKENS,
+    KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    CT: tl.constexpr,
+):  # fmt: skip
+    # h as _tc_fwd_kernel, reading each x once: a program goes through its TOKENS tokens (and the KW-1
+    # before them) in order. Token s reaches the read-outs of s .. s+KW-1, s+i through tap KW-1-i; after
+    # adding it, acc[i] holds the partial read-out of token s+i, so acc[0] is complete, and acc moves down
+    # one slot. At a sequence's first token nothing earlier reaches on: acc starts from zeros there.
+    pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
+    rev = (KW - 1 - offs_j)[:, None, None] * D * DV + off2[None]
+    w_rev = tl.load(WT + rev, mask=mj[:, None, None] & m2[None], other=0.0).to(CT)  # w_rev[i] = WT[KW-1-i]
+    acc = tl.zeros([KP, BLOCK_D], dtype=CT)
+    for i in range(TOKENS + KW - 1):
+        s = pid * TOKENS - (KW - 1) + i
+        inside = offs_d * 0 + ((s >= 0) & (s < N)).to(tl.int32) != 0  # vector masks, as elsewhere
+        starts = offs_d * 0 + (s % T == 0).to(tl.int32) != 0
+        acc = tl.where(starts[None, :], 0.0, acc)
+        x = tl.load(X + s * D * DV + off2, mask=(md & inside)[:, None] & mv[None, :], other=0.0).to(CT)
+        acc += tl.sum(w_rev * x[None, :, :], axis=2)
+        h = tl.sum(tl.where(offs_j[:, None] == 0, acc, 0.0), axis=0)
+        own = md & inside & (offs_d * 0 + i >= KW - 1)  # the KW-1 tokens before the run only feed it
+        tl.store(H + s * D + offs_d, h.to(H.dtype.element_ty), mask=own)
+        down = offs_j[:, None, None] + 1 == offs_j[None, :, None]  # acc[i] <- acc[i+1]
+        acc = tl.sum(tl.where(down, acc[None, :, :], 0.0), axis=1)
+
+
+@triton.jit
 def _tc_bwd_kernel(
     X, WT, DH, DX, DWP, N, T, D, TOKENS,
     KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -519,14 +555,21 @@ def _update_op(
             CT=_ct(x, k, v, beta), num_warps=cfg["num_warps"],
         )  # fmt: skip
         return x_new, h
-    cfg = LAUNCH["update_fwd"]
-    grid = (triton.cdiv(N, cfg["TOKENS"]),)
-    _update_fwd_kernel[grid](
-        x, k, v, beta, weight if weight is not None else x, x_new, h, N, D, eps,
-        DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), TOKENS=cfg["TOKENS"], ERASE=erase,
-        COMPRESS=weight is not None, CT=_ct(x, k, v, beta), num_warps=cfg["num_warps"],
-    )  # fmt: skip
+    _launch_update_fwd(x, k, v, beta, weight, x_new, h, None, eps, erase)
     return x_new, h
+
+
+def _launch_update_fwd(x, k, v, beta, weight, x_new, h, stats, eps, erase):
+    """_update_fwd_kernel: x_new, with weight also h (the CC read-out), with stats = (rs, r) also those."""
+    N, D, DV = x.shape
+    cfg = LAUNCH["update_fwd"]
+    rs, r = stats if stats is not None else (x, x)
+    _update_fwd_kernel[(triton.cdiv(N, cfg["TOKENS"]),)](
+        x, k, v, beta, weight if weight is not None else x, x_new, h, rs, r, N, D, eps,
+        DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), TOKENS=cfg["TOKENS"], ERASE=erase,
+        COMPRESS=weight is not None, STATS=stats is not None, CT=_ct(x, k, v, beta),
+        num_warps=cfg["num_warps"],
+    )  # fmt: skip
 
 
 @_update_op.register_fake
@@ -641,27 +684,45 @@ def _cc_backward(ctx, dh):
 torch.library.register_autograd("ddl::cc", _cc_backward, setup_context=_cc_setup)
 
 
-def _token_conv_op(name, fwd_kernel, bwd_kernel, out_shape):
+def _chan_launch(a, wt, key):
+    """(N, D, launch shape, grid, constexprs) of a per-channel kernel over a [N, d(, d_v)] with taps wt."""
+    N, D = a.shape[0], a.shape[1]
+    KW, DV = wt.shape[0], wt.shape[2]
+    cfg = LAUNCH[key]
+    bd = min(cfg["BLOCK_D"], _pow2(D))
+    consts = dict(KW=KW, KP=_pow2(KW), DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), num_warps=cfg["num_warps"])
+    return N, D, cfg, _chan_grid(N, D, {**cfg, "BLOCK_D": bd}), consts
+
+
+def _tc_forward(x, wt, T):
+    """h [N, d], the TC read-out of x [N, d, d_v] through taps wt [K, d, d_v] (LAUNCH["tc_fwd"])."""
+    h = _new((x.shape[0], x.shape[1]), x)
+    roll = LAUNCH["tc_fwd"]["ROLL"]
+    N, D, cfg, grid, consts = _chan_launch(x, wt, "tc_fwd" if roll else "chan_fwd")
+    kernel = _tc_roll_kernel if roll else _tc_fwd_kernel
+    kernel[grid](x, wt, h, N, T, D, TOKENS=cfg["TOKENS"], CT=_ct(x, wt), **consts)
+    return h
+
+
+def _ec_forward(emb, wt, T):
+    """X0 [N, d, d_v], the EC expansion of emb [N, d] through taps wt [K, d, d_v]."""
+    x0 = _new((emb.shape[0], emb.shape[1], wt.shape[2]), emb)
+    N, D, cfg, grid, consts = _chan_launch(emb, wt, "chan_fwd")
+    _ec_fwd_kernel[grid](emb, wt, x0, N, T, D, TOKENS=cfg["TOKENS"], CT=_ct(emb, wt), **consts)
+    return x0
+
+
+def _token_conv_op(name, forward, bwd_kernel, out_shape):
     """Registers `ddl::{name}(a, wt, T)` (a [N, d] or [N, d, d_v], wt [K, d, d_v] taps, T the sequence
     length), its backward op and its autograd, for the two causal depthwise convolutions over tokens,
-    TC (a = the state, out [N, d]) and EC (a = the embedding, out [N, d, d_v]): their kernels share a
-    signature, a launch grid (a block of d by a run of tokens) and the weight gradient summed from
-    per-program partials. Returns the forward op."""
-
-    def launch(a, wt, key):
-        N, D = a.shape[0], a.shape[1]
-        KW, DV = wt.shape[0], wt.shape[2]
-        cfg = LAUNCH[key]
-        bd = min(cfg["BLOCK_D"], _pow2(D))
-        consts = dict(KW=KW, KP=_pow2(KW), DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), num_warps=cfg["num_warps"])
-        return N, D, cfg, _chan_grid(N, D, {**cfg, "BLOCK_D": bd}), consts
+    TC (a = the state, out [N, d]) and EC (a = the embedding, out [N, d, d_v]; out_shape(a, wt)):
+    forward(a, wt, T) runs the forward; their backward kernels share a signature, a launch grid (a block
+    of d by a run of tokens) and the weight gradient summed from per-program partials. Returns the
+    forward op."""
 
     @torch.library.custom_op(f"ddl::{name}", mutates_args=())
     def op(a: torch.Tensor, wt: torch.Tensor, T: int) -> torch.Tensor:
-        N, D, cfg, grid, consts = launch(a, wt, "chan_fwd")
-        out = _new(out_shape(a, wt), a)
-        fwd_kernel[grid](a, wt, out, N, T, D, TOKENS=cfg["TOKENS"], CT=_ct(a, wt), **consts)
-        return out
+        return forward(a, wt, T)
 
     @op.register_fake
     def _(a, wt, T):
@@ -671,7 +732,7 @@ def _token_conv_op(name, fwd_kernel, bwd_kernel, out_shape):
     def op_bwd(
         a: torch.Tensor, wt: torch.Tensor, g: torch.Tensor, T: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        N, D, cfg, grid, consts = launch(a, wt, "chan_bwd")
+        N, D, cfg, grid, consts = _chan_launch(a, wt, "chan_bwd")
         da = _new(a.shape, a)
         dwp = _new((grid[0],) + tuple(wt.shape), a, dtype=acc_dtype(a))  # weight-gradient partials
         bwd_kernel[grid](a, wt, g, da, dwp, N, T, D, cfg["TOKENS"], CT=_ct(a, wt, g), **consts)
@@ -695,9 +756,9 @@ def _token_conv_op(name, fwd_kernel, bwd_kernel, out_shape):
     return op
 
 
-_tc_op = _token_conv_op("tc", _tc_fwd_kernel, _tc_bwd_kernel, lambda x, wt: (x.shape[0], x.shape[1]))
+_tc_op = _token_conv_op("tc", _tc_forward, _tc_bwd_kernel, lambda x, wt: (x.shape[0], x.shape[1]))
 _ec_op = _token_conv_op(
-    "ec", _ec_fwd_kernel, _ec_bwd_kernel, lambda emb, wt: (emb.shape[0], emb.shape[1], wt.shape[2])
+    "ec", _ec_forward, _ec_bwd_kernel, lambda emb, wt: (emb.shape[0], emb.shape[1], wt.shape[2])
 )
 
 
@@ -708,12 +769,11 @@ def _update_tc_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     N, D, DV = x.shape
     ft = acc_dtype(x)
-    x_new, h, rs, r = (
-        _new((N, D, DV), x),
-        _new((N, D), x),
-        _new((N,), x, dtype=ft),
-        _new((N, DV), x, dtype=ft),
-    )
+    x_new, rs, r = _new((N, D, DV), x), _new((N,), x, dtype=ft), _new((N, DV), x, dtype=ft)
+    if LAUNCH["tc_fwd"]["ROLL"]:  # the update, then the read-out in one pass over x_new
+        _launch_update_fwd(x, k, v, beta, None, x_new, x.new_empty(0), (rs, r), eps, erase)
+        return x_new, _tc_forward(x_new, wt, T), rs, r
+    h = _new((N, D), x)
     _update_tc_fwd_kernel[(N,)](
         x, k, v, beta, wt, x_new, h, rs, r, N, T, D, eps, KW=wt.shape[0], DV=DV, BLOCK_D=_pow2(D),
         BLOCK_V=_pow2(DV), ERASE=erase, CT=_ct(x, k, v, beta), num_warps=LAUNCH["update_fwd"]["num_warps"],
