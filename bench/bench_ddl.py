@@ -145,6 +145,18 @@ def sweep_update(args, do_bench, report, dtype, dv):
         with launch_shapes(update_bwd=cfg):
             timed(f"update f+b update_bwd={cfg}{mark}", upd, 5 * S + 3 * V)
             timed(f"update+cc f+b update_bwd={cfg}{mark}", fused, 5 * S + 5 * V)
+    cw = torch.randn(d, dv, 4, device="cuda", requires_grad=True)  # TC: K = 4
+    read = torch.randn(dv, device="cuda", requires_grad=True)
+
+    def fused_tc():
+        out = ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton")
+        return torch.autograd.grad(out, (x, k, v, beta, cw, read), (gx, gh))
+
+    for tok, nw in ((1, 4), (4, 4), (4, 8), (16, 8)):  # the TC backward: tokens per program share the taps
+        cfg = dict(TOKENS=tok, num_warps=nw)
+        mark = " (shipped)" if cfg == ship["tc_bwd"] else ""
+        with launch_shapes(tc_bwd=cfg):
+            timed(f"update+tc f+b tc_bwd={cfg}{mark}", fused_tc, 6 * S + 6 * V)
 
 
 def bench_kernels_dv1(args, do_bench, report):

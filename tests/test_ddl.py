@@ -237,6 +237,7 @@ def triton_small(monkeypatch):
     monkeypatch.setitem(ddl_triton.LAUNCH, "chan_fwd", dict(TOKENS=2, BLOCK_D=8, num_warps=4))
     monkeypatch.setitem(ddl_triton.LAUNCH, "chan_bwd", dict(TOKENS=3, BLOCK_D=8, num_warps=4))
     monkeypatch.setitem(ddl_triton.LAUNCH, "tc_fwd", dict(ROLL=False, TOKENS=3, BLOCK_D=8, num_warps=4))
+    monkeypatch.setitem(ddl_triton.LAUNCH, "tc_bwd", dict(TOKENS=3, num_warps=4))
 
 
 @pytest.fixture(params=[False, True], ids=["window", "roll"])
@@ -511,10 +512,12 @@ def rel_err(a, b):
 
 
 @cuda
-@pytest.mark.parametrize("roll", [False, True])
+@pytest.mark.parametrize("roll,bwd_tokens", [(False, None), (True, None), (False, 16)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_update_compress_tc_realistic(dtype, roll, monkeypatch):
+def test_gpu_update_compress_tc_realistic(dtype, roll, bwd_tokens, monkeypatch):
     monkeypatch.setitem(ddl_triton.LAUNCH, "tc_fwd", {**ddl_triton.LAUNCH["tc_fwd"], "ROLL": roll})
+    if bwd_tokens is not None:
+        monkeypatch.setitem(ddl_triton.LAUNCH, "tc_bwd", dict(TOKENS=bwd_tokens, num_warps=8))
     dev = "cuda"
     B, T, d, dv, K = 8, 1024, 768, 4, 4
     x = torch.randn(B, T, d, dv, device=dev, dtype=dtype, requires_grad=True)

@@ -34,6 +34,7 @@ LAUNCH = {
     # update + TC read-out then runs as the update kernel followed by it), or the K-token window per token
     # (_tc_fwd_kernel, and _update_tc_fwd_kernel recomputing the K-1 earlier updates)
     "tc_fwd": dict(ROLL=False, TOKENS=64, BLOCK_D=128, num_warps=4),
+    "tc_bwd": dict(TOKENS=1, num_warps=4),  # the fused update + TC read-out's backward (per token)
 }
 # Tests set this: every output starts as NaN, so that an element a kernel fails to write cannot pass.
 _FILL_OUTPUTS_WITH_NAN = False
@@ -468,29 +469,31 @@ def _update_tc_fwd_kernel(
 
 @triton.jit
 def _update_tc_bwd_kernel(
-    X, Kd, V, BETA, WT, G, DH, DX, DK, DVo, DBETA, N, T, D, eps,
+    X, Kd, V, BETA, WT, G, DH, DX, DK, DVo, DBETA, N, T, D, eps, TOKENS,
     KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
     ERASE: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # As _update_bwd_kernel, with G += sum_j WT[j] * dh[n + KW-1 - j] (x'[n] feeds the read-outs of
-    # tokens n .. n+KW-1 of its sequence).
-    n = tl.program_id(0).to(tl.int64)
-    t = n % T
+    # tokens n .. n+KW-1 of its sequence); TOKENS consecutive tokens per program, which read the same taps.
+    pid = tl.program_id(0).to(tl.int64)
     offs_d, offs_v, md, mv, off2 = _token_tile(D, DV, BLOCK_D, BLOCK_V)
-    _, _, m2, rs, kh, x, b, r = _update_token_inputs(
-        n, n < N, X, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
-    )
-    g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-    for j in tl.static_range(KW):
-        okd = md & (offs_d * 0 + t + (KW - 1) - j < T)
-        dh = tl.load(DH + (n + (KW - 1) - j) * D + offs_d, mask=okd, other=0.0).to(CT)
-        w = tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT)
-        g += w * dh[:, None]
-    dx, dk, dv, dbeta = _update_grads(g, x, kh, rs, b, r, ERASE)
-    tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
-    tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md)
-    tl.store(DVo + n * DV + offs_v, dv.to(DVo.dtype.element_ty), mask=mv)
-    tl.store(DBETA + n, dbeta.to(DBETA.dtype.element_ty))
+    for tt in range(TOKENS):
+        n = pid * TOKENS + tt
+        t = n % T
+        ok, okd, m2, rs, kh, x, b, r = _update_token_inputs(
+            n, n < N, X, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
+        )
+        g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+        for j in tl.static_range(KW):
+            okj = md & okd & (offs_d * 0 + t + (KW - 1) - j < T)
+            dh = tl.load(DH + (n + (KW - 1) - j) * D + offs_d, mask=okj, other=0.0).to(CT)
+            w = tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT)
+            g += w * dh[:, None]
+        dx, dk, dv, dbeta = _update_grads(g, x, kh, rs, b, r, ERASE)
+        tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
+        tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md & okd)
+        tl.store(DVo + n * DV + offs_v, dv.to(DVo.dtype.element_ty), mask=mv & (offs_v * 0 + n < N))
+        tl.store(DBETA + n, dbeta.to(DBETA.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -802,9 +805,10 @@ def _update_tc_bwd_op(
     KW = wt.shape[0]
     dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
     ct = _ct(x, k, v, beta, g)
-    _update_tc_bwd_kernel[(N,)](
-        x, k, v, beta, wt, g, dh, dx, dk, dv, dbeta, N, T, D, eps, KW=KW, DV=DV, BLOCK_D=_pow2(D),
-        BLOCK_V=_pow2(DV), ERASE=erase, CT=ct, num_warps=LAUNCH["update_fwd"]["num_warps"],
+    bcfg = LAUNCH["tc_bwd"]
+    _update_tc_bwd_kernel[(triton.cdiv(N, bcfg["TOKENS"]),)](
+        x, k, v, beta, wt, g, dh, dx, dk, dv, dbeta, N, T, D, eps, bcfg["TOKENS"], KW=KW, DV=DV,
+        BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), ERASE=erase, CT=ct, num_warps=bcfg["num_warps"],
     )  # fmt: skip
     cfg = LAUNCH["chan_bwd"]
     bd = min(cfg["BLOCK_D"], _pow2(D))
