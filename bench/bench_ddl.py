@@ -157,6 +157,11 @@ def sweep_update(args, do_bench, report, dtype, dv):
         mark = " (shipped)" if cfg == ship["tc_bwd"] else ""
         with launch_shapes(tc_bwd=cfg):
             timed(f"update+tc f+b tc_bwd={cfg}{mark}", fused_tc, 6 * S + 6 * V)
+    for tok, bd, nw in ((64, 256, 4), (32, 128, 4), (128, 128, 4), (64, 128, 8), (64, 64, 4)):
+        cfg = dict(TOKENS=tok, BLOCK_D=bd, num_warps=nw)  # per-channel backwards (TC's weight gradient)
+        mark = " (shipped)" if cfg == ship["chan_bwd"] else ""
+        with launch_shapes(chan_bwd=cfg):
+            timed(f"update+tc f+b chan_bwd={cfg}{mark}", fused_tc, 6 * S + 6 * V)
 
 
 def bench_kernels_dv1(args, do_bench, report):
