@@ -152,6 +152,16 @@ def sweep_update(args, do_bench, report, dtype, dv):
         out = ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton")
         return torch.autograd.grad(out, (x, k, v, beta, cw, read), (gx, gh))
 
+    roll_cfgs = ((64, 128, 2, 4), (64, 128, 1, 4), (128, 128, 3, 4), (64, 256, 2, 8), (32, 64, 2, 2))
+    for tok, bd, stages, nw in roll_cfgs:  # the one-pass TC forward (LAUNCH["tc_fwd"] ROLL)
+        cfg = dict(ROLL=True, TOKENS=tok, BLOCK_D=bd, STAGES=stages, num_warps=nw)
+        mark = " (shipped)" if cfg == ship["tc_fwd"] else ""
+        with launch_shapes(tc_fwd=cfg):
+            timed(
+                f"update+tc fwd tc_fwd={cfg}{mark}",
+                lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton"),
+                2 * S + 2 * V,
+            )
     for tok, nw in ((1, 4), (4, 4), (4, 8), (16, 8)):  # the TC backward: tokens per program share the taps
         cfg = dict(TOKENS=tok, num_warps=nw)
         mark = " (shipped)" if cfg == ship["tc_bwd"] else ""

@@ -236,7 +236,9 @@ def triton_small(monkeypatch):
     monkeypatch.setitem(ddl_triton.LAUNCH, "update_bwd", dict(TOKENS=3, num_warps=4))
     monkeypatch.setitem(ddl_triton.LAUNCH, "chan_fwd", dict(TOKENS=2, BLOCK_D=8, num_warps=4))
     monkeypatch.setitem(ddl_triton.LAUNCH, "chan_bwd", dict(TOKENS=3, BLOCK_D=8, num_warps=4))
-    monkeypatch.setitem(ddl_triton.LAUNCH, "tc_fwd", dict(ROLL=False, TOKENS=3, BLOCK_D=8, num_warps=4))
+    monkeypatch.setitem(
+        ddl_triton.LAUNCH, "tc_fwd", dict(ROLL=False, TOKENS=3, BLOCK_D=8, STAGES=2, num_warps=4)
+    )
     monkeypatch.setitem(ddl_triton.LAUNCH, "tc_bwd", dict(TOKENS=3, num_warps=4))
 
 

@@ -33,7 +33,7 @@ LAUNCH = {
     # the TC read-out's forward: ROLL, one pass over the state in token order (_tc_roll_kernel; the fused
     # update + TC read-out then runs as the update kernel followed by it), or the K-token window per token
     # (_tc_fwd_kernel, and _update_tc_fwd_kernel recomputing the K-1 earlier updates)
-    "tc_fwd": dict(ROLL=False, TOKENS=64, BLOCK_D=128, num_warps=4),
+    "tc_fwd": dict(ROLL=False, TOKENS=64, BLOCK_D=128, STAGES=2, num_warps=4),
     "tc_bwd": dict(TOKENS=1, num_warps=4),  # the fused update + TC read-out's backward (per token)
 }
 # Tests set this: every output starts as NaN, so that an element a kernel fails to write cannot pass.
@@ -346,7 +346,7 @@ def _tc_fwd_kernel(
 def _tc_roll_kernel(
     X, WT, H, N, T, D, TOKENS,
     KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-    CT: tl.constexpr,
+    STAGES: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # h as _tc_fwd_kernel, reading each x once: a program goes through its TOKENS tokens (and the KW-1
     # before them) in order. Token s reaches the read-outs of s .. s+KW-1, s+i through tap KW-1-i; after
@@ -356,7 +356,7 @@ def _tc_roll_kernel(
     rev = (KW - 1 - offs_j)[:, None, None] * D * DV + off2[None]
     w_rev = tl.load(WT + rev, mask=mj[:, None, None] & m2[None], other=0.0).to(CT)  # w_rev[i] = WT[KW-1-i]
     acc = tl.zeros([KP, BLOCK_D], dtype=CT)
-    for i in range(TOKENS + KW - 1):
+    for i in tl.range(0, TOKENS + KW - 1, num_stages=STAGES):  # STAGES > 1: the next loads in flight
         s = pid * TOKENS - (KW - 1) + i
         inside = offs_d * 0 + ((s >= 0) & (s < N)).to(tl.int32) != 0  # vector masks, as elsewhere
         starts = offs_d * 0 + (s % T == 0).to(tl.int32) != 0
@@ -702,8 +702,12 @@ def _tc_forward(x, wt, T):
     h = _new((x.shape[0], x.shape[1]), x)
     roll = LAUNCH["tc_fwd"]["ROLL"]
     N, D, cfg, grid, consts = _chan_launch(x, wt, "tc_fwd" if roll else "chan_fwd")
-    kernel = _tc_roll_kernel if roll else _tc_fwd_kernel
-    kernel[grid](x, wt, h, N, T, D, TOKENS=cfg["TOKENS"], CT=_ct(x, wt), **consts)
+    if roll:
+        _tc_roll_kernel[grid](
+            x, wt, h, N, T, D, TOKENS=cfg["TOKENS"], STAGES=cfg["STAGES"], CT=_ct(x, wt), **consts
+        )
+    else:
+        _tc_fwd_kernel[grid](x, wt, h, N, T, D, TOKENS=cfg["TOKENS"], CT=_ct(x, wt), **consts)
     return h
 
 
