@@ -255,6 +255,22 @@ def gate_sums(self, x_in, c):
 PATCHES = {"gate_sums": ("Residual", "value_and_gate", gate_sums)}  # name: (model.py class, method, new)
 
 
+def apply_row_changes(overrides):
+    """Apply a row's kernel launch choices ("launch": LAUNCH entries of kernels/ddl/triton.py) and replaced
+    model.py methods ("patch": names in PATCHES) to this process; returns the GPTConfig overrides left."""
+    if "launch" in overrides:
+        from kernels.ddl.triton import LAUNCH
+
+        for key, entry in overrides["launch"].items():
+            LAUNCH[key] = {**LAUNCH[key], **entry}
+    import model as gpt
+
+    for name in overrides.get("patch", ()):
+        cls, method, fn = PATCHES[name]
+        setattr(getattr(gpt, cls), method, fn)
+    return {k: v for k, v in overrides.items() if k not in ("launch", "patch")}
+
+
 def worker(job, results):
     """One (model, variant) in a fresh process: static shapes, compiled at the batch it is timed at."""
     name, size, overrides, args = job["variant"], job["model"], job["overrides"], job["args"]
@@ -275,16 +291,7 @@ def worker(job, results):
             model, cfg = nanogpt_model(args.nanogpt, size, args.seq, args.model_overrides)
             model = model.to(args.device)
         else:
-            for key, entry in overrides.get("launch", {}).items():  # kernel launch choices of this row
-                from kernels.ddl.triton import LAUNCH
-
-                LAUNCH[key] = {**LAUNCH[key], **entry}
-            for name in overrides.get("patch", ()):  # a method of model.py replaced in this process
-                import model as gpt
-
-                cls, method, fn = PATCHES[name]
-                setattr(getattr(gpt, cls), method, fn)
-            overrides = {k: v for k, v in overrides.items() if k not in ("launch", "patch")}
+            overrides = apply_row_changes(overrides)
             cfg = GPTConfig.preset(size, block_size=args.seq, **overrides, **args.model_overrides)
             model = GPT(cfg).to(args.device)
         row["params_M"] = model.num_params() / 1e6
