@@ -73,6 +73,10 @@ class GPTConfig:
     ddl_v: str = "sigmoid"  # "sigmoid": 4 sigmoid(W_v x_in + b_v) (the code) | "linear": W_v c (the text)
     ddl_conv_size: int = 4  # K of the TC compressor and of EC
     ddl_state_dtype: str = "float32"  # dtype X is stored in: "float32" (= parameter dtype) | "bfloat16"
+    # autograd keeps the state entering every Nth block; the backward rebuilds the states in between from it
+    # and the updates since (memory for reads of their k). 0: every sublayer's state kept. None -> 0 at
+    # d_v = 1 (the state is the sublayer's input, which autograd keeps anyway), else 4
+    ddl_keep_state_every: int | None = None
     attention: str = "softmax"
     deltaformer_w: str = "k"
     deltaformer_kernel: str = "softmax"
@@ -109,6 +113,10 @@ class GPTConfig:
         if self.is_ddl and self.ddl_dv is None:
             self.ddl_dv = 1 if self.residual == "ddl" else 4
         check("ddl_dv", lambda x: not self.is_ddl or is_int(x), "a positive int")
+        if self.ddl_keep_state_every is None:
+            self.ddl_keep_state_every = 0 if self.ddl_dv in (None, 1) else 4
+        check("ddl_keep_state_every", lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0,
+              "an int >= 0")  # fmt: skip
 
     @classmethod
     def preset(cls, name, **overrides):
@@ -325,8 +333,8 @@ class Residual(nn.Module):
         self, X, sublayer, read=None, x_in=None, next_read=None, cache=None, slot=None, rebuild_from=None
     ):
         """-> (new stream, the next sublayer's input if the write computed it (a fused CC/TC read of
-        next_read) else None, this DDL update's (X, k, v, beta) else None). rebuild_from: the update that
-        made X; the backward rebuilds X from it instead of keeping it (one state per block in memory)."""
+        next_read) else None, this DDL update's (X, k, v, beta) else None). rebuild_from: (X0, the updates'
+        (k, v, beta) that made X from X0); the backward rebuilds X from them instead of keeping it."""
         if not self.cfg.is_ddl:
             return X + self.drop(sublayer(self.norm(X))), None, None
         if x_in is None:
@@ -361,15 +369,27 @@ class Block(nn.Module):
         self.res_mlp = Residual(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, X, x_in=None, pos=0, cache=None, next_read=None):
-        """(stream, precomputed input or None) -> the same after attention and MLP (see Residual)."""
+    def forward(self, X, x_in=None, pos=0, cache=None, next_read=None, rebuild_from=None, rebuild=False):
+        """(stream, precomputed input or None) -> the same after attention and MLP (see Residual), and
+        with rebuild, rebuild_from (X0, the updates since; None: X) extended by this block's updates."""
         read = getattr(self, "compress", None)
         attn = lambda c: self.attn(c, pos, cache)
-        X, x_in, update = self.res_attn(X, attn, read, x_in, next_read=read, cache=cache, slot="attn")
-        X, x_in, _ = self.res_mlp(
-            X, self.mlp, read, x_in, next_read=next_read, cache=cache, slot="mlp", rebuild_from=update
+        X, x_in, update = self.res_attn(
+            X, attn, read, x_in, next_read=read, cache=cache, slot="attn", rebuild_from=rebuild_from
         )
-        return X, x_in
+        rebuild_from = extend_chain(rebuild_from, update) if rebuild else None
+        X, x_in, update = self.res_mlp(
+            X, self.mlp, read, x_in, next_read=next_read, cache=cache, slot="mlp", rebuild_from=rebuild_from
+        )
+        return X, x_in, extend_chain(rebuild_from, update) if rebuild else None
+
+
+def extend_chain(chain, update):
+    """(X0, updates) after one more DDL update (X, k, v, beta); None (no update) stays None."""
+    if update is None:
+        return None
+    X, *kvb = update
+    return (X, (tuple(kvb),)) if chain is None else (chain[0], chain[1] + (tuple(kvb),))
 
 
 # ---- The model -------------------------------------------------------------------------------------------
@@ -450,8 +470,12 @@ class GPT(nn.Module):
             x_in = self.blocks[0].compress(X, cache, "attn")
         # the Compressor that reads the state after each block, whose read the block's last write fuses
         readers = [getattr(b, "compress", None) for b in self.blocks[1:]] + [getattr(self, "readout", None)]
-        for block, next_read in zip(self.blocks, readers):
-            X, x_in = block(X, x_in, pos, cache, next_read=next_read)
+        every = cfg.ddl_keep_state_every if cfg.is_ddl and torch.is_grad_enabled() else 0
+        chain = None  # (the last state kept for the backward, the updates since)
+        for i, (block, next_read) in enumerate(zip(self.blocks, readers)):
+            if every and i % every == 0:
+                chain = None
+            X, x_in, chain = block(X, x_in, pos, cache, next_read, rebuild_from=chain, rebuild=every > 0)
         if cfg.is_ddl:  # the last write fused the readout's read unless it could not (d_v = 1, TC decoding)
             X = (x_in if x_in is not None else self.readout(X, cache)).to(self.ln_f.weight.dtype)
         if cache is not None:

@@ -14,7 +14,8 @@ Variants: additive, ddl (d_v = 1), ddl-tc, ddl-cc (EC on), each with softmax att
 ddl-cc with Deltaformer; a "-bf16" suffix (ddl-bf16, ddl-tc-bf16, ddl-cc-bf16, ddl-cc-bf16+deltaformer)
 is the same model with the DDL state stored in bf16 (GPTConfig.ddl_state_dtype="bfloat16"); ddl-tc-roll is
 ddl-tc with the other TC read-out forward (kernels/ddl/triton.py LAUNCH["tc_fwd"]), and a "+gate-sums" row
-the same model with v's and beta's projections as multiply + sum (gate_sums). additive is
+the same model with v's and beta's projections as multiply + sum (gate_sums); "+keepN" keeps the DDL state
+for the backward at every N-th block's input (GPTConfig.ddl_keep_state_every). additive is
 always run (added to --variants when missing): every ratio is against it, in the same run. The DDL kernels
 alone: bench/bench_ddl.py.
 
@@ -56,11 +57,16 @@ VARIANTS = {
     "ddl-tc": dict(residual="ddl-tc"),
     "ddl-tc-bf16": dict(residual="ddl-tc", **BF16),
     # the same model with the TC read-out's forward in one pass in token order (kernels/ddl LAUNCH["tc_fwd"])
-    "ddl-tc-roll": dict(residual="ddl-tc", launch=dict(tc_fwd=dict(ROLL=True))),
+    "ddl-tc-roll": dict(residual="ddl-tc", launch=dict(tc_fwd=dict(ROLL=True, TOKENS=128, STAGES=3))),
     # the same models with v's and beta's projections as multiply + sum (gate_sums)
     "ddl+gate-sums": dict(residual="ddl", patch=("gate_sums",)),
     "ddl-cc+gate-sums": dict(residual="ddl-cc", patch=("gate_sums",)),
     "ddl-cc": dict(residual="ddl-cc"),
+    # the state kept for the backward at every N-th block's input (GPTConfig.ddl_keep_state_every)
+    "ddl+keep1": dict(residual="ddl", ddl_keep_state_every=1),
+    "ddl-cc+keep1": dict(residual="ddl-cc", ddl_keep_state_every=1),
+    "ddl-cc+keep6": dict(residual="ddl-cc", ddl_keep_state_every=6),
+    "ddl-tc+keep1": dict(residual="ddl-tc", ddl_keep_state_every=1),
     "ddl-cc-bf16": dict(residual="ddl-cc", **BF16),
     "additive+deltaformer": dict(residual="additive", attention="deltaformer"),
     "ddl-cc+deltaformer": dict(residual="ddl-cc", attention="deltaformer"),

@@ -7,7 +7,8 @@ a GPU run.
 
 How: every `kernel[grid](...)` launch is intercepted and compiled for sm_90 with the argument types and
 constexprs it was launched with, instead of run (outputs stay uninitialised: values mean nothing here).
-What launches: a forward and backward of every model variant at the gpt2-small width on a few tokens (the
+What launches: a forward and backward of every model variant at the gpt2-small width, two blocks (the second
+block's states rebuilt in the backward from the first's input), on a few tokens (the
 shipped launch shapes, fp32 and bf16 DDL state), of the fused update + TC read-out (with both TC
 read-out forwards, LAUNCH["tc_fwd"] ROLL), and of the
 Deltaformer u-stage for every kernel, head dim 64 and 128, each dtype and both `lowp`. Prints each distinct
@@ -33,6 +34,11 @@ TYPES[torch.float64] = "*fp64"
 SEEN, FAILED = {}, []
 
 
+def arg_type(value):
+    """A tensor's pointer type, or a tuple's (of tensors and tuples) as a tuple of those."""
+    return tuple(map(arg_type, value)) if isinstance(value, tuple) else TYPES[value.dtype]
+
+
 def compile_launch(fn, args, kwargs):
     """Compile fn for TARGET with the types of this launch's arguments (once per distinct signature)."""
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
@@ -42,8 +48,8 @@ def compile_launch(fn, args, kwargs):
         value = bound[name]
         if param.is_constexpr:
             sig[name], consts[(i,)] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            sig[name] = TYPES[value.dtype]
+        elif isinstance(value, (torch.Tensor, tuple)):
+            sig[name] = arg_type(value)
         elif isinstance(value, bool):
             sig[name] = "i1"
         elif isinstance(value, int):
@@ -94,9 +100,11 @@ def run_model_variants(variants=None):
                 continue
             print(f"--- model {overrides} ddl_state_dtype={state}", flush=True)
             extra = {} if overrides["residual"] == "additive" else dict(ddl_state_dtype=state)
+            keep = 0 if overrides["residual"] == "additive" else 2  # 2 blocks: states rebuilt by 1-3 updates
             cfg = GPTConfig.preset(
-                "gpt2-small", n_layer=1, block_size=64, backend="triton", **overrides, **extra
-            )
+                "gpt2-small", n_layer=2, block_size=64, backend="triton", ddl_keep_state_every=keep,
+                **overrides, **extra,
+            )  # fmt: skip
             model = GPT(cfg)
             idx = torch.randint(0, cfg.vocab_size, (1, 64))
             with torch.autocast("cpu", dtype=torch.bfloat16):

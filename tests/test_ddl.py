@@ -377,25 +377,63 @@ def second_update(kind, x1, k, v, beta, extra, erase, rebuild_from=None, backend
     return ddl.ddl_update_compress_tc(x1, k, v, beta, *extra, **kw)
 
 
+def earlier_updates(n, dv, dtype=F64):
+    """x0 and n updates (k, v, beta) of it, the chain a later update rebuilds its input state from."""
+    x0 = rand_update_args(lead=(2, 5), d=20, dv=dv, dtype=dtype)[0]
+    return x0, [rand_update_args(lead=(2, 5), d=20, dv=dv, dtype=dtype)[1:] for _ in range(n)]
+
+
+def run_chain(x0, steps, erase, backend):
+    x = x0
+    for step in steps:
+        x = ddl_update(x, *step, erase=erase, backend=backend)
+    return x
+
+
 @pytest.mark.parametrize("kind,dv", [("plain", 1), ("plain", 4), ("cc", 4), ("tc", 3), ("tc", 1)])
 @pytest.mark.parametrize("erase", [True, False])
-def test_triton_update_rebuilt_matches_reference(triton_small, tc_forward, kind, dv, erase):
-    """Two updates in a row, the second rebuilding its input state in the backward: values and gradients
-    of every input (the first update's too) against the reference chain."""
-    x0, k0, v0, b0 = rand_update_args(lead=(2, 5), d=20, dv=dv)
+@pytest.mark.parametrize("n_steps", [1, 3])
+def test_triton_update_rebuilt_matches_reference(triton_small, tc_forward, kind, dv, erase, n_steps):
+    """n_steps updates, then one that rebuilds its input state from their input in the backward: values
+    and gradients of every input (the earlier updates' too) against the reference chain."""
+    x0, steps = earlier_updates(n_steps, dv)
     k, v, b = rand_update_args(lead=(2, 5), d=20, dv=dv)[1:]
     extra = read_out_weights(kind, dv)
-    inputs = tuple(t.requires_grad_() for t in (x0, k0, v0, b0, k, v, b, *extra))
+    inputs = tuple(t.requires_grad_() for t in (x0, *(t for s in steps for t in s), k, v, b, *extra))
 
     def chain(backend, rebuild):
-        def f(x0, k0, v0, b0, k, v, b, *extra):
-            x1 = ddl_update(x0, k0, v0, b0, erase=erase, backend=backend)
-            upd = (x0, k0, v0, b0) if rebuild else None
-            return second_update(kind, x1, k, v, b, extra, erase, upd, backend)
+        def f(x0, *rest):
+            steps = [rest[3 * i : 3 * i + 3] for i in range(n_steps)]
+            k, v, b, *extra = rest[3 * n_steps :]
+            x = run_chain(x0, steps, erase, backend)
+            return second_update(kind, x, k, v, b, extra, erase, (x0, steps) if rebuild else None, backend)
 
         return f
 
     compare(chain("triton", True), chain("torch", False), inputs)
+
+
+@pytest.mark.parametrize("kind", ["plain", "cc", "tc"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_update_rebuilt_gradients_equal_kept(triton_small, kind, dtype):
+    """The rebuilt state is the one the forward stored (rounded to the state's dtype after each update), so
+    the gradients equal those of the op that keeps it, up to fp32 reduction order."""
+    x0, steps = earlier_updates(2, 4, torch.float32)
+    x0 = x0.to(dtype)
+    k, v, b = rand_update_args(lead=(2, 5), d=20, dv=4, dtype=torch.float32)[1:]
+    extra = [w.float() for w in read_out_weights(kind, 4)]
+    ups = None
+    grads = []
+    for rebuild in (False, True):
+        inputs = [t.detach().clone().requires_grad_() for t in (x0, *(t for s in steps for t in s), k, v, b)]
+        st = [inputs[1 + 3 * i : 4 + 3 * i] for i in range(2)]
+        x = run_chain(inputs[0], st, True, "triton")
+        out = second_update(kind, x, *inputs[7:], extra, True, (inputs[0], st) if rebuild else None)
+        out = out if isinstance(out, tuple) else (out,)
+        ups = ups or [torch.randn_like(o, dtype=torch.float32).to(o.dtype) for o in out]
+        grads.append(torch.autograd.grad(out, inputs, ups))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5)
 
 
 def read_out_weights(kind, dv, d=20, K=3):
@@ -417,16 +455,29 @@ def kept_by_autograd(fn, *args):
 
 @pytest.mark.parametrize("kind", ["plain", "cc", "tc"])
 def test_triton_update_rebuilt_keeps_no_input_state(kind):
-    """The point of rebuild_from: autograd keeps x0 (the first update keeps it anyway), never x1."""
-    x0, k0, v0, b0 = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=4))
+    """The point of rebuild_from: autograd keeps x0 (the first update keeps it anyway), never the states
+    the later updates ran on."""
+    x0, steps = earlier_updates(2, 4)
+    x0.requires_grad_()
     k, v, b = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=4)[1:])
     extra = read_out_weights(kind, 4)
     for rebuild in (False, True):
-        x1 = ddl_update(x0, k0, v0, b0, backend="triton")
-        upd = (x0, k0, v0, b0) if rebuild else None
-        _, kept = kept_by_autograd(second_update, kind, x1, k, v, b, extra, True, upd)
-        assert (x1.data_ptr() in kept) != rebuild
+        x1 = ddl_update(x0, *steps[0], backend="triton")
+        x2 = ddl_update(x1, *steps[1], backend="triton", rebuild_from=(x0, steps[:1]) if rebuild else None)
+        upd = (x0, steps) if rebuild else None
+        _, kept = kept_by_autograd(second_update, kind, x2, k, v, b, extra, True, upd)
+        assert (x2.data_ptr() in kept) != rebuild
+        assert x1.data_ptr() not in kept
         assert (x0.data_ptr() in kept) == rebuild
+
+
+def test_rebuild_from_must_be_a_state_and_updates():
+    x, k, v, b = rand_update_args(lead=(2, 5), d=20, dv=4)
+    for bad in ((x, k, v, b), (x, ()), (x, [(k, v)])):
+        with pytest.raises(ValueError, match="rebuild_from must be"):
+            ddl_update(x, k, v, b, backend="triton", rebuild_from=bad)
+    with pytest.raises(ValueError, match="x0 must be like x"):
+        ddl_update(x, k, v, b, backend="triton", rebuild_from=(x[:1], [(k, v, b)]))
 
 
 @pytest.mark.parametrize("dv,K,erase", [(1, 3, True), (3, 1, False), (4, 6, True), (3, 3, False)])
@@ -612,3 +663,34 @@ def test_gpu_compressors_realistic(dtype, roll, monkeypatch):
         g_ref = torch.autograd.grad((ref * up.double()).sum(), ins64)
         for a, b in zip(g, g_ref):
             assert rel_err(a, b) < tol, fn.__name__
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["plain", "cc", "tc"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_update_rebuilt_realistic(dtype, kind):
+    """A state rebuilt by 3 updates in the backward kernels gives the gradients of keeping it (GPT-2 small
+    width, 4 sequences of 1024; the state dtype's rounding after each update as in the forward)."""
+    dev, B, T, d, dv = "cuda", 4, 1024, 768, 4
+    gen = torch.Generator(dev).manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, device=dev, generator=gen)).to(dtype)
+
+    x0 = rnd(B, T, d, dv)
+    steps = [(rnd(B, T, d), rnd(B, T, dv), (2 * torch.rand(B, T, device=dev, generator=gen)).to(dtype))
+             for _ in range(3)]  # fmt: skip
+    k, v, b = rnd(B, T, d), rnd(B, T, dv), (2 * torch.rand(B, T, device=dev, generator=gen)).to(dtype)
+    extra = [w.to(dev) for w in read_out_weights(kind, dv, d=d, K=4)]
+    extra = [w.float() for w in extra]
+    grads, ups = [], None
+    for rebuild in (False, True):
+        inputs = [t.detach().clone().requires_grad_() for t in (x0, *(t for s in steps for t in s), k, v, b)]
+        st = [inputs[1 + 3 * i : 4 + 3 * i] for i in range(3)]
+        x = run_chain(inputs[0], st, True, "triton")
+        out = second_update(kind, x, *inputs[10:], extra, True, (inputs[0], st) if rebuild else None)
+        out = out if isinstance(out, tuple) else (out,)
+        ups = ups or [torch.randn_like(o, dtype=torch.float32).to(o.dtype) for o in out]
+        grads.append(torch.autograd.grad(out, inputs, ups))
+    for i, (a, b) in enumerate(zip(*grads)):
+        assert rel_err(a, b) < 1e-5, i

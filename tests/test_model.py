@@ -690,3 +690,42 @@ def test_inductor_compile_of_the_triton_deltaformer_model(residual):
     torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=1e-6)
     for p, g in zip(model.parameters(), grads):
         torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("residual", ["ddl-cc", "ddl-tc"])
+def test_kept_states_follow_ddl_keep_state_every(residual):
+    """Autograd keeps the [B, T, d, d_v] state at every N-th block's input and rebuilds the others in the
+    backward: the gradients are those of keeping every state (0), and fewer states stay alive."""
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads, kept = {}, {}
+    for every in (0, 1, 3):
+        torch.manual_seed(0)
+        cfg = GPTConfig(
+            n_layer=3, n_head=2, n_embd=32, head_dim=16, block_size=16, vocab_size=64, residual=residual,
+            ddl_dv=3, backend="triton", ddl_keep_state_every=every,
+        )  # fmt: skip
+        model, states = GPT(cfg), set()
+
+        def pack(t, states=states):
+            if tuple(t.shape) in ((2, 16, 32, 3), (32, 32, 3)):  # as the model or as the ops see it
+                states.add(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _, loss = model(idx, idx)
+        loss.backward()
+        grads[every] = [p.grad for p in model.parameters()]
+        kept[every] = len(states)
+    for every in (1, 3):
+        for a, b in zip(grads[every], grads[0]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert kept == {0: 6, 1: 3, 3: 1}  # 2 per block, 1 per block, 1 per 3 blocks
+
+
+def test_ddl_keep_state_every_default():
+    # d_v = 1: the state is the sublayer's input, which autograd keeps anyway, so nothing to rebuild
+    assert GPTConfig(residual="ddl").ddl_keep_state_every == 0
+    assert GPTConfig(residual="ddl-cc").ddl_keep_state_every == 4
+    assert GPTConfig(residual="additive").ddl_keep_state_every == 0
+    with pytest.raises(ValueError, match="ddl_keep_state_every"):
+        GPTConfig(residual="ddl-tc", ddl_keep_state_every=-1)

@@ -35,9 +35,9 @@ over the [B, T, d, d_v] state. One program owns whole tokens ([d, d_v] tiles; d_
 the forward reads x and writes x' once, the backward reads x and dL/dx' and writes dx once, and the fused
 entry points form the next sublayer's read-out from x' in registers: 5 passes per sublayer where update
 then compressor take 11. All are torch.library custom ops with fake implementations, so torch.compile
-keeps them in its graph. A block's second update can rebuild its input state in the backward
-(rebuild_from) so that autograd keeps one state per block. Their speed against the bytes they must move:
-bench/bench_ddl.py and bench/RESULTS.md.
+keeps them in its graph. An update can rebuild its input state in the backward from an earlier state and
+the updates since (rebuild_from), so that autograd keeps one state per run of updates. Their speed against
+the bytes they must move: bench/bench_ddl.py and bench/RESULTS.md.
 """
 
 from ..common import BACKENDS, resolve_backend
@@ -79,22 +79,27 @@ __all__ = [
 ]
 
 
-# rebuild_from (every update below): (x0, k0, v0, beta0) of the update that made x from x0, with the same eps
-# and erase. The Triton path then keeps x0 for the backward instead of x and rebuilds x there (one more
-# update kernel), so a block's two updates keep one state alive, not two; the reference ignores it.
+# rebuild_from (every update below): (x0, steps), x made from x0 by the updates steps = ((k0, v0, beta0), ...)
+# in order, with the same eps and erase. The Triton path then keeps x0 for the backward instead of x and its
+# backward kernels rebuild x as they read it, so a run of updates keeps one state alive, not one each; the
+# reference ignores it.
 
 
 def _check_rebuild_from(fn, x, rebuild_from):
     if rebuild_from is None:
         return
-    if not (isinstance(rebuild_from, (tuple, list)) and len(rebuild_from) == 4):
-        raise ValueError(f"{fn}: rebuild_from must be (x0, k0, v0, beta0), got {type(rebuild_from).__name__}")
-    _check_update_args(*rebuild_from)
-    if rebuild_from[0].shape != x.shape or rebuild_from[0].dtype != x.dtype:
+    ok = isinstance(rebuild_from, (tuple, list)) and len(rebuild_from) == 2
+    steps = rebuild_from[1] if ok else None
+    if not (ok and isinstance(steps, (tuple, list)) and steps and all(len(s) == 3 for s in steps)):
+        raise ValueError(f"{fn}: rebuild_from must be (x0, ((k0, v0, beta0), ...)), got {rebuild_from!r:.80}")
+    x0 = rebuild_from[0]
+    if x0.shape != x.shape or x0.dtype != x.dtype:
         raise ValueError(
             f"{fn}: rebuild_from's x0 must be like x ({x.dtype} {tuple(x.shape)}), got "
-            f"{rebuild_from[0].dtype} {tuple(rebuild_from[0].shape)}"
+            f"{x0.dtype} {tuple(x0.shape)}"
         )
+    for step in steps:
+        _check_update_args(x0, *step)
 
 
 def ddl_update(x, k, v, beta, eps=1e-5, erase=True, backend="auto", rebuild_from=None):

@@ -66,26 +66,47 @@ def _token_tile(D, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexp
 
 
 @triton.jit
-def _update_token_inputs(
-    n, ok, X, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, off2,
-    DV: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
-):  # fmt: skip
-    """What the update of token n reads, forward and backward (zeros where ok, a scalar condition, is
-    false): its masks, rs = 1 / sqrt(|k|^2 + eps^2) and khat = k rs, the state x, beta, and
-    r = v - khat^T x (r = v without the erase)."""
-    okd = offs_d * 0 + ok.to(tl.int32) != 0  # vector masks (the interpreter rejects scalar & vector)
-    okv = offs_v * 0 + ok.to(tl.int32) != 0
-    m2 = (md & okd)[:, None] & mv[None, :]
+def _token_update_terms(n, ok, okd, okv, x, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv,
+                        DV: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr):  # fmt: skip
+    """rs = 1 / sqrt(|k|^2 + eps^2), khat = k rs, beta and r = v - khat^T x (r = v without the erase) of
+    token n's update of state x (zeros where ok, a scalar condition, is false)."""
     k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
     rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
     kh = k * rs
-    x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
     v = tl.load(V + n * DV + offs_v, mask=mv & okv, other=0.0).to(CT)
     b = tl.load(BETA + n, mask=ok, other=0.0).to(CT)
     if ERASE:
         r = v - tl.sum(kh[:, None] * x, axis=0)  # v^T - khat^T x
     else:
         r = v
+    return rs, kh, b, r
+
+
+@triton.jit
+def _update_token_inputs(
+    n, ok, X, Kd, V, BETA, CHAIN, N, D, eps, offs_d, offs_v, md, mv, off2,
+    DV: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    """What the update of token n reads, forward and backward (zeros where ok, a scalar condition, is
+    false): its masks, rs and khat, the state x, beta and r (_token_update_terms). CHAIN = (ks, vs, betas,
+    RS, R): X holds x0 and x is rebuilt from it by the updates (ks[i], vs[i], betas[i]) in order (the
+    backward's rebuild_from; empty tuples: X holds x), their rs and r stored to RS [len, N] and
+    R [len, N, DV] for the TC weight gradient."""
+    okd = offs_d * 0 + ok.to(tl.int32) != 0  # vector masks (the interpreter rejects scalar & vector)
+    okv = offs_v * 0 + ok.to(tl.int32) != 0
+    m2 = (md & okd)[:, None] & mv[None, :]
+    x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+    ks, vs, bs, RS, R = CHAIN
+    for i in tl.static_range(len(ks)):  # as the forward computed it, rounded to the state's dtype
+        rs, kh, b, r = _token_update_terms(
+            n, ok, okd, okv, x, ks[i], vs[i], bs[i], D, eps, offs_d, offs_v, md, mv, DV, ERASE, CT
+        )
+        x = (x + b * kh[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)
+        tl.store(R + (i * N + n) * DV + offs_v, r, mask=mv & okv)
+        tl.store(RS + i * N + n + offs_v * 0, rs + tl.zeros_like(r), mask=(offs_v == 0) & okv)
+    rs, kh, b, r = _token_update_terms(
+        n, ok, okd, okv, x, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, DV, ERASE, CT
+    )
     return ok, okd, m2, rs, kh, x, b, r
 
 
@@ -118,8 +139,9 @@ def _update_fwd_kernel(
     for tt in tl.static_range(TOKENS):
         n = pid * TOKENS + tt
         _, okd, m2, rs, kh, x, b, r = _update_token_inputs(
-            n, n < N, X, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
-        )
+            n, n < N, X, Kd, V, BETA, ((), (), (), X, X), N, D, eps, offs_d, offs_v, md, mv, off2, DV,
+            ERASE, CT,
+        )  # fmt: skip
         xn = (x + b * kh[:, None] * r[None, :]).to(XOUT.dtype.element_ty)
         tl.store(XOUT + n * D * DV + off2, xn, mask=m2)
         if COMPRESS:  # the next sublayer's CC read-out of the state just written (as stored)
@@ -133,7 +155,7 @@ def _update_fwd_kernel(
 
 @triton.jit
 def _update_bwd_token(
-    n, X, Kd, V, BETA, w, G, DH, DX, DK, DVo, DBETA, N, D, eps, offs_d, offs_v, md, mv, off2,
+    n, X, Kd, V, BETA, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D, eps, offs_d, offs_v, md, mv, off2,
     DV: tl.constexpr, ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # One token of the backward; returns its contribution dh xn^T to the CC weight gradient.
@@ -141,7 +163,7 @@ def _update_bwd_token(
     # dx = G - b khat (khat^T G);  dv = b G^T khat;  dbeta = r . (G^T khat);
     # dkhat = b (G r - x G^T khat);  dk = (dkhat - khat (khat . dkhat)) / sqrt(|k|^2 + eps^2).
     ok, okd, m2, rs, kh, x, b, r = _update_token_inputs(
-        n, n < N, X, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
+        n, n < N, X, Kd, V, BETA, CHAIN, N, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
     )
     g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
     dw = w * 0.0
@@ -160,7 +182,7 @@ def _update_bwd_token(
 
 @triton.jit
 def _update_bwd_kernel(
-    X, Kd, V, BETA, W, G, DH, DX, DK, DVo, DBETA, DWP, N, D, eps,
+    X, Kd, V, BETA, CHAIN, W, G, DH, DX, DK, DVo, DBETA, DWP, N, D, eps,
     TOKENS: tl.constexpr, PIPELINE: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_V: tl.constexpr, ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
@@ -176,13 +198,13 @@ def _update_bwd_kernel(
     if PIPELINE:
         for tt in tl.range(0, TOKENS, num_stages=2):
             dw += _update_bwd_token(
-                pid * TOKENS + tt, X, Kd, V, BETA, w, G, DH, DX, DK, DVo, DBETA, N, D, eps,
+                pid * TOKENS + tt, X, Kd, V, BETA, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D, eps,
                 offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, CT,
             )  # fmt: skip
     else:
         for tt in range(TOKENS):
             dw += _update_bwd_token(
-                pid * TOKENS + tt, X, Kd, V, BETA, w, G, DH, DX, DK, DVo, DBETA, N, D, eps,
+                pid * TOKENS + tt, X, Kd, V, BETA, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D, eps,
                 offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, CT,
             )  # fmt: skip
     if COMPRESS:
@@ -454,8 +476,8 @@ def _update_tc_fwd_kernel(
     acc = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
     for j in tl.static_range(KW):  # token s = n - (KW-1) + j of the same sequence, or zeros before it
         _, _, _, rs, kh, x, b, r = _update_token_inputs(
-            n - (KW - 1) + j, t - (KW - 1) + j >= 0, X, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv,
-            off2, DV, ERASE, CT,
+            n - (KW - 1) + j, t - (KW - 1) + j >= 0, X, Kd, V, BETA, ((), (), (), X, X), N, D, eps, offs_d,
+            offs_v, md, mv, off2, DV, ERASE, CT,
         )  # fmt: skip
         xn = (x + b * kh[:, None] * r[None, :]).to(XOUT.dtype.element_ty)
         w = tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT)
@@ -469,7 +491,7 @@ def _update_tc_fwd_kernel(
 
 @triton.jit
 def _update_tc_bwd_kernel(
-    X, Kd, V, BETA, WT, G, DH, DX, DK, DVo, DBETA, N, T, D, eps, TOKENS,
+    X, Kd, V, BETA, CHAIN, WT, G, DH, DX, DK, DVo, DBETA, N, T, D, eps, TOKENS,
     KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
     ERASE: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
@@ -481,7 +503,7 @@ def _update_tc_bwd_kernel(
         n = pid * TOKENS + tt
         t = n % T
         ok, okd, m2, rs, kh, x, b, r = _update_token_inputs(
-            n, n < N, X, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
+            n, n < N, X, Kd, V, BETA, CHAIN, N, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
         )
         g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
         for j in tl.static_range(KW):
@@ -497,13 +519,26 @@ def _update_tc_bwd_kernel(
 
 
 @triton.jit
+def _chan_update(x, n, okd, okv, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV: tl.constexpr,
+                 CT: tl.constexpr):  # fmt: skip
+    # x + beta (k rs) r^T on a channel block of token n, from the update's stored rs [N] and r [N, DV]
+    k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
+    rs = tl.sum(tl.load(RS + n + offs_v * 0, mask=okv & (offs_v == 0), other=0.0), axis=0)
+    b = tl.sum(tl.load(BETA + n + offs_v * 0, mask=okv & (offs_v == 0), other=0.0).to(CT), axis=0)
+    r = tl.load(R + n * DV + offs_v, mask=mv & okv, other=0.0)
+    return x + b * (k * rs)[:, None] * r[None, :]
+
+
+@triton.jit
 def _update_tc_wgrad_kernel(
-    X, Kd, BETA, RS, R, DH, DWP, N, T, D, TOKENS,
+    X, Kd, BETA, RS, R, CHAIN, DH, DWP, N, T, D, TOKENS,
     KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
     CT: tl.constexpr,
 ):  # fmt: skip
-    # dWT[j] = sum_n dh[n + KW-1 - j] x'[n], x'[n] = x + beta (k rs) r^T rebuilt per channel block
+    # dWT[j] = sum_n dh[n + KW-1 - j] x'[n], x'[n] = x + beta (k rs) r^T rebuilt per channel block (from
+    # x0 through the updates of CHAIN first, with the rs and r the backward kernel stored for them)
     pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
+    ks, _, bs, CRS, CR = CHAIN
     acc = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
     for tt in range(TOKENS):
         n = pid * TOKENS + tt
@@ -512,12 +547,13 @@ def _update_tc_wgrad_kernel(
         dst, valid = _window(n, T, N, offs_j, mj, KW, False)
         dh2 = tl.load(DH + dst[:, None] * D + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
         x = tl.load(X + n * D * DV + off2, mask=m2 & okd[:, None], other=0.0).to(CT)
-        k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
-        rs = tl.sum(tl.load(RS + n + offs_v * 0, mask=okv & (offs_v == 0), other=0.0), axis=0)
-        b = tl.sum(tl.load(BETA + n + offs_v * 0, mask=okv & (offs_v == 0), other=0.0).to(CT), axis=0)
-        r = tl.load(R + n * DV + offs_v, mask=mv & okv, other=0.0)
-        xn = (x + b * (k * rs)[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)
-        acc += dh2.to(CT)[:, :, None] * xn[None, :, :]
+        for i in tl.static_range(len(ks)):
+            x = _chan_update(
+                x, n, okd, okv, ks[i], bs[i], CRS + i * N, CR + i * N * DV, D, offs_d, offs_v, md, mv, DV, CT
+            )  # fmt: skip
+            x = x.to(X.dtype.element_ty).to(CT)
+        xn = _chan_update(x, n, okd, okv, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV, CT)
+        acc += dh2.to(CT)[:, :, None] * xn.to(X.dtype.element_ty).to(CT)[None, :, :]
     off3 = offs_j[:, None, None] * D * DV + off2[None]
     tl.store(DWP + pid * KW * D * DV + off3, acc, mask=mj[:, None, None] & m2[None])
 
@@ -541,6 +577,14 @@ def _use_rows(DV, weight, dtype):
 
 def _chan_grid(N, D, cfg):
     return (triton.cdiv(N, cfg["TOKENS"]), triton.cdiv(D, cfg["BLOCK_D"]))
+
+
+def _chain(x0, ks, vs, betas):
+    """The backward kernels' CHAIN argument (see _update_token_inputs) for a state rebuilt from x0 by the
+    updates (ks[i], vs[i], betas[i]), with the fp32 buffers their rs [len, N] and r [len, N, d_v] go to."""
+    N, _, DV = x0.shape
+    rs, r = _new((len(ks), N), x0, dtype=acc_dtype(x0)), _new((len(ks), N, DV), x0, dtype=acc_dtype(x0))
+    return (tuple(ks), tuple(vs), tuple(betas), rs, r)
 
 
 @torch.library.custom_op("ddl::update", mutates_args=())
@@ -580,16 +624,19 @@ def _(x, k, v, beta, weight, eps, erase):
     return torch.empty_like(x), x.new_empty((x.shape[0], x.shape[1]) if weight is not None else (0,))
 
 
+# The backward ops take the chain (ks, vs, betas) of updates that made their state x from x0 (rebuild_from):
+# given one, x is x0 and the kernels rebuild x in registers as they load it.
 @torch.library.custom_op("ddl::update_bwd", mutates_args=())
 def _update_bwd_op(
     x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor | None,
-    g: torch.Tensor, dh: torch.Tensor | None, eps: float, erase: bool,
+    g: torch.Tensor, dh: torch.Tensor | None, eps: float, erase: bool, ks: list[torch.Tensor],
+    vs: list[torch.Tensor], betas: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     N, D, DV = x.shape
     cfg = _cfg("update_bwd", x.dtype)
     nprog = triton.cdiv(N, cfg["TOKENS"])
     dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
-    if _use_rows(DV, weight, x.dtype):
+    if _use_rows(DV, weight, x.dtype) and not ks:
         rcfg = _cfg("update_row", x.dtype)
         _update_row_bwd_kernel[(triton.cdiv(N, rcfg["ROWS"]),)](
             x, k, v, beta, g, dx, dk, dv, dbeta, N, D, eps, ROWS=rcfg["ROWS"], BLOCK_D=_pow2(D),
@@ -599,7 +646,8 @@ def _update_bwd_op(
     compress = weight is not None
     dwp = _new((nprog, D, DV) if compress else (0,), x, dtype=acc_dtype(x))
     _update_bwd_kernel[(nprog,)](
-        x, k, v, beta, weight if compress else x, g, dh if compress else g, dx, dk, dv, dbeta, dwp,
+        x, k, v, beta, _chain(x, ks, vs, betas), weight if compress else x, g, dh if compress else g,
+        dx, dk, dv, dbeta, dwp,
         N, D, eps, TOKENS=cfg["TOKENS"], PIPELINE=cfg.get("PIPELINE", False), DV=DV, BLOCK_D=_pow2(D),
         BLOCK_V=_pow2(DV), ERASE=erase, COMPRESS=compress, CT=_ct(x, k, v, beta, g),
         num_warps=cfg["num_warps"],
@@ -609,7 +657,7 @@ def _update_bwd_op(
 
 
 @_update_bwd_op.register_fake
-def _(x, k, v, beta, weight, g, dh, eps, erase):
+def _(x, k, v, beta, weight, g, dh, eps, erase, ks, vs, betas):
     dw = torch.empty_like(weight) if weight is not None else x.new_empty(0)
     return torch.empty_like(x), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta), dw
 
@@ -620,13 +668,14 @@ def _update_setup(ctx, inputs, output):
     ctx.eps, ctx.erase = eps, erase
 
 
-def _update_grads_of(x, k, v, beta, weight, gx, gh, eps, erase):
-    """(dx, dk, dv, dbeta, dweight or None) of ddl::update at x, for the output gradients gx, gh."""
+def _update_grads_of(x, k, v, beta, weight, gx, gh, eps, erase, chain=((), (), ())):
+    """(dx, dk, dv, dbeta, dweight or None) of ddl::update at x (or at x rebuilt from x0 = x by the updates
+    chain = (ks, vs, betas)), for the output gradients gx, gh."""
     gx = torch.zeros_like(x) if gx is None else gx.contiguous()
     if weight is not None:
         gh = torch.zeros(x.shape[:2], dtype=x.dtype, device=x.device) if gh is None else gh.contiguous()
     dx, dk, dv, dbeta, dw = _update_bwd_op(
-        x, k, v, beta, weight, gx, gh if weight is not None else None, eps, erase
+        x, k, v, beta, weight, gx, gh if weight is not None else None, eps, erase, *map(list, chain)
     )
     return dx, dk, dv, dbeta, (dw if weight is not None else None)
 
@@ -804,14 +853,16 @@ def _(x, k, v, beta, wt, T, eps, erase):
 def _update_tc_bwd_op(
     x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, wt: torch.Tensor, rs: torch.Tensor,
     r: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, T: int, eps: float, erase: bool,
+    ks: list[torch.Tensor], vs: list[torch.Tensor], betas: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     N, D, DV = x.shape
     KW = wt.shape[0]
+    chain = _chain(x, ks, vs, betas)
     dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
     ct = _ct(x, k, v, beta, g)
     bcfg = LAUNCH["tc_bwd"]
     _update_tc_bwd_kernel[(triton.cdiv(N, bcfg["TOKENS"]),)](
-        x, k, v, beta, wt, g, dh, dx, dk, dv, dbeta, N, T, D, eps, bcfg["TOKENS"], KW=KW, DV=DV,
+        x, k, v, beta, chain, wt, g, dh, dx, dk, dv, dbeta, N, T, D, eps, bcfg["TOKENS"], KW=KW, DV=DV,
         BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), ERASE=erase, CT=ct, num_warps=bcfg["num_warps"],
     )  # fmt: skip
     cfg = LAUNCH["chan_bwd"]
@@ -819,14 +870,14 @@ def _update_tc_bwd_op(
     grid = _chan_grid(N, D, {**cfg, "BLOCK_D": bd})
     dwp = _new((grid[0], KW, D, DV), x, dtype=rs.dtype)
     _update_tc_wgrad_kernel[grid](
-        x, k, beta, rs, r, dh, dwp, N, T, D, cfg["TOKENS"], KW=KW, KP=_pow2(KW), DV=DV, BLOCK_D=bd,
+        x, k, beta, rs, r, chain, dh, dwp, N, T, D, cfg["TOKENS"], KW=KW, KP=_pow2(KW), DV=DV, BLOCK_D=bd,
         BLOCK_V=_pow2(DV), CT=ct, num_warps=cfg["num_warps"],
     )  # fmt: skip
     return dx, dk, dv, dbeta, dwp.sum(0).to(wt.dtype)
 
 
 @_update_tc_bwd_op.register_fake
-def _(x, k, v, beta, wt, rs, r, g, dh, T, eps, erase):
+def _(x, k, v, beta, wt, rs, r, g, dh, T, eps, erase, ks, vs, betas):
     return (
         torch.empty_like(x),
         torch.empty_like(k),
@@ -842,11 +893,12 @@ def _update_tc_setup(ctx, inputs, output):
     ctx.T, ctx.eps, ctx.erase = T, eps, erase
 
 
-def _update_tc_grads_of(x, k, v, beta, wt, rs, r, gx, gh, T, eps, erase):
-    """(dx, dk, dv, dbeta, dwt) of ddl::update_tc at x, for the output gradients gx, gh."""
+def _update_tc_grads_of(x, k, v, beta, wt, rs, r, gx, gh, T, eps, erase, chain=((), (), ())):
+    """(dx, dk, dv, dbeta, dwt) of ddl::update_tc at x (or rebuilt from it, as _update_grads_of), for the
+    output gradients gx, gh."""
     gx = torch.zeros_like(x) if gx is None else gx.contiguous()
     gh = torch.zeros(x.shape[:2], dtype=x.dtype, device=x.device) if gh is None else gh.contiguous()
-    return _update_tc_bwd_op(x, k, v, beta, wt, rs, r, gx, gh, T, eps, erase)
+    return _update_tc_bwd_op(x, k, v, beta, wt, rs, r, gx, gh, T, eps, erase, *map(list, chain))
 
 
 def _update_tc_backward(ctx, gx, gh, _grs, _gr):
@@ -865,42 +917,44 @@ def _update_with_read(x, k, v, beta, weight, wt, T, eps, erase):
     return (*_update_op(x, k, v, beta, weight, eps, erase), x.new_empty(0), x.new_empty(0))
 
 
-# The second update of a block, on a state x that the block's first update made from x0: the same forward
-# as ddl::update (wt None) or ddl::update_tc, but autograd keeps x0 and the first update's (k0, v0, beta0),
-# which the first update keeps anyway, instead of x: the backward rebuilds x with one more update kernel
-# (a read of x0 and a write of x). One state per block stays alive for the backward instead of two.
+# An update on a state x that earlier updates made from x0 (rebuild_from): the same forward as ddl::update
+# (wt None) or ddl::update_tc, but autograd keeps x0 and the earlier updates' (k, v, beta), which their own
+# ops keep anyway, instead of x: the backward kernels rebuild x in registers as they load it (the same
+# reads of the state, plus each earlier update's k). Fewer states stay alive for the backward.
 @torch.library.custom_op("ddl::update_rebuilt", mutates_args=())
 def _update_rebuilt_op(
     x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor | None,
-    wt: torch.Tensor | None, T: int, x0: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
-    beta0: torch.Tensor, eps: float, erase: bool,
+    wt: torch.Tensor | None, T: int, x0: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor],
+    betas: list[torch.Tensor], eps: float, erase: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     return _update_with_read(x, k, v, beta, weight, wt, T, eps, erase)
 
 
 @_update_rebuilt_op.register_fake
-def _(x, k, v, beta, weight, wt, T, x0, k0, v0, beta0, eps, erase):  # the ops it calls have fakes
+def _(x, k, v, beta, weight, wt, T, x0, ks, vs, betas, eps, erase):  # the ops it calls have fakes
     return _update_with_read(x, k, v, beta, weight, wt, T, eps, erase)
 
 
 def _update_rebuilt_setup(ctx, inputs, output):
-    x, k, v, beta, weight, wt, T, x0, k0, v0, beta0, eps, erase = inputs
-    ctx.save_for_backward(k, v, beta, weight, wt, output[2], output[3], x0, k0, v0, beta0)
-    ctx.T, ctx.eps, ctx.erase = T, eps, erase
+    x, k, v, beta, weight, wt, T, x0, ks, vs, betas, eps, erase = inputs
+    ctx.save_for_backward(k, v, beta, weight, wt, output[2], output[3], x0, *ks, *vs, *betas)
+    ctx.T, ctx.eps, ctx.erase, ctx.steps = T, eps, erase, len(ks)
 
 
 def _update_rebuilt_backward(ctx, gx, gh, _grs, _gr):
-    k, v, beta, weight, wt, rs, r, x0, k0, v0, beta0 = ctx.saved_tensors
-    x, _ = _update_op(x0, k0, v0, beta0, None, ctx.eps, ctx.erase)
+    k, v, beta, weight, wt, rs, r, x0, *chain = ctx.saved_tensors
+    n = ctx.steps
+    chain = (chain[:n], chain[n : 2 * n], chain[2 * n :])
     if wt is not None:
         dx, dk, dv, dbeta, dwt = _update_tc_grads_of(
-            x, k, v, beta, wt, rs, r, gx, gh, ctx.T, ctx.eps, ctx.erase
+            x0, k, v, beta, wt, rs, r, gx, gh, ctx.T, ctx.eps, ctx.erase, chain
         )
         dw = None
     else:
-        dx, dk, dv, dbeta, dw = _update_grads_of(x, k, v, beta, weight, gx, gh, ctx.eps, ctx.erase)
+        dx, dk, dv, dbeta, dw = _update_grads_of(x0, k, v, beta, weight, gx, gh, ctx.eps, ctx.erase, chain)
         dwt = None
-    return dx, dk, dv, dbeta, dw, dwt, None, None, None, None, None, None, None
+    no_grads = [None] * n  # the earlier updates get theirs from their own ops
+    return dx, dk, dv, dbeta, dw, dwt, None, None, no_grads, no_grads, no_grads, None, None
 
 
 torch.library.register_autograd(
@@ -933,11 +987,14 @@ def _tap_weights(conv_weight, read=None):
 
 def _update_any(x, k, v, beta, weight, wt, T, eps, erase, rebuild_from):
     """(x_new, h) of the update (+ CC read-out with weight, + TC read-out with taps wt), through the op that
-    keeps x for the backward, or, given rebuild_from = (x0, k0, v0, beta0) with x = update(x0, ...), the
-    op that rebuilds x there."""
+    keeps x for the backward, or, given rebuild_from = (x0, steps) with x made from x0 by the updates
+    steps = ((k0, v0, beta0), ...), the op that rebuilds x there."""
     flat, eps, erase = _flat(x, k, v, beta), float(eps), bool(erase)
     if rebuild_from is not None:
-        out = _update_rebuilt_op(*flat, weight, wt, T, *_flat(*rebuild_from), eps, erase)
+        x0, steps = rebuild_from
+        chain = [_flat(x0, *step)[1:] for step in steps]
+        ks, vs, betas = ([step[i] for step in chain] for i in range(3))
+        out = _update_rebuilt_op(*flat, weight, wt, T, _flat(x0, *steps[0])[0], ks, vs, betas, eps, erase)
     else:
         out = _update_with_read(*flat, weight, wt, T, eps, erase)
     return out[0].view(x.shape), out[1]
