@@ -1,0 +1,126 @@
+"""Does this code train like another checkout of it? The same short runs, loss for loss, beside a yardstick.
+
+    git worktree add ../ref COMMIT        # the code to compare against
+    python bench/bench_curves.py --ref ../ref --variants ddl,ddl-cc,ddl-tc --iters 200 --out DIR
+    python bench/bench_curves.py --table DIR                # the table of finished runs
+
+For each variant, three `train.py configs/shakespeare.py` runs (same seed, data, recipe; --iters iterations,
+compiled bf16 on a GPU), side by side on one device, in DIR/<variant>-<run>:
+  this   this checkout;
+  ref    the --ref checkout (its train.py and model.py, this checkout's Shakespeare data);
+  split  this checkout with each batch as two micro-batches of half the rows (gradient accumulation): the
+         same mathematics summed in another order, so |split - this| is what bf16 rounding alone moves.
+The table gives the largest and the mean |train loss difference| over the iterations, ref against this and
+split against this (the yardstick), and the final train losses.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import atomic_write, versions  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESIDUALS = {"additive": {}, "ddl": dict(residual="ddl"), "ddl-cc": dict(residual="ddl-cc")}
+RESIDUALS["ddl-tc"] = dict(residual="ddl-tc")
+RUNS = ("this", "ref", "split")
+
+
+def run_args(variant, run, iters, data_dir, extra=(), batch_size=8):
+    """train.py's arguments (after the config file) for one run; extra: more KEY=VALUE config keys."""
+    args = dict(max_iters=iters, lr_decay_iters=iters, eval_interval=iters, log_interval=max(iters // 10, 1))
+    args |= dict(data_dir=os.path.abspath(data_dir), overwrite=True, **RESIDUALS[variant])
+    if run == "split":
+        args |= dict(batch_size=batch_size // 2, gradient_accumulation_steps=2)
+    return [f"--{k}={v}" for k, v in args.items()] + [f"--{kv}" for kv in extra]
+
+
+def train_losses(run_dir):
+    """{iteration: train loss} from a run's log.jsonl ({} if it has none)."""
+    path = os.path.join(run_dir, "log.jsonl")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return {r["iter"]: r["train_loss"] for r in records if "train_loss" in r}
+
+
+def diffs(a, b):
+    """(max, mean) |a - b| over the iterations both have, or None if they share none."""
+    common = sorted(set(a) & set(b))
+    if not common:
+        return None
+    d = [abs(a[i] - b[i]) for i in common]
+    return max(d), sum(d) / len(d)
+
+
+def table(out, variants):
+    fmt = lambda d: "n/a | n/a" if d is None else f"{d[0]:.2e} | {d[1]:.2e}"  # noqa: E731
+    head = [
+        "variant",
+        "iters",
+        "ref - this: max",
+        "mean",
+        "split - this (yardstick): max",
+        "mean",
+        "final this / ref",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|---|---:|---:|---:|---:|---:|---|"]
+    for v in variants:
+        losses = {run: train_losses(os.path.join(out, f"{v}-{run}")) for run in RUNS}
+        this = losses["this"]
+        last = max(this) if this else None
+        final = f"{this[last]:.4f} / {losses['ref'].get(last, float('nan')):.4f}" if this else "n/a"
+        lines.append(
+            f"| {v} | {len(this)} | {fmt(diffs(losses['ref'], this))} | {fmt(diffs(losses['split'], this))} "
+            f"| {final} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ref", help="the other checkout (its train.py is run)")
+    p.add_argument("--variants", default="ddl,ddl-cc,ddl-tc", help=f"comma-separated, of {tuple(RESIDUALS)}")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--out", default="out-curves")
+    p.add_argument("--data-dir", default=os.path.join(REPO, "data", "shakespeare"), help="train.bin, val.bin")
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more train.py config keys")
+    p.add_argument("--table", metavar="DIR", help="only print the table of the runs in DIR")
+    args = p.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in RESIDUALS]
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; choose from {tuple(RESIDUALS)}")
+    if args.table:
+        print(table(args.table, variants))
+        return
+    if not args.ref or not os.path.exists(os.path.join(args.ref, "train.py")):
+        p.error(f"--ref must be a checkout holding train.py, got {args.ref!r}")
+    command = "python bench/bench_curves.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    procs = []
+    for v in variants:
+        for run in RUNS:
+            run_dir = os.path.abspath(os.path.join(args.out, f"{v}-{run}"))
+            os.makedirs(run_dir, exist_ok=True)
+            cwd = os.path.abspath(args.ref) if run == "ref" else REPO
+            cmd = [sys.executable, "train.py", "configs/shakespeare.py", f"--out_dir={run_dir}"]
+            cmd += run_args(v, run, args.iters, args.data_dir, args.set)
+            with open(os.path.join(run_dir, "train.out"), "w") as f:
+                procs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd), run_dir))
+    t0 = time.time()
+    failed = [d for proc, d in procs if proc.wait() != 0]
+    report = f"Command: `{command}`\n{versions()}\n{len(procs)} runs in {time.time() - t0:.0f} s"
+    report += f"; failed (see train.out): {failed}\n\n" if failed else "\n\n"
+    report += table(args.out, variants)
+    print(report)
+    atomic_write(os.path.join(args.out, "curves.md"), report + "\n")
+
+
+if __name__ == "__main__":
+    main()
