@@ -152,9 +152,9 @@ def sweep_update(args, do_bench, report, dtype, dv):
         out = ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton")
         return torch.autograd.grad(out, (x, k, v, beta, cw, read), (gx, gh))
 
-    roll_cfgs = ((64, 128, 2, 4), (64, 128, 1, 4), (128, 128, 3, 4), (64, 256, 2, 8), (32, 64, 2, 2))
-    for tok, bd, stages, nw in roll_cfgs:  # the one-pass TC forward (LAUNCH["tc_fwd"] ROLL)
-        cfg = dict(ROLL=True, TOKENS=tok, BLOCK_D=bd, STAGES=stages, num_warps=nw)
+    tc_cfgs = ((64, 128, 2, 4), (64, 128, 1, 4), (128, 128, 3, 4), (64, 256, 2, 8), (32, 64, 2, 2))
+    for tok, bd, stages, nw in tc_cfgs:  # the TC read-out's forward (one pass in token order)
+        cfg = dict(TOKENS=tok, BLOCK_D=bd, STAGES=stages, num_warps=nw)
         mark = " (shipped)" if cfg == ship["tc_fwd"] else ""
         with launch_shapes(tc_fwd=cfg):
             timed(
@@ -237,19 +237,6 @@ def bench_kernels_dtype(args, dtype, do_bench, report):
 
         return run
 
-    def rolled(fn):
-        """fn with the other TC read-out forward (LAUNCH["tc_fwd"] ROLL: one pass in token order)"""
-        from kernels.ddl.triton import LAUNCH
-
-        def run():
-            with launch_shapes(tc_fwd={**LAUNCH["tc_fwd"], "ROLL": True}):
-                return fn()
-
-        return run
-
-    def update_tc():
-        return ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton")
-
     def unfused():
         xn = ddl.ddl_update(x, k, v, beta, backend="triton")
         return xn, ddl.compress_cc(xn, w, backend="triton")
@@ -285,23 +272,8 @@ def bench_kernels_dtype(args, dtype, do_bench, report):
             lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton"),
             2 * S + 2 * V,
         ),
-        (
-            "update+tc f+b  fused triton, roll",
-            rolled(fb(update_tc, (gx, gh))),
-            6 * S + 6 * V,
-        ),
-        (
-            "update+tc fwd  fused triton, roll",
-            rolled(update_tc),
-            2 * S + 2 * V,
-        ),
         ("cc f+b  triton", fb(lambda: ddl.compress_cc(x, w, backend="triton"), (gh,)), 3 * S + 2 * V),
         ("tc f+b  triton", fb(lambda: ddl.compress_tc(x, cw, read, backend="triton"), (gh,)), 3 * S + 2 * V),
-        (
-            "tc f+b  triton, roll",
-            rolled(fb(lambda: ddl.compress_tc(x, cw, read, backend="triton"), (gh,))),
-            3 * S + 2 * V,
-        ),
         ("tc f+b  torch.compile(ref)", fb(lambda: tc_c(x, cw, read), (gh,)), 3 * S + 2 * V),
         ("ec f+b  triton", fb(lambda: ddl.expand_ec(emb, cw, backend="triton"), (gx,)), 2 * S + 3 * V),
     ]

@@ -12,10 +12,8 @@ each against additive + softmax attention of the same size measured in the same 
 
 Variants: additive, ddl (d_v = 1), ddl-tc, ddl-cc (EC on), each with softmax attention, and additive /
 ddl-cc with Deltaformer; a "-bf16" suffix (ddl-bf16, ddl-tc-bf16, ddl-cc-bf16, ddl-cc-bf16+deltaformer)
-is the same model with the DDL state stored in bf16 (GPTConfig.ddl_state_dtype="bfloat16"); ddl-tc-roll is
-ddl-tc with the other TC read-out forward (kernels/ddl/triton.py LAUNCH["tc_fwd"]), and a "+gate-sums" row
-the same model with v's and beta's projections as multiply + sum (gate_sums); "+keepN" keeps the DDL state
-for the backward at every N-th block's input (GPTConfig.ddl_keep_state_every). additive is
+is the same model with the DDL state stored in bf16 (GPTConfig.ddl_state_dtype="bfloat16"); "+keepN" keeps
+the DDL state for the backward at every N-th block's input (GPTConfig.ddl_keep_state_every). additive is
 always run (added to --variants when missing): every ratio is against it, in the same run. The DDL kernels
 alone: bench/bench_ddl.py.
 
@@ -56,11 +54,6 @@ VARIANTS = {
     "ddl-bf16": dict(residual="ddl", **BF16),
     "ddl-tc": dict(residual="ddl-tc"),
     "ddl-tc-bf16": dict(residual="ddl-tc", **BF16),
-    # the same model with the TC read-out's forward in one pass in token order (kernels/ddl LAUNCH["tc_fwd"])
-    "ddl-tc-roll": dict(residual="ddl-tc", launch=dict(tc_fwd=dict(ROLL=True, TOKENS=128, STAGES=3))),
-    # the same models with v's and beta's projections as multiply + sum (gate_sums)
-    "ddl+gate-sums": dict(residual="ddl", patch=("gate_sums",)),
-    "ddl-cc+gate-sums": dict(residual="ddl-cc", patch=("gate_sums",)),
     "ddl-cc": dict(residual="ddl-cc"),
     # the state kept for the backward at every N-th block's input (GPTConfig.ddl_keep_state_every)
     "ddl+keep1": dict(residual="ddl", ddl_keep_state_every=1),
@@ -129,6 +122,8 @@ def measure(model, compiled, cfg, B, args, row):
     t0 = time.time()
     train_steps(compiled, opt, B, args.seq, 1, cfg.vocab_size, device)
     row["compile_s"] = round(time.time() - t0, 1)  # the first step: compile (forward and backward) + 1 step
+    # a row prints nothing until it ends: say where a slow one is
+    print(f"{row['model']} {row['variant']} micro-batch {B}: first step {row['compile_s']} s", file=sys.stderr)
     t0 = time.time()
     train_steps(compiled, opt, B, args.seq, max(args.warmup - 1, 0), cfg.vocab_size, device)
     row["warmup_s"] = round(time.time() - t0, 1)
@@ -242,41 +237,6 @@ def nanogpt_model(path, size, seq, overrides):
     return model, cfg
 
 
-def gate_sums(self, x_in, c):
-    """Residual.value_and_gate (ddl_v="sigmoid") with its two small projections, d -> d_v and d -> 1, as
-    multiply + sum in fp32, which Inductor can fuse into the RMSNorm reductions beside them, instead of
-    F.linear, which runs them as cuBLAS GEMVs (forward, input and weight gradient: 3 passes over an fp32
-    [N, d] activation each)."""
-    from model import DDL_V_SCALE
-
-    dt = torch.promote_types(c.dtype, torch.float32)
-    with torch.autocast(c.device.type, enabled=False):
-        w_beta, b_beta = self.beta.weight[0].to(dt), self.beta.bias[0].to(dt)
-        beta = 2.0 * torch.sigmoid((c.to(dt) * w_beta).sum(-1) + b_beta)
-        w_v, b_v = self.v_proj.weight.to(dt), self.v_proj.bias.to(dt)
-        v = (x_in.to(dt)[..., None, :] * w_v).sum(-1) + b_v
-    return DDL_V_SCALE * torch.sigmoid(v), beta
-
-
-PATCHES = {"gate_sums": ("Residual", "value_and_gate", gate_sums)}  # name: (model.py class, method, new)
-
-
-def apply_row_changes(overrides):
-    """Apply a row's kernel launch choices ("launch": LAUNCH entries of kernels/ddl/triton.py) and replaced
-    model.py methods ("patch": names in PATCHES) to this process; returns the GPTConfig overrides left."""
-    if "launch" in overrides:
-        from kernels.ddl.triton import LAUNCH
-
-        for key, entry in overrides["launch"].items():
-            LAUNCH[key] = {**LAUNCH[key], **entry}
-    import model as gpt
-
-    for name in overrides.get("patch", ()):
-        cls, method, fn = PATCHES[name]
-        setattr(getattr(gpt, cls), method, fn)
-    return {k: v for k, v in overrides.items() if k not in ("launch", "patch")}
-
-
 def worker(job, results):
     """One (model, variant) in a fresh process: static shapes, compiled at the batch it is timed at."""
     name, size, overrides, args = job["variant"], job["model"], job["overrides"], job["args"]
@@ -297,7 +257,6 @@ def worker(job, results):
             model, cfg = nanogpt_model(args.nanogpt, size, args.seq, args.model_overrides)
             model = model.to(args.device)
         else:
-            overrides = apply_row_changes(overrides)
             cfg = GPTConfig.preset(size, block_size=args.seq, **overrides, **args.model_overrides)
             model = GPT(cfg).to(args.device)
         row["params_M"] = model.num_params() / 1e6

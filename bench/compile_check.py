@@ -8,11 +8,9 @@ a GPU run.
 How: every `kernel[grid](...)` launch is intercepted and compiled for sm_90 with the argument types and
 constexprs it was launched with, instead of run (outputs stay uninitialised: values mean nothing here).
 What launches: a forward and backward of every model variant at the gpt2-small width, two blocks (the second
-block's states rebuilt in the backward from the first's input), on a few tokens (the
-shipped launch shapes, fp32 and bf16 DDL state), of the fused update + TC read-out (with both TC
-read-out forwards, LAUNCH["tc_fwd"] ROLL), and of the
-Deltaformer u-stage for every kernel, head dim 64 and 128, each dtype and both `lowp`. Prints each distinct
-compile
+block's states rebuilt in the backward from the first's input), on a few tokens (the shipped launch shapes,
+fp32 and bf16 DDL state; ddl-tc runs the fused update + TC read-out), and of the Deltaformer u-stage for every
+kernel, head dim 64 and 128, each dtype and both `lowp`. Prints each distinct compile
 (ok with its shared memory, or the error); exit 1 if any failed. ptxas comes with the triton wheel (a 3.6
 wheel unzipped anywhere works). A few minutes on 2 cores the first time (Triton caches compiles)."""
 
@@ -112,19 +110,6 @@ def run_model_variants(variants=None):
             loss.backward()
 
 
-def run_fused_tc():
-    """The fused update + TC read-out (kernels/ddl/; tested, not used by model.py), both state dtypes."""
-    from kernels import ddl
-
-    for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(1, 16, 768, 4, dtype=dtype, requires_grad=True)
-        k = torch.randn(1, 16, 768, requires_grad=True)
-        v, beta = torch.randn(1, 16, 4, requires_grad=True), torch.rand(1, 16, requires_grad=True)
-        conv, read = torch.randn(768, 4, 4, requires_grad=True), torch.randn(4, requires_grad=True)
-        x_new, h = ddl.ddl_update_compress_tc(x, k, v, beta, conv, read, backend="triton")
-        (x_new.float().sum() + h.float().sum()).backward()
-
-
 def run_deltaformer_variants():
     from kernels.deltaformer import KERNELS, deltaformer_u_triton
 
@@ -144,12 +129,6 @@ def main():
     torch.manual_seed(0)
     run_deltaformer_variants()
     run_model_variants()
-    run_fused_tc()
-    from kernels.ddl.triton import LAUNCH
-
-    LAUNCH["tc_fwd"] = {**LAUNCH["tc_fwd"], "ROLL": not LAUNCH["tc_fwd"]["ROLL"]}  # the other TC forward
-    run_model_variants([dict(residual="ddl-tc")])
-    run_fused_tc()
     print(f"{len(SEEN)} distinct compiles; failed: {FAILED or 'none'}")
     sys.exit(1 if FAILED else 0)
 

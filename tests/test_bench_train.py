@@ -253,24 +253,3 @@ def test_cpu_smoke_nanogpt_row(tmp_path):
         cmd[:-4] + ["--nanogpt", str(tmp_path / "missing.py")], cwd=ROOT, capture_output=True, text=True
     )
     assert bad.returncode != 0 and "--nanogpt" in bad.stderr
-
-
-@pytest.mark.parametrize("residual", ["ddl", "ddl-cc"])
-def test_gate_sums_computes_value_and_gate(residual):
-    """The "+gate-sums" rows time the same model: gate_sums equals Residual.value_and_gate (fp32, random
-    weights and inputs, under bf16 autocast as in training), values and gradients."""
-    torch.manual_seed(0)
-    tiny = dict(n_layer=1, n_head=2, n_embd=48, head_dim=8, vocab_size=64, block_size=8)
-    res = GPT(GPTConfig(residual=residual, **tiny)).blocks[0].res_attn
-    x_in = torch.randn(2, 5, 48, requires_grad=True)
-    c = torch.randn(2, 5, 48, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref = res.value_and_gate(x_in, c)
-        new = bench_train.gate_sums(res, x_in, c)
-    ups = [torch.randn_like(t) for t in ref]
-    params = [x_in, c, res.v_proj.weight, res.v_proj.bias, res.beta.weight, res.beta.bias]
-    g_ref = torch.autograd.grad(sum((t * u).sum() for t, u in zip(ref, ups)), params)
-    g_new = torch.autograd.grad(sum((t * u).sum() for t, u in zip(new, ups)), params)
-    for a, b in zip(new + g_new, ref + g_ref):
-        assert a.dtype == b.dtype == torch.float32
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -236,19 +236,10 @@ def triton_small(monkeypatch):
     monkeypatch.setitem(ddl_triton.LAUNCH, "update_bwd", dict(TOKENS=3, num_warps=4))
     monkeypatch.setitem(ddl_triton.LAUNCH, "chan_fwd", dict(TOKENS=2, BLOCK_D=8, num_warps=4))
     monkeypatch.setitem(ddl_triton.LAUNCH, "chan_bwd", dict(TOKENS=3, BLOCK_D=8, num_warps=4))
-    monkeypatch.setitem(
-        ddl_triton.LAUNCH, "tc_fwd", dict(ROLL=False, TOKENS=3, BLOCK_D=8, STAGES=2, num_warps=4)
-    )
+    # the TC forward takes 3 tokens per run, so that runs start before, at and after a sequence's first
+    # token (T = 5) and the last run is ragged
+    monkeypatch.setitem(ddl_triton.LAUNCH, "tc_fwd", dict(TOKENS=3, BLOCK_D=8, STAGES=2, num_warps=4))
     monkeypatch.setitem(ddl_triton.LAUNCH, "tc_bwd", dict(TOKENS=3, num_warps=4))
-
-
-@pytest.fixture(params=[False, True], ids=["window", "roll"])
-def tc_forward(request, monkeypatch):
-    """Both TC read-out forwards (LAUNCH["tc_fwd"] ROLL); 3 tokens per run, so that runs start before,
-    at and after a sequence's first token (T = 5) and the last run is ragged."""
-    entry = ddl_triton.LAUNCH["tc_fwd"]
-    monkeypatch.setitem(ddl_triton.LAUNCH, "tc_fwd", {**entry, "ROLL": request.param})
-    return request.param
 
 
 def compare(fn_triton, fn_ref, inputs, rtol=1e-10, atol=1e-10):
@@ -393,7 +384,7 @@ def run_chain(x0, steps, erase, backend):
 @pytest.mark.parametrize("kind,dv", [("plain", 1), ("plain", 4), ("cc", 4), ("tc", 3), ("tc", 1)])
 @pytest.mark.parametrize("erase", [True, False])
 @pytest.mark.parametrize("n_steps", [1, 3])
-def test_triton_update_rebuilt_matches_reference(triton_small, tc_forward, kind, dv, erase, n_steps):
+def test_triton_update_rebuilt_matches_reference(triton_small, kind, dv, erase, n_steps):
     """n_steps updates, then one that rebuilds its input state from their input in the backward: values
     and gradients of every input (the earlier updates' too) against the reference chain."""
     x0, steps = earlier_updates(n_steps, dv)
@@ -481,7 +472,7 @@ def test_rebuild_from_must_be_a_state_and_updates():
 
 
 @pytest.mark.parametrize("dv,K,erase", [(1, 3, True), (3, 1, False), (4, 6, True), (3, 3, False)])
-def test_triton_update_compress_tc_matches_reference(triton_small, tc_forward, dv, K, erase):
+def test_triton_update_compress_tc_matches_reference(triton_small, dv, K, erase):
     x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=dv))
     cw = torch.randn(20, dv, K, dtype=F64, requires_grad=True)
     read = torch.randn(dv, dtype=F64, requires_grad=True)
@@ -518,7 +509,7 @@ def test_triton_update_gradcheck(triton_small):
 
 @pytest.mark.parametrize("K", [1, 3, 6])
 @pytest.mark.parametrize("dv", [1, 3])
-def test_triton_compressors_and_ec_match_reference(triton_small, tc_forward, K, dv):
+def test_triton_compressors_and_ec_match_reference(triton_small, K, dv):
     x = torch.randn(2, 5, 20, dv, dtype=F64, requires_grad=True)
     w = torch.randn(20, dv, dtype=F64, requires_grad=True)
     cw = torch.randn(20, dv, K, dtype=F64, requires_grad=True)
@@ -565,10 +556,9 @@ def rel_err(a, b):
 
 
 @cuda
-@pytest.mark.parametrize("roll,bwd_tokens", [(False, None), (True, None), (False, 16)])
+@pytest.mark.parametrize("bwd_tokens", [None, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_update_compress_tc_realistic(dtype, roll, bwd_tokens, monkeypatch):
-    monkeypatch.setitem(ddl_triton.LAUNCH, "tc_fwd", {**ddl_triton.LAUNCH["tc_fwd"], "ROLL": roll})
+def test_gpu_update_compress_tc_realistic(dtype, bwd_tokens, monkeypatch):
     if bwd_tokens is not None:
         monkeypatch.setitem(ddl_triton.LAUNCH, "tc_bwd", dict(TOKENS=bwd_tokens, num_warps=8))
     dev = "cuda"
@@ -637,10 +627,8 @@ def test_gpu_update_realistic(dtype, fused, dv, cfg, monkeypatch):
 
 
 @cuda
-@pytest.mark.parametrize("roll", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_compressors_realistic(dtype, roll, monkeypatch):
-    monkeypatch.setitem(ddl_triton.LAUNCH, "tc_fwd", {**ddl_triton.LAUNCH["tc_fwd"], "ROLL": roll})
+def test_gpu_compressors_realistic(dtype, monkeypatch):
     dev = "cuda"
     B, T, d, dv, K = 8, 1024, 768, 4, 4
     x = torch.randn(B, T, d, dv, device=dev, dtype=dtype, requires_grad=True)

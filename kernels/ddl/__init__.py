@@ -19,7 +19,7 @@ EC (expansion) builds the initial state from the token embedding:
     X0[b,t,i,v] = sum_j conv_weight[i,v,j] * emb[b, t-(K-1)+j, i]
 With the identity init (tap K-1 = 1, the rest 0) X0 is emb repeated d_v times.
 
-Fused entry points (one pass over the state where the separate ops take two or three):
+Fused entry points (fewer passes over the state than the separate ops):
     ddl_update_compress_cc(x, k, v, beta, weight)          -> (x_new, compress_cc(x_new, weight))
     ddl_update_compress_tc(x, k, v, beta, conv_weight, read) -> (x_new, compress_tc(x_new, conv_weight, read))
 i.e. one sublayer's update together with the next sublayer's read-out.
@@ -31,13 +31,14 @@ triton.py. Numerics: the normalisation, the contractions and the update
 run in fp32 (float64 stays float64); results come back in x's dtype, so bf16 state is stored in bf16.
 
 The Triton kernels in short: the work is memory-bound (~1 FLOP per byte of state), so they minimise passes
-over the [B, T, d, d_v] state. One program owns whole tokens ([d, d_v] tiles; d_v = 1: [tokens, d] rows):
-the forward reads x and writes x' once, the backward reads x and dL/dx' and writes dx once, and the fused
-entry points form the next sublayer's read-out from x' in registers: 5 passes per sublayer where update
-then compressor take 11. All are torch.library custom ops with fake implementations, so torch.compile
-keeps them in its graph. An update can rebuild its input state in the backward from an earlier state and
-the updates since (rebuild_from), so that autograd keeps one state per run of updates. Their speed against
-the bytes they must move: bench/bench_ddl.py and bench/RESULTS.md.
+over the [B, T, d, d_v] state. One program owns whole tokens ([d, d_v] tiles; d_v = 1: [tokens, d] rows): the
+forward reads x and writes x' once, the backward reads x and dL/dx' and writes dx once, and the fused entry
+points add the next sublayer's read-out: CC's from x' in registers (5 passes per sublayer where update then
+compressor take 11), TC's forward reading x' once more in token order (its conv spans tokens). All are
+torch.library custom ops with fake implementations, so torch.compile keeps them in its graph. An update can
+rebuild its input state in the backward from an earlier state and the updates since (rebuild_from), so that
+autograd keeps one state per run of updates. Their speed against the bytes they must move: bench/bench_ddl.py
+and bench/RESULTS.md.
 """
 
 from ..common import BACKENDS, resolve_backend
@@ -127,9 +128,9 @@ def ddl_update_compress_cc(x, k, v, beta, weight, eps=1e-5, erase=True, backend=
 def ddl_update_compress_tc(
     x, k, v, beta, conv_weight, read, eps=1e-5, erase=True, backend="auto", rebuild_from=None
 ):
-    """(x_new, compress_tc(x_new, conv_weight, read)) in one pass over the state: the update of one
-    sublayer fused with the TC read-out of the next (the K-1 earlier tokens' new states are recomputed
-    in registers, not re-read). x [B, T, d, d_v], conv_weight [d, d_v, K], read [d_v]."""
+    """(x_new, compress_tc(x_new, conv_weight, read)): the update of one sublayer and the TC read-out of
+    the next as one op, whose backward takes both gradients in one pass over the state (the forward writes
+    x_new and reads it once, in token order). x [B, T, d, d_v], conv_weight [d, d_v, K], read [d_v]."""
     _check_update_args(x, k, v, beta)
     _check_state("ddl_update_compress_tc", x)
     _check_conv("ddl_update_compress_tc", "conv_weight", conv_weight, *x.shape[-2:])

@@ -30,10 +30,15 @@ LAUNCH = {
     ),
     "chan_fwd": dict(TOKENS=4, BLOCK_D=256, num_warps=4),
     "chan_bwd": dict(TOKENS=64, BLOCK_D=256, num_warps=4),
-    # the TC read-out's forward: ROLL, one pass over the state in token order (_tc_roll_kernel; the fused
-    # update + TC read-out then runs as the update kernel followed by it), or the K-token window per token
-    # (_tc_fwd_kernel, and _update_tc_fwd_kernel recomputing the K-1 earlier updates)
-    "tc_fwd": dict(ROLL=False, TOKENS=64, BLOCK_D=128, STAGES=2, num_warps=4),
+    # the TC read-out's forward (_tc_fwd_kernel, one pass over the state in token order; the fused update +
+    # TC read-out runs as the update kernel followed by it); STAGES: its loads in flight
+    "tc_fwd": dict(
+        TOKENS=128,
+        BLOCK_D=128,
+        STAGES=3,
+        num_warps=4,
+        bfloat16=dict(TOKENS=64, BLOCK_D=256, STAGES=2, num_warps=8),
+    ),  # fmt: skip
     "tc_bwd": dict(TOKENS=1, num_warps=4),  # the fused update + TC read-out's backward (per token)
 }
 # Tests set this: every output starts as NaN, so that an element a kernel fails to write cannot pass.
@@ -346,34 +351,15 @@ def _cc_bwd_kernel(
 
 @triton.jit
 def _tc_fwd_kernel(
-    X, WT, H, N, T, D,
-    KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-    TOKENS: tl.constexpr, CT: tl.constexpr,
-):  # fmt: skip
-    # h[n] = sum_j sum_v WT[j] * x[n - (KW-1) + j] within the token's sequence (WT = conv * read)
-    pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
-    _, _, w3 = _taps(WT, offs_j, off2, mj, m2, D, DV, CT)
-    for tt in tl.static_range(TOKENS):
-        n = pid * TOKENS + tt
-        okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
-        src, valid = _window(n, T, N, offs_j, mj, KW, True)
-        x3 = tl.load(
-            X + src[:, None, None] * D * DV + off2[None], mask=valid[:, None, None] & m2[None], other=0.0
-        )
-        h = tl.sum(tl.sum(w3 * x3.to(CT), axis=0), axis=1)
-        tl.store(H + n * D + offs_d, h.to(H.dtype.element_ty), mask=md & okd)
-
-
-@triton.jit
-def _tc_roll_kernel(
     X, WT, H, N, T, D, TOKENS,
     KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
     STAGES: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
-    # h as _tc_fwd_kernel, reading each x once: a program goes through its TOKENS tokens (and the KW-1
-    # before them) in order. Token s reaches the read-outs of s .. s+KW-1, s+i through tap KW-1-i; after
-    # adding it, acc[i] holds the partial read-out of token s+i, so acc[0] is complete, and acc moves down
-    # one slot. At a sequence's first token nothing earlier reaches on: acc starts from zeros there.
+    # h[n] = sum_j sum_v WT[j] * x[n - (KW-1) + j] within the token's sequence (WT = conv * read), reading
+    # each x once: a program goes through its TOKENS tokens (and the KW-1 before them) in order. Token s
+    # reaches the read-outs of s .. s+KW-1, s+i through tap KW-1-i; after adding it, acc[i] holds the
+    # partial read-out of token s+i, so acc[0] is complete, and acc moves down one slot. At a sequence's
+    # first token nothing earlier reaches on: acc starts from zeros there.
     pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
     rev = (KW - 1 - offs_j)[:, None, None] * D * DV + off2[None]
     w_rev = tl.load(WT + rev, mask=mj[:, None, None] & m2[None], other=0.0).to(CT)  # w_rev[i] = WT[KW-1-i]
@@ -457,36 +443,6 @@ def _ec_bwd_kernel(
         g = tl.load(G + n * D * DV + off2, mask=m2 & okd[:, None], other=0.0).to(CT)
         acc += e2.to(CT)[:, :, None] * g[None, :, :]
     tl.store(DWP + pid * KW * D * DV + off3, acc, mask=m3)
-
-
-@triton.jit
-def _update_tc_fwd_kernel(
-    X, Kd, V, BETA, WT, XOUT, H, RS, R, N, T, D, eps,
-    KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-    ERASE: tl.constexpr, CT: tl.constexpr,
-):  # fmt: skip
-    # x'[n] = update(x[n]) and the next sublayer's TC read-out h[n] = sum_j WT[j] . x'[n - (KW-1) + j]:
-    # the K-1 earlier states are recomputed from their x, k, v, beta (reads that hit L2), so x' is
-    # written once and never read back. RS = 1/sqrt(|k|^2 + eps^2) and R = v - khat^T x (erase) are
-    # kept for the weight gradient, which needs x' again.
-    n = tl.program_id(0).to(tl.int64)
-    t = n % T
-    offs_d, offs_v, md, mv, off2 = _token_tile(D, DV, BLOCK_D, BLOCK_V)
-    m2 = md[:, None] & mv[None, :]
-    acc = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
-    for j in tl.static_range(KW):  # token s = n - (KW-1) + j of the same sequence, or zeros before it
-        _, _, _, rs, kh, x, b, r = _update_token_inputs(
-            n - (KW - 1) + j, t - (KW - 1) + j >= 0, X, Kd, V, BETA, ((), (), (), X, X), N, D, eps, offs_d,
-            offs_v, md, mv, off2, DV, ERASE, CT,
-        )  # fmt: skip
-        xn = (x + b * kh[:, None] * r[None, :]).to(XOUT.dtype.element_ty)
-        w = tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT)
-        acc += w * xn.to(CT)
-        if j == KW - 1:
-            tl.store(XOUT + n * D * DV + off2, xn, mask=m2)
-            tl.store(R + n * DV + offs_v, r, mask=mv)
-            tl.store(RS + n + offs_v * 0, rs + tl.zeros([BLOCK_V], dtype=CT), mask=offs_v == 0)
-    tl.store(H + n * D + offs_d, tl.sum(acc, axis=1).to(H.dtype.element_ty), mask=md)
 
 
 @triton.jit
@@ -740,23 +696,18 @@ def _chan_launch(a, wt, key):
     """(N, D, launch shape, grid, constexprs) of a per-channel kernel over a [N, d(, d_v)] with taps wt."""
     N, D = a.shape[0], a.shape[1]
     KW, DV = wt.shape[0], wt.shape[2]
-    cfg = LAUNCH[key]
+    cfg = _cfg(key, a.dtype)
     bd = min(cfg["BLOCK_D"], _pow2(D))
     consts = dict(KW=KW, KP=_pow2(KW), DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), num_warps=cfg["num_warps"])
     return N, D, cfg, _chan_grid(N, D, {**cfg, "BLOCK_D": bd}), consts
 
 
 def _tc_forward(x, wt, T):
-    """h [N, d], the TC read-out of x [N, d, d_v] through taps wt [K, d, d_v] (LAUNCH["tc_fwd"])."""
+    """h [N, d], the TC read-out of x [N, d, d_v] through taps wt [K, d, d_v]."""
     h = _new((x.shape[0], x.shape[1]), x)
-    roll = LAUNCH["tc_fwd"]["ROLL"]
-    N, D, cfg, grid, consts = _chan_launch(x, wt, "tc_fwd" if roll else "chan_fwd")
-    if roll:
-        _tc_roll_kernel[grid](
-            x, wt, h, N, T, D, TOKENS=cfg["TOKENS"], STAGES=cfg["STAGES"], CT=_ct(x, wt), **consts
-        )
-    else:
-        _tc_fwd_kernel[grid](x, wt, h, N, T, D, TOKENS=cfg["TOKENS"], CT=_ct(x, wt), **consts)
+    N, D, cfg, grid, consts = _chan_launch(x, wt, "tc_fwd")
+    tokens, stages = cfg["TOKENS"], cfg["STAGES"]
+    _tc_fwd_kernel[grid](x, wt, h, N, T, D, TOKENS=tokens, STAGES=stages, CT=_ct(x, wt), **consts)
     return h
 
 
@@ -826,15 +777,8 @@ def _update_tc_op(
     N, D, DV = x.shape
     ft = acc_dtype(x)
     x_new, rs, r = _new((N, D, DV), x), _new((N,), x, dtype=ft), _new((N, DV), x, dtype=ft)
-    if LAUNCH["tc_fwd"]["ROLL"]:  # the update, then the read-out in one pass over x_new
-        _launch_update_fwd(x, k, v, beta, None, x_new, x.new_empty(0), (rs, r), eps, erase)
-        return x_new, _tc_forward(x_new, wt, T), rs, r
-    h = _new((N, D), x)
-    _update_tc_fwd_kernel[(N,)](
-        x, k, v, beta, wt, x_new, h, rs, r, N, T, D, eps, KW=wt.shape[0], DV=DV, BLOCK_D=_pow2(D),
-        BLOCK_V=_pow2(DV), ERASE=erase, CT=_ct(x, k, v, beta), num_warps=LAUNCH["update_fwd"]["num_warps"],
-    )  # fmt: skip
-    return x_new, h, rs, r
+    _launch_update_fwd(x, k, v, beta, None, x_new, x.new_empty(0), (rs, r), eps, erase)
+    return x_new, _tc_forward(x_new, wt, T), rs, r
 
 
 @_update_tc_op.register_fake
