@@ -410,21 +410,25 @@ def test_triton_update_rebuilt_gradients_equal_kept(triton_small, kind, dtype):
     """The rebuilt state is the one the forward stored (rounded to the state's dtype after each update), so
     the gradients equal those of the op that keeps it, up to fp32 reduction order."""
     x0, steps = earlier_updates(2, 4, torch.float32)
-    x0 = x0.to(dtype)
     k, v, b = rand_update_args(lead=(2, 5), d=20, dv=4, dtype=torch.float32)[1:]
     extra = [w.float() for w in read_out_weights(kind, 4)]
-    ups = None
-    grads = []
+    for kept, rebuilt in zip(*kept_and_rebuilt_grads(kind, x0.to(dtype), steps, (k, v, b), extra)):
+        torch.testing.assert_close(rebuilt.float(), kept.float(), rtol=1e-5, atol=1e-5)
+
+
+def kept_and_rebuilt_grads(kind, x0, steps, kvb, extra):
+    """Gradients of every input of steps, then an update of `kind`, at x0: the last update keeping its input
+    state, then rebuilding it (the same random upstream gradients)."""
+    grads, ups, n = [], None, len(steps)
     for rebuild in (False, True):
-        inputs = [t.detach().clone().requires_grad_() for t in (x0, *(t for s in steps for t in s), k, v, b)]
-        st = [inputs[1 + 3 * i : 4 + 3 * i] for i in range(2)]
+        inputs = [t.detach().clone().requires_grad_() for t in (x0, *(t for s in steps for t in s), *kvb)]
+        st = [inputs[1 + 3 * i : 4 + 3 * i] for i in range(n)]
         x = run_chain(inputs[0], st, True, "triton")
-        out = second_update(kind, x, *inputs[7:], extra, True, (inputs[0], st) if rebuild else None)
+        out = second_update(kind, x, *inputs[1 + 3 * n :], extra, True, (inputs[0], st) if rebuild else None)
         out = out if isinstance(out, tuple) else (out,)
         ups = ups or [torch.randn_like(o, dtype=torch.float32).to(o.dtype) for o in out]
         grads.append(torch.autograd.grad(out, inputs, ups))
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5)
+    return grads
 
 
 def read_out_weights(kind, dv, d=20, K=3):
@@ -669,16 +673,6 @@ def test_gpu_update_rebuilt_realistic(dtype, kind):
     steps = [(rnd(B, T, d), rnd(B, T, dv), (2 * torch.rand(B, T, device=dev, generator=gen)).to(dtype))
              for _ in range(3)]  # fmt: skip
     k, v, b = rnd(B, T, d), rnd(B, T, dv), (2 * torch.rand(B, T, device=dev, generator=gen)).to(dtype)
-    extra = [w.to(dev) for w in read_out_weights(kind, dv, d=d, K=4)]
-    extra = [w.float() for w in extra]
-    grads, ups = [], None
-    for rebuild in (False, True):
-        inputs = [t.detach().clone().requires_grad_() for t in (x0, *(t for s in steps for t in s), k, v, b)]
-        st = [inputs[1 + 3 * i : 4 + 3 * i] for i in range(3)]
-        x = run_chain(inputs[0], st, True, "triton")
-        out = second_update(kind, x, *inputs[10:], extra, True, (inputs[0], st) if rebuild else None)
-        out = out if isinstance(out, tuple) else (out,)
-        ups = ups or [torch.randn_like(o, dtype=torch.float32).to(o.dtype) for o in out]
-        grads.append(torch.autograd.grad(out, inputs, ups))
-    for i, (a, b) in enumerate(zip(*grads)):
-        assert rel_err(a, b) < 1e-5, i
+    extra = [w.to(dev).float() for w in read_out_weights(kind, dv, d=d, K=4)]
+    for i, (kept, rebuilt) in enumerate(zip(*kept_and_rebuilt_grads(kind, x0, steps, (k, v, b), extra))):
+        assert rel_err(rebuilt, kept) < 1e-5, i
