@@ -123,7 +123,8 @@ def measure(model, compiled, cfg, B, args, row):
     train_steps(compiled, opt, B, args.seq, 1, cfg.vocab_size, device)
     row["compile_s"] = round(time.time() - t0, 1)  # the first step: compile (forward and backward) + 1 step
     # a row prints nothing until it ends: say where a slow one is
-    print(f"{row['model']} {row['variant']} micro-batch {B}: first step {row['compile_s']} s", file=sys.stderr)
+    first = f"{row['model']} {row['variant']} micro-batch {B}: first step {row['compile_s']} s"
+    print(first, file=sys.stderr)
     t0 = time.time()
     train_steps(compiled, opt, B, args.seq, max(args.warmup - 1, 0), cfg.vocab_size, device)
     row["warmup_s"] = round(time.time() - t0, 1)
