@@ -426,9 +426,15 @@ def prepare(
                 bar.update(len(index))
         if bar is not None:
             bar.close()
+    except BaseException as e:
+        if pool is not None and not isinstance(e, Exception):  # Ctrl-C and the like: stop the workers now
+            pool.terminate()
+        raise
     finally:
         if pool is not None:
-            pool.terminate()
+            # let the tasks in flight (at most 4 per worker) finish: a worker terminated while it writes a
+            # result can leave the pool's result reader blocked on the half-written message for good
+            pool.close()
             pool.join()
     if fill or state["shards_done"] == 0:
         if fill == 0:
