@@ -74,7 +74,7 @@ class GPTConfig:
     ddl_conv_size: int = 4  # K of the TC compressor and of EC
     ddl_state_dtype: str = "float32"  # dtype X is stored in: "float32" (= parameter dtype) | "bfloat16"
     # autograd keeps the state entering every Nth block; the backward rebuilds the states in between from it
-    # and the updates since (memory for reads of their k). 0: every sublayer's state kept. None -> 0 at
+    # and the updates since (less memory, more backward work). 0: every sublayer's state kept. None -> 0 at
     # d_v = 1 (the state is the sublayer's input, which autograd keeps anyway), else 4
     ddl_keep_state_every: int | None = None
     attention: str = "softmax"
