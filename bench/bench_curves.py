@@ -17,6 +17,7 @@ split against this (the yardstick), and the final train losses.
 import argparse
 import json
 import os
+import runpy
 import subprocess
 import sys
 import time
@@ -26,18 +27,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import atomic_write, versions  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESIDUALS = {"additive": {}, "ddl": dict(residual="ddl"), "ddl-cc": dict(residual="ddl-cc")}
-RESIDUALS["ddl-tc"] = dict(residual="ddl-tc")
+CONFIG = "configs/shakespeare.py"
+VARIANTS = ("additive", "ddl", "ddl-cc", "ddl-tc")  # GPTConfig.residual
 RUNS = ("this", "ref", "split")
 
 
-def run_args(variant, run, iters, data_dir, extra=(), batch_size=8):
+def run_args(variant, run, iters, data_dir, extra=()):
     """train.py's arguments (after the config file) for one run; extra: more KEY=VALUE config keys."""
     args = dict(max_iters=iters, lr_decay_iters=iters, eval_interval=iters, log_interval=max(iters // 10, 1))
-    args |= dict(data_dir=os.path.abspath(data_dir), overwrite=True, **RESIDUALS[variant])
-    if run == "split":
-        args |= dict(batch_size=batch_size // 2, gradient_accumulation_steps=2)
-    return [f"--{k}={v}" for k, v in args.items()] + [f"--{kv}" for kv in extra]
+    args |= dict(data_dir=os.path.abspath(data_dir), overwrite=True, residual=variant)
+    args |= dict(kv.split("=", 1) for kv in extra)
+    if run == "split":  # the batch of the others as twice the micro-steps of half the rows
+        config = runpy.run_path(os.path.join(REPO, CONFIG))
+        rows = int(args.get("batch_size", config["batch_size"]))
+        steps = int(args.get("gradient_accumulation_steps", config["gradient_accumulation_steps"]))
+        if rows % 2:
+            raise ValueError(f"the split run halves batch_size, which must be even, got {rows}")
+        args |= dict(batch_size=rows // 2, gradient_accumulation_steps=2 * steps)
+    return [f"--{k}={v}" for k, v in args.items()]
 
 
 def train_losses(run_dir):
@@ -86,7 +93,7 @@ def table(out, variants):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ref", help="the other checkout (its train.py is run)")
-    p.add_argument("--variants", default="ddl,ddl-cc,ddl-tc", help=f"comma-separated, of {tuple(RESIDUALS)}")
+    p.add_argument("--variants", default="ddl,ddl-cc,ddl-tc", help=f"comma-separated, of {tuple(VARIANTS)}")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--out", default="out-curves")
     p.add_argument("--data-dir", default=os.path.join(REPO, "data", "shakespeare"), help="train.bin, val.bin")
@@ -94,9 +101,12 @@ def main(argv=None):
     p.add_argument("--table", metavar="DIR", help="only print the table of the runs in DIR")
     args = p.parse_args(argv)
     variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in RESIDUALS]
+    unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
-        p.error(f"--variants: unknown {unknown}; choose from {tuple(RESIDUALS)}")
+        p.error(f"--variants: unknown {unknown}; choose from {tuple(VARIANTS)}")
+    bad = [kv for kv in args.set if "=" not in kv]
+    if bad:
+        p.error(f"--set takes KEY=VALUE, got {bad}")
     if args.table:
         print(table(args.table, variants))
         return
@@ -109,7 +119,7 @@ def main(argv=None):
             run_dir = os.path.abspath(os.path.join(args.out, f"{v}-{run}"))
             os.makedirs(run_dir, exist_ok=True)
             cwd = os.path.abspath(args.ref) if run == "ref" else REPO
-            cmd = [sys.executable, "train.py", "configs/shakespeare.py", f"--out_dir={run_dir}"]
+            cmd = [sys.executable, "train.py", CONFIG, f"--out_dir={run_dir}"]
             cmd += run_args(v, run, args.iters, args.data_dir, args.set)
             with open(os.path.join(run_dir, "train.out"), "w") as f:
                 procs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd), run_dir))

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from bench import bench_curves as bc
 from data.shards import write_shard
@@ -17,6 +18,23 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_diffs_over_common_iterations():
     assert bc.diffs({0: 1.0, 1: 2.0, 2: 3.0}, {1: 2.5, 2: 2.0, 5: 0.0}) == (1.0, 0.75)
     assert bc.diffs({0: 1.0}, {1: 1.0}) is None
+
+
+def split_args(run, extra=()):
+    """bench_curves' train.py arguments for one run of ddl as a dict."""
+    return dict(a[2:].split("=", 1) for a in bc.run_args("ddl", run, 5, "d", extra))
+
+
+def test_split_run_halves_the_rows_of_the_batch_it_is_given():
+    this, split = split_args("this"), split_args("split")
+    assert "gradient_accumulation_steps" not in this and this["residual"] == "ddl"
+    assert split["batch_size"] == "4" and split["gradient_accumulation_steps"] == "2"  # the config's 8 x 1
+    given = ["batch_size=16", "gradient_accumulation_steps=3"]
+    this, split = split_args("this", given), split_args("split", given)
+    assert this["batch_size"] == "16" and this["gradient_accumulation_steps"] == "3"
+    assert split["batch_size"] == "8" and split["gradient_accumulation_steps"] == "6"
+    with pytest.raises(ValueError, match="even"):
+        split_args("split", ["batch_size=3"])
 
 
 def test_runs_and_table(tmp_path):
