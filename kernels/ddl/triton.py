@@ -88,6 +88,13 @@ def _token_update_terms(n, ok, okd, okv, x, Kd, V, BETA, D, eps, offs_d, offs_v,
 
 
 @triton.jit
+def _store_stats(RS, R, n, rs, r, offs_v, mv, okv, DV: tl.constexpr):
+    # an update's rs (a scalar) to RS[n] and r [d_v] to R[n], which the TC weight gradient rebuilds x' from
+    tl.store(R + n * DV + offs_v, r, mask=mv & okv)
+    tl.store(RS + n + offs_v * 0, rs + tl.zeros_like(r), mask=(offs_v == 0) & okv)
+
+
+@triton.jit
 def _update_token_inputs(
     n, ok, X, Kd, V, BETA, CHAIN, N, D, eps, offs_d, offs_v, md, mv, off2,
     DV: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
@@ -107,8 +114,7 @@ def _update_token_inputs(
             n, ok, okd, okv, x, ks[i], vs[i], bs[i], D, eps, offs_d, offs_v, md, mv, DV, ERASE, CT
         )
         x = (x + b * kh[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)
-        tl.store(R + (i * N + n) * DV + offs_v, r, mask=mv & okv)
-        tl.store(RS + i * N + n + offs_v * 0, rs + tl.zeros_like(r), mask=(offs_v == 0) & okv)
+        _store_stats(RS, R, i * N + n, rs, r, offs_v, mv, okv, DV)
     rs, kh, b, r = _token_update_terms(
         n, ok, okd, okv, x, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, DV, ERASE, CT
     )
@@ -153,9 +159,7 @@ def _update_fwd_kernel(
             h = tl.sum(xn.to(CT) * w, axis=1)
             tl.store(H + n * D + offs_d, h.to(H.dtype.element_ty), mask=md & okd)
         if STATS:  # rs and r, which the TC read-out's weight gradient needs to rebuild x' per channel
-            okv = offs_v * 0 + n < N
-            tl.store(R + n * DV + offs_v, r, mask=mv & okv)
-            tl.store(RS + n + offs_v * 0, rs + tl.zeros([BLOCK_V], dtype=CT), mask=(offs_v == 0) & okv)
+            _store_stats(RS, R, n, rs, r, offs_v, mv, offs_v * 0 + n < N, DV)
 
 
 @triton.jit
@@ -936,9 +940,9 @@ def _update_any(x, k, v, beta, weight, wt, T, eps, erase, rebuild_from):
     flat, eps, erase = _flat(x, k, v, beta), float(eps), bool(erase)
     if rebuild_from is not None:
         x0, steps = rebuild_from
-        chain = [_flat(x0, *step)[1:] for step in steps]
-        ks, vs, betas = ([step[i] for step in chain] for i in range(3))
-        out = _update_rebuilt_op(*flat, weight, wt, T, _flat(x0, *steps[0])[0], ks, vs, betas, eps, erase)
+        chain = [_flat(x0, *step) for step in steps]  # (x0, k, v, beta) flat, each
+        ks, vs, betas = ([step[i] for step in chain] for i in (1, 2, 3))
+        out = _update_rebuilt_op(*flat, weight, wt, T, chain[0][0], ks, vs, betas, eps, erase)
     else:
         out = _update_with_read(*flat, weight, wt, T, eps, erase)
     return out[0].view(x.shape), out[1]
