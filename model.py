@@ -333,8 +333,9 @@ class Residual(nn.Module):
         self, X, sublayer, read=None, x_in=None, next_read=None, cache=None, slot=None, rebuild_from=None
     ):
         """-> (new stream, the next sublayer's input if the write computed it (a fused CC/TC read of
-        next_read) else None, this DDL update's (X, k, v, beta) else None). rebuild_from: (X0, the updates'
-        (k, v, beta) that made X from X0); the backward rebuilds X from them instead of keeping it."""
+        next_read) else None, (X, this DDL update's step) else None). rebuild_from: (X0, the steps of the
+        updates that made X from X0); the backward rebuilds X from them instead of keeping it (kernels/ddl:
+        return_step, rebuild_from)."""
         if not self.cfg.is_ddl:
             return X + self.drop(sublayer(self.norm(X))), None, None
         if x_in is None:
@@ -344,12 +345,15 @@ class Residual(nn.Module):
         h = self.drop(sublayer(c))
         v, beta = self.value_and_gate(x_in, c)
         kw = dict(eps=DDL_EPS, erase=self.cfg.ddl_erase, backend=self.cfg.backend, rebuild_from=rebuild_from)
-        update, kind = (X, h, v, beta), next_read.kind if next_read is not None else None
+        kw["return_step"] = True
+        kind = next_read.kind if next_read is not None else None
         if kind == "ddl-cc":
-            return *ddl_update_compress_cc(X, h, v, beta, next_read.cc_weight(), **kw), update
-        if kind == "ddl-tc" and cache is None:  # decoding reads through the Compressor's history instead
-            return *ddl_update_compress_tc(X, h, v, beta, next_read.conv, next_read.read, **kw), update
-        return ddl_update(X, h, v, beta, **kw), None, update
+            X_new, x_next, step = ddl_update_compress_cc(X, h, v, beta, next_read.cc_weight(), **kw)
+        elif kind == "ddl-tc" and cache is None:  # decoding reads through the Compressor's history instead
+            X_new, x_next, step = ddl_update_compress_tc(X, h, v, beta, next_read.conv, next_read.read, **kw)
+        else:
+            (X_new, step), x_next = ddl_update(X, h, v, beta, **kw), None
+        return X_new, x_next, (X, step)
 
     def value_and_gate(self, x_in, c):
         """(v [B, T, d_v], beta [B, T]) in fp32, as in the module docstring."""
@@ -385,11 +389,11 @@ class Block(nn.Module):
 
 
 def extend_chain(chain, update):
-    """(X0, updates) after one more DDL update (X, k, v, beta); None (no update) stays None."""
+    """(X0, steps) after one more DDL update (X, step); None (no update) stays None."""
     if update is None:
         return None
-    X, *kvb = update
-    return (X, (tuple(kvb),)) if chain is None else (chain[0], chain[1] + (tuple(kvb),))
+    X, step = update
+    return (X, (step,)) if chain is None else (chain[0], chain[1] + (step,))
 
 
 # ---- The model -------------------------------------------------------------------------------------------

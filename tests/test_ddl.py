@@ -1,6 +1,9 @@
 """Tests for kernels/ddl/: the references (naive.py) against the equations (float64, naive loops) and every
 Triton kernel (triton.py) against the references, values and gradients (on CPU through TRITON_INTERPRET=1)."""
 
+import itertools
+import math
+
 import pytest
 import torch
 
@@ -369,16 +372,18 @@ def second_update(kind, x1, k, v, beta, extra, erase, rebuild_from=None, backend
 
 
 def earlier_updates(n, dv, dtype=F64):
-    """x0 and n updates (k, v, beta) of it, the chain a later update rebuilds its input state from."""
+    """x0 and n updates' (k, v, beta), the chain a later update rebuilds its input state from."""
     x0 = rand_update_args(lead=(2, 5), d=20, dv=dv, dtype=dtype)[0]
     return x0, [rand_update_args(lead=(2, 5), d=20, dv=dv, dtype=dtype)[1:] for _ in range(n)]
 
 
-def run_chain(x0, steps, erase, backend):
-    x = x0
-    for step in steps:
-        x = ddl_update(x, *step, erase=erase, backend=backend)
-    return x
+def run_chain(x0, kvbs, erase, backend):
+    """x0 through the updates kvbs = ((k, v, beta), ...): the state and each update's step (return_step)."""
+    x, steps = x0, []
+    for kvb in kvbs:
+        x, step = ddl_update(x, *kvb, erase=erase, backend=backend, return_step=True)
+        steps.append(step)
+    return x, steps
 
 
 @pytest.mark.parametrize("kind,dv", [("plain", 1), ("plain", 4), ("cc", 4), ("tc", 3), ("tc", 1)])
@@ -387,16 +392,16 @@ def run_chain(x0, steps, erase, backend):
 def test_triton_update_rebuilt_matches_reference(triton_small, kind, dv, erase, n_steps):
     """n_steps updates, then one that rebuilds its input state from their input in the backward: values
     and gradients of every input (the earlier updates' too) against the reference chain."""
-    x0, steps = earlier_updates(n_steps, dv)
+    x0, kvbs = earlier_updates(n_steps, dv)
     k, v, b = rand_update_args(lead=(2, 5), d=20, dv=dv)[1:]
     extra = read_out_weights(kind, dv)
-    inputs = tuple(t.requires_grad_() for t in (x0, *(t for s in steps for t in s), k, v, b, *extra))
+    inputs = tuple(t.requires_grad_() for t in (x0, *(t for s in kvbs for t in s), k, v, b, *extra))
 
     def chain(backend, rebuild):
         def f(x0, *rest):
-            steps = [rest[3 * i : 3 * i + 3] for i in range(n_steps)]
+            kvbs = [rest[3 * i : 3 * i + 3] for i in range(n_steps)]
             k, v, b, *extra = rest[3 * n_steps :]
-            x = run_chain(x0, steps, erase, backend)
+            x, steps = run_chain(x0, kvbs, erase, backend)
             return second_update(kind, x, k, v, b, extra, erase, (x0, steps) if rebuild else None, backend)
 
         return f
@@ -409,22 +414,23 @@ def test_triton_update_rebuilt_matches_reference(triton_small, kind, dv, erase, 
 def test_triton_update_rebuilt_gradients_equal_kept(triton_small, kind, dtype):
     """The rebuilt state is the one the forward stored (rounded to the state's dtype after each update), so
     the gradients equal those of the op that keeps it, up to fp32 reduction order."""
-    x0, steps = earlier_updates(2, 4, torch.float32)
+    x0, kvbs = earlier_updates(2, 4, torch.float32)
     k, v, b = rand_update_args(lead=(2, 5), d=20, dv=4, dtype=torch.float32)[1:]
     extra = [w.float() for w in read_out_weights(kind, 4)]
-    for kept, rebuilt in zip(*kept_and_rebuilt_grads(kind, x0.to(dtype), steps, (k, v, b), extra)):
+    for kept, rebuilt in zip(*kept_and_rebuilt_grads(kind, x0.to(dtype), kvbs, (k, v, b), extra)):
         torch.testing.assert_close(rebuilt.float(), kept.float(), rtol=1e-5, atol=1e-5)
 
 
-def kept_and_rebuilt_grads(kind, x0, steps, kvb, extra):
-    """Gradients of every input of steps, then an update of `kind`, at x0: the last update keeping its input
-    state, then rebuilding it (the same random upstream gradients)."""
-    grads, ups, n = [], None, len(steps)
+def kept_and_rebuilt_grads(kind, x0, kvbs, kvb, extra):
+    """Gradients of every input of the updates kvbs, then an update of `kind`, at x0: the last update
+    keeping its input state, then rebuilding it (the same random upstream gradients)."""
+    grads, ups, n = [], None, len(kvbs)
     for rebuild in (False, True):
-        inputs = [t.detach().clone().requires_grad_() for t in (x0, *(t for s in steps for t in s), *kvb)]
-        st = [inputs[1 + 3 * i : 4 + 3 * i] for i in range(n)]
-        x = run_chain(inputs[0], st, True, "triton")
-        out = second_update(kind, x, *inputs[1 + 3 * n :], extra, True, (inputs[0], st) if rebuild else None)
+        inputs = [t.detach().clone().requires_grad_() for t in (x0, *(t for s in kvbs for t in s), *kvb)]
+        x, steps = run_chain(inputs[0], [inputs[1 + 3 * i : 4 + 3 * i] for i in range(n)], True, "triton")
+        out = second_update(
+            kind, x, *inputs[1 + 3 * n :], extra, True, (inputs[0], steps) if rebuild else None
+        )
         out = out if isinstance(out, tuple) else (out,)
         ups = ups or [torch.randn_like(o, dtype=torch.float32).to(o.dtype) for o in out]
         grads.append(torch.autograd.grad(out, inputs, ups))
@@ -452,27 +458,66 @@ def kept_by_autograd(fn, *args):
 def test_triton_update_rebuilt_keeps_no_input_state(kind):
     """The point of rebuild_from: autograd keeps x0 (the first update keeps it anyway), never the states
     the later updates ran on."""
-    x0, steps = earlier_updates(2, 4)
+    x0, kvbs = earlier_updates(2, 4)
     x0.requires_grad_()
     k, v, b = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=4)[1:])
     extra = read_out_weights(kind, 4)
     for rebuild in (False, True):
-        x1 = ddl_update(x0, *steps[0], backend="triton")
-        x2 = ddl_update(x1, *steps[1], backend="triton", rebuild_from=(x0, steps[:1]) if rebuild else None)
-        upd = (x0, steps) if rebuild else None
+        x1, s1 = ddl_update(x0, *kvbs[0], backend="triton", return_step=True)
+        upd = (x0, [s1]) if rebuild else None
+        x2, s2 = ddl_update(x1, *kvbs[1], backend="triton", rebuild_from=upd, return_step=True)
+        upd = (x0, [s1, s2]) if rebuild else None
         _, kept = kept_by_autograd(second_update, kind, x2, k, v, b, extra, True, upd)
         assert (x2.data_ptr() in kept) != rebuild
         assert x1.data_ptr() not in kept
         assert (x0.data_ptr() in kept) == rebuild
 
 
-def test_rebuild_from_must_be_a_state_and_updates():
+def test_rebuild_from_must_be_a_state_and_steps():
     x, k, v, b = rand_update_args(lead=(2, 5), d=20, dv=4)
-    for bad in ((x, k, v, b), (x, ()), (x, [(k, v)])):
+    _, step = ddl_update(x, k, v, b, backend="torch", return_step=True)
+    for bad in ((x, k, v, b), (x, ()), (x, [(k, v, b)])):
         with pytest.raises(ValueError, match="rebuild_from must be"):
             ddl_update(x, k, v, b, backend="triton", rebuild_from=bad)
     with pytest.raises(ValueError, match="x0 must be like x"):
-        ddl_update(x, k, v, b, backend="triton", rebuild_from=(x[:1], [(k, v, b)]))
+        ddl_update(x, k, v, b, backend="triton", rebuild_from=(x[:1], [step]))
+    with pytest.raises(ValueError, match=r"step 1: r must be \(2, 5, 4\)"):
+        ddl_update(x, k, v, b, backend="triton", rebuild_from=(x, [step, (*step[:3], step[3][..., :1])]))
+
+
+def update_terms_loops(x, k, v, eps, erase):
+    """(rs, r) of the update by plain loops over d and d_v (float64), from its definition."""
+    lead, (d, dv) = x.shape[:-2], x.shape[-2:]
+    rs, r = torch.zeros(lead, dtype=F64), torch.zeros(*lead, dv, dtype=F64)
+    for idx in itertools.product(*map(range, lead)):
+        norm2 = sum(float(k[idx][i]) ** 2 for i in range(d))
+        rs[idx] = 1.0 / math.sqrt(norm2 + eps * eps)
+        for j in range(dv):
+            read = sum(float(k[idx][i]) * float(rs[idx]) * float(x[idx][i, j]) for i in range(d))
+            r[idx][j] = float(v[idx][j]) - (read if erase else 0.0)
+    return rs, r
+
+
+@pytest.mark.parametrize("kind,dv", [("plain", 1), ("plain", 4), ("cc", 4), ("tc", 3)])
+@pytest.mark.parametrize("erase", [True, False])
+def test_return_step_is_the_update_and_its_terms(triton_small, kind, dv, erase):
+    """return_step's (k, beta, rs, r), from the kernels and the reference: the terms by their definition
+    (loops), and the update they make, x + beta (k rs) r^T."""
+    x, k, v, b = rand_update_args(lead=(2, 3), d=20, dv=dv)
+    extra = read_out_weights(kind, dv)
+    want = update_terms_loops(x, k, v, 1e-5, erase)
+    for backend in ("triton", "torch"):
+        kw = dict(erase=erase, backend=backend, return_step=True)
+        if kind == "plain":
+            x_new, step = ddl_update(x, k, v, b, **kw)
+        else:
+            fused = ddl.ddl_update_compress_cc if kind == "cc" else ddl.ddl_update_compress_tc
+            x_new, _, step = fused(x, k, v, b, *extra, **kw)
+        assert step[0] is k and step[1] is b
+        torch.testing.assert_close(step[2], want[0], rtol=1e-12, atol=0)
+        torch.testing.assert_close(step[3], want[1], rtol=1e-12, atol=1e-12)
+        rebuilt = x + b[..., None, None] * (k * step[2][..., None])[..., :, None] * step[3][..., None, :]
+        torch.testing.assert_close(x_new, rebuilt, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("dv,K,erase", [(1, 3, True), (3, 1, False), (4, 6, True), (3, 3, False)])

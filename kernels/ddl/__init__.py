@@ -32,14 +32,17 @@ run in fp32 (float64 stays float64); results come back in x's dtype, so bf16 sta
 
 The Triton kernels in short: the work is memory-bound (~1 FLOP per byte of state), so they minimise passes
 over the [B, T, d, d_v] state. One program owns whole tokens ([d, d_v] tiles; d_v = 1: [tokens, d] rows): the
-forward reads x and writes x' once, the backward reads x and dL/dx' and writes dx once, and the fused entry
+forward reads x and writes x' once (and stores the update's rs and r, 20 bytes a token at d_v = 4, so that the
+backward need not recompute them), the backward reads x and dL/dx' and writes dx once, and the fused entry
 points add the next sublayer's read-out: CC's from x' in registers (5 passes per sublayer where update then
 compressor take 11), TC's forward reading x' once more in token order (its conv spans tokens). All are
 torch.library custom ops with fake implementations, so torch.compile keeps them in its graph. An update can
-rebuild its input state in the backward from an earlier state and the updates since (rebuild_from), so that
-autograd keeps one state per run of updates. Their speed against the bytes they must move: bench/bench_ddl.py
-and bench/RESULTS.md.
+rebuild its input state in the backward from an earlier state and the updates since (rebuild_from, from their
+stored terms, elementwise), so that autograd keeps one state per run of updates. Their speed against the
+bytes they must move: bench/bench_ddl.py and bench/RESULTS.md.
 """
+
+import torch
 
 from ..common import BACKENDS, resolve_backend
 from .naive import (
@@ -55,6 +58,7 @@ from .naive import (
     ddl_update_compress_tc_ref,
     ddl_update_ref,
     expand_ec_ref,
+    update_terms_ref,
 )
 
 try:  # the kernels: absent where Triton is not installed (then only backend="torch" runs)
@@ -77,13 +81,17 @@ __all__ = [
     "ddl_update_ref",
     "expand_ec",
     "expand_ec_ref",
+    "update_terms_ref",
 ]
 
 
-# rebuild_from (every update below): (x0, steps), x made from x0 by the updates steps = ((k0, v0, beta0), ...)
-# in order, with the same eps and erase. The Triton path then keeps x0 for the backward instead of x and its
-# backward kernels rebuild x as they read it, so a run of updates keeps one state alive, not one each; the
-# reference ignores it.
+# return_step=True (every update below): also return the update's step = (k, beta, rs, r), what rebuilding its
+# output from its input takes: the direction and gate, and rs = 1/sqrt(|k|^2+eps^2) [...], r = v - khat^T x
+# (erase) or v [..., d_v] (compute dtype, fp32 for a bf16 state), as its forward computed them.
+# rebuild_from=(x0, steps): x was made from x0 by the updates whose steps are given, in order (each from that
+# update's return_step). The Triton path then keeps x0 for the backward instead of x and its backward kernels
+# rebuild x as they read it, x <- x + beta (k rs) r^T rounded as stored, with no reduction: a run of updates
+# keeps one state alive, not one each. The reference ignores rebuild_from.
 
 
 def _check_rebuild_from(fn, x, rebuild_from):
@@ -91,28 +99,51 @@ def _check_rebuild_from(fn, x, rebuild_from):
         return
     ok = isinstance(rebuild_from, (tuple, list)) and len(rebuild_from) == 2
     steps = rebuild_from[1] if ok else None
-    if not (ok and isinstance(steps, (tuple, list)) and steps and all(len(s) == 3 for s in steps)):
-        raise ValueError(f"{fn}: rebuild_from must be (x0, ((k0, v0, beta0), ...)), got {rebuild_from!r:.80}")
+    if not (ok and isinstance(steps, (tuple, list)) and steps and all(len(s) == 4 for s in steps)):
+        raise ValueError(
+            f"{fn}: rebuild_from must be (x0, ((k0, beta0, rs0, r0), ...)), the earlier updates' steps "
+            f"(return_step=True), got {rebuild_from!r:.80}"
+        )
     x0 = rebuild_from[0]
     if x0.shape != x.shape or x0.dtype != x.dtype:
         raise ValueError(
             f"{fn}: rebuild_from's x0 must be like x ({x.dtype} {tuple(x.shape)}), got "
             f"{x0.dtype} {tuple(x0.shape)}"
         )
-    for step in steps:
-        _check_update_args(x0, *step)
+    lead, d, dv = tuple(x.shape[:-2]), x.shape[-2], x.shape[-1]
+    for i, step in enumerate(steps):
+        for name, t, shape in zip(("k", "beta", "rs", "r"), step, (lead + (d,), lead, lead, lead + (dv,))):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{fn}: rebuild_from's step {i}: {name} must be {shape}, got {got}")
 
 
-def ddl_update(x, k, v, beta, eps=1e-5, erase=True, backend="auto", rebuild_from=None):
+def _ref_step(x, k, v, beta, eps, erase, return_step):
+    """The reference's step (k, beta, rs, r) when asked for, else None."""
+    return (k, beta, *update_terms_ref(x, k, v, eps, erase)) if return_step else None
+
+
+def _returned(out, step, return_step):
+    """out (x_new, or a tuple (x_new, h)) with the step appended when asked for."""
+    if not return_step:
+        return out
+    return (*out, step) if isinstance(out, tuple) else (out, step)
+
+
+def ddl_update(x, k, v, beta, eps=1e-5, erase=True, backend="auto", rebuild_from=None, return_step=False):
     """x + beta*khat*(v^T - khat^T x), or x + beta*khat*v^T (erase=False); x [..., d, d_v], k [..., d]."""
     _check_update_args(x, k, v, beta)
     _check_rebuild_from("ddl_update", x, rebuild_from)
     if resolve_backend("ddl_update", backend, x, k, v, beta) == "torch":
-        return ddl_update_ref(x, k, v, beta, eps=eps, erase=erase)
-    return _triton.update(x, k, v, beta, eps, erase, rebuild_from)
+        step = _ref_step(x, k, v, beta, eps, erase, return_step)
+        return _returned(ddl_update_ref(x, k, v, beta, eps=eps, erase=erase), step, return_step)
+    x_new, step = _triton.update(x, k, v, beta, eps, erase, rebuild_from)
+    return _returned(x_new, step, return_step)
 
 
-def ddl_update_compress_cc(x, k, v, beta, weight, eps=1e-5, erase=True, backend="auto", rebuild_from=None):
+def ddl_update_compress_cc(
+    x, k, v, beta, weight, eps=1e-5, erase=True, backend="auto", rebuild_from=None, return_step=False
+):
     """(x_new, compress_cc(x_new, weight)) in one pass over the state: the update of one sublayer fused
     with the CC read-out of the next; x [B, T, d, d_v], weight [d, d_v]. Saves a read of x_new forward
     and a read+write of its gradient backward."""
@@ -121,12 +152,24 @@ def ddl_update_compress_cc(x, k, v, beta, weight, eps=1e-5, erase=True, backend=
     _check_cc_weight("ddl_update_compress_cc", x, weight)
     _check_rebuild_from("ddl_update_compress_cc", x, rebuild_from)
     if resolve_backend("ddl_update_compress_cc", backend, x, k, v, beta, weight) == "torch":
-        return ddl_update_compress_cc_ref(x, k, v, beta, weight, eps=eps, erase=erase)
-    return _triton.update_compress_cc(x, k, v, beta, weight, eps, erase, rebuild_from)
+        step = _ref_step(x, k, v, beta, eps, erase, return_step)
+        return _returned(ddl_update_compress_cc_ref(x, k, v, beta, weight, eps, erase), step, return_step)
+    *out, step = _triton.update_compress_cc(x, k, v, beta, weight, eps, erase, rebuild_from)
+    return _returned(tuple(out), step, return_step)
 
 
 def ddl_update_compress_tc(
-    x, k, v, beta, conv_weight, read, eps=1e-5, erase=True, backend="auto", rebuild_from=None
+    x,
+    k,
+    v,
+    beta,
+    conv_weight,
+    read,
+    eps=1e-5,
+    erase=True,
+    backend="auto",
+    rebuild_from=None,
+    return_step=False,
 ):
     """(x_new, compress_tc(x_new, conv_weight, read)): the update of one sublayer and the TC read-out of
     the next as one op, whose backward takes both gradients in one pass over the state (the forward writes
@@ -137,8 +180,11 @@ def ddl_update_compress_tc(
     _check_read("ddl_update_compress_tc", x, read)
     _check_rebuild_from("ddl_update_compress_tc", x, rebuild_from)
     if resolve_backend("ddl_update_compress_tc", backend, x, k, v, beta, conv_weight, read) == "torch":
-        return ddl_update_compress_tc_ref(x, k, v, beta, conv_weight, read, eps=eps, erase=erase)
-    return _triton.update_compress_tc(x, k, v, beta, conv_weight, read, eps, erase, rebuild_from)
+        step = _ref_step(x, k, v, beta, eps, erase, return_step)
+        out = ddl_update_compress_tc_ref(x, k, v, beta, conv_weight, read, eps=eps, erase=erase)
+        return _returned(out, step, return_step)
+    *out, step = _triton.update_compress_tc(x, k, v, beta, conv_weight, read, eps, erase, rebuild_from)
+    return _returned(tuple(out), step, return_step)
 
 
 def compress_cc(x, weight, backend="auto"):

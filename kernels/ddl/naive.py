@@ -59,16 +59,25 @@ def _check_read(fn, x, read):
         raise ValueError(f"{fn}: read must be [{dv}] (= [d_v]), got {tuple(read.shape)}")
 
 
+def update_terms_ref(x, k, v, eps=1e-5, erase=True):
+    """(rs, r) of the update in the compute dtype: rs = 1/sqrt(|k|^2+eps^2) [...] and r = v - khat^T x
+    (erase) or v [..., d_v], so that the update is x + beta * (k rs) r^T."""
+    ct = acc_dtype(x, k, v)
+    kf = k.to(ct)
+    rs = torch.rsqrt((kf * kf).sum(-1) + eps * eps)
+    r = v.to(ct)
+    if erase:
+        r = r - torch.einsum("...i,...iv->...v", kf * rs[..., None], x.to(ct))  # v^T - khat^T x
+    return rs, r
+
+
 def ddl_update_ref(x, k, v, beta, eps=1e-5, erase=True):
     """x + beta*khat*(v^T - khat^T x) (or x + beta*khat*v^T with erase=False); khat = k/sqrt(|k|^2+eps^2)."""
     _check_update_args(x, k, v, beta)
     ct = acc_dtype(x, k, v, beta)
-    xf, kf, vf, bf = x.to(ct), k.to(ct), v.to(ct), beta.to(ct)
-    khat = kf * torch.rsqrt((kf * kf).sum(-1, keepdim=True) + eps * eps)
-    target = vf
-    if erase:
-        target = vf - torch.einsum("...i,...iv->...v", khat, xf)  # v^T - khat^T x
-    x_new = xf + bf[..., None, None] * khat[..., :, None] * target[..., None, :]
+    rs, r = (t.to(ct) for t in update_terms_ref(x, k, v, eps, erase))
+    khat = k.to(ct) * rs[..., None]
+    x_new = x.to(ct) + beta.to(ct)[..., None, None] * khat[..., :, None] * r[..., None, :]
     return x_new.to(x.dtype)
 
 

@@ -3,7 +3,8 @@ implementations) and autograd, and the functions that flatten the public functio
 
 The state is memory-bound work: each kernel reads and writes every [d, d_v] tile once and keeps all
 arithmetic in registers (fp32, or float64 for float64 inputs so tests can be exact). The update needs
-whole-token reductions over d (|k|, khat^T x), so one program owns whole tokens; compressors and EC are
+whole-token reductions over d (|k|, khat^T x), so one program owns whole tokens (the forward stores the
+results, rs and r, for the backward to read); compressors and EC are
 per-channel, so their programs take a block of d and a run of tokens. Weight gradients are reduced over
 tokens inside a program into fp32 partials, summed by torch.
 """
@@ -74,7 +75,7 @@ def _token_tile(D, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexp
 def _token_update_terms(n, ok, okd, okv, x, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv,
                         DV: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr):  # fmt: skip
     """rs = 1 / sqrt(|k|^2 + eps^2), khat = k rs, beta and r = v - khat^T x (r = v without the erase) of
-    token n's update of state x (zeros where ok, a scalar condition, is false)."""
+    token n's update of state x (zeros where ok, a scalar condition, is false): the forward's."""
     k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
     rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
     kh = k * rs
@@ -88,37 +89,51 @@ def _token_update_terms(n, ok, okd, okv, x, Kd, V, BETA, D, eps, offs_d, offs_v,
 
 
 @triton.jit
-def _store_stats(RS, R, n, rs, r, offs_v, mv, okv, DV: tl.constexpr):
-    # an update's rs (a scalar) to RS[n] and r [d_v] to R[n], which the TC weight gradient rebuilds x' from
-    tl.store(R + n * DV + offs_v, r, mask=mv & okv)
-    tl.store(RS + n + offs_v * 0, rs + tl.zeros_like(r), mask=(offs_v == 0) & okv)
+def _stored_update_terms(n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV: tl.constexpr,
+                         CT: tl.constexpr):  # fmt: skip
+    """rs, khat, beta and r of token n's update as _token_update_terms, from its k and beta and the rs [N]
+    and r [N, DV] its forward stored: no reduction, and no need for x (zeros where ok, a scalar
+    condition, is false). offs_d: all of d, or a block of it."""
+    k = tl.load(Kd + n * D + offs_d, mask=md & (offs_d * 0 + ok.to(tl.int32) != 0), other=0.0).to(CT)
+    rs = tl.load(RS + n, mask=ok, other=0.0).to(CT)
+    b = tl.load(BETA + n, mask=ok, other=0.0).to(CT)
+    r = tl.load(R + n * DV + offs_v, mask=mv & (offs_v * 0 + ok.to(tl.int32) != 0), other=0.0).to(CT)
+    return rs, k * rs, b, r
 
 
 @triton.jit
-def _update_token_inputs(
-    n, ok, X, Kd, V, BETA, CHAIN, N, D, eps, offs_d, offs_v, md, mv, off2,
-    DV: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
+def _rebuilt_update(x, n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV: tl.constexpr,
+                    CT: tl.constexpr):  # fmt: skip
+    # x' = x + beta khat r^T of token n (x: all of d or a block of it), from the update's stored terms
+    _, kh, b, r = _stored_update_terms(n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV, CT)
+    return x + b * kh[:, None] * r[None, :]
+
+
+@triton.jit
+def _rebuilt_state(x, n, ok, CHAIN, D, offs_d, offs_v, md, mv, DV: tl.constexpr, CT: tl.constexpr,
+                   OUT_T: tl.constexpr):  # fmt: skip
+    """x0 (a tile of token n) through the updates of CHAIN = (ks, betas, rss, rs): each is x + beta khat
+    r^T rounded to the state's dtype OUT_T as the forward stored it (empty tuples: x unchanged)."""
+    ks, bs, rss, rs = CHAIN
+    for i in tl.static_range(len(ks)):
+        x = _rebuilt_update(x, n, ok, ks[i], bs[i], rss[i], rs[i], D, offs_d, offs_v, md, mv, DV, CT)
+        x = x.to(OUT_T).to(CT)
+    return x
+
+
+@triton.jit
+def _update_bwd_inputs(
+    n, ok, X, Kd, BETA, RS, R, CHAIN, N, D, offs_d, offs_v, md, mv, off2, DV: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
-    """What the update of token n reads, forward and backward (zeros where ok, a scalar condition, is
-    false): its masks, rs and khat, the state x, beta and r (_token_update_terms). CHAIN = (ks, vs, betas,
-    RS, R): X holds x0 and x is rebuilt from it by the updates (ks[i], vs[i], betas[i]) in order (the
-    backward's rebuild_from; empty tuples: X holds x), their rs and r stored to RS [len, N] and
-    R [len, N, DV] for the TC weight gradient."""
+    """What the backward of token n's update reads (zeros where ok, a scalar condition, is false): its
+    masks, the state x (X holds x0 and x is rebuilt through CHAIN, see _rebuilt_state) and the update's
+    stored terms (_stored_update_terms)."""
     okd = offs_d * 0 + ok.to(tl.int32) != 0  # vector masks (the interpreter rejects scalar & vector)
-    okv = offs_v * 0 + ok.to(tl.int32) != 0
     m2 = (md & okd)[:, None] & mv[None, :]
     x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-    ks, vs, bs, RS, R = CHAIN
-    for i in tl.static_range(len(ks)):  # as the forward computed it, rounded to the state's dtype
-        rs, kh, b, r = _token_update_terms(
-            n, ok, okd, okv, x, ks[i], vs[i], bs[i], D, eps, offs_d, offs_v, md, mv, DV, ERASE, CT
-        )
-        x = (x + b * kh[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)
-        _store_stats(RS, R, i * N + n, rs, r, offs_v, mv, okv, DV)
-    rs, kh, b, r = _token_update_terms(
-        n, ok, okd, okv, x, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, DV, ERASE, CT
-    )
-    return ok, okd, m2, rs, kh, x, b, r
+    x = _rebuilt_state(x, n, ok, CHAIN, D, offs_d, offs_v, md, mv, DV, CT, X.dtype.element_ty)
+    rs, kh, b, r = _stored_update_terms(n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV, CT)
+    return okd, m2, rs, kh, x, b, r
 
 
 @triton.jit
@@ -138,41 +153,58 @@ def _update_grads(g, x, kh, rs, b, r, ERASE: tl.constexpr):
 
 
 @triton.jit
+def _store_update_grads(n, ok, okd, m2, off2, dx, dk, dv, dbeta, DX, DK, DVo, DBETA, D, offs_d, offs_v, md,
+                        mv, DV: tl.constexpr):  # fmt: skip
+    tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
+    tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md & okd)
+    okv = offs_v * 0 + ok.to(tl.int32) != 0
+    tl.store(DVo + n * DV + offs_v, dv.to(DVo.dtype.element_ty), mask=mv & okv)
+    tl.store(DBETA + n, dbeta.to(DBETA.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _update_fwd_kernel(
     X, Kd, V, BETA, W, XOUT, H, RS, R, N, D, eps,
     DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TOKENS: tl.constexpr,
-    ERASE: tl.constexpr, COMPRESS: tl.constexpr, STATS: tl.constexpr, CT: tl.constexpr,
+    ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
+    # x' and the update's rs and r (which the backward reads instead of recomputing them; 20 bytes a token
+    # at d_v = 4 against the state's 12 KB), with COMPRESS also the next sublayer's CC read-out of x'
     pid = tl.program_id(0).to(tl.int64)
     offs_d, offs_v, md, mv, off2 = _token_tile(D, DV, BLOCK_D, BLOCK_V)
     if COMPRESS:
         w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
     for tt in tl.static_range(TOKENS):
         n = pid * TOKENS + tt
-        _, okd, m2, rs, kh, x, b, r = _update_token_inputs(
-            n, n < N, X, Kd, V, BETA, ((), (), (), X, X), N, D, eps, offs_d, offs_v, md, mv, off2, DV,
-            ERASE, CT,
-        )  # fmt: skip
+        ok = n < N
+        okd = offs_d * 0 + ok.to(tl.int32) != 0  # vector masks (the interpreter rejects scalar & vector)
+        okv = offs_v * 0 + ok.to(tl.int32) != 0
+        m2 = (md & okd)[:, None] & mv[None, :]
+        x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+        rs, kh, b, r = _token_update_terms(
+            n, ok, okd, okv, x, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, DV, ERASE, CT
+        )
         xn = (x + b * kh[:, None] * r[None, :]).to(XOUT.dtype.element_ty)
         tl.store(XOUT + n * D * DV + off2, xn, mask=m2)
+        tl.store(R + n * DV + offs_v, r, mask=mv & okv)
+        tl.store(RS + n, rs, mask=ok)
         if COMPRESS:  # the next sublayer's CC read-out of the state just written (as stored)
             h = tl.sum(xn.to(CT) * w, axis=1)
             tl.store(H + n * D + offs_d, h.to(H.dtype.element_ty), mask=md & okd)
-        if STATS:  # rs and r, which the TC read-out's weight gradient needs to rebuild x' per channel
-            _store_stats(RS, R, n, rs, r, offs_v, mv, offs_v * 0 + n < N, DV)
 
 
 @triton.jit
 def _update_bwd_token(
-    n, X, Kd, V, BETA, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D, eps, offs_d, offs_v, md, mv, off2,
+    n, X, Kd, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D, offs_d, offs_v, md, mv, off2,
     DV: tl.constexpr, ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # One token of the backward; returns its contribution dh xn^T to the CC weight gradient.
     # x' = x + b khat r^T, r = v - x^T khat.  With G = dL/dx' (+ dh w^T from the fused read-out):
     # dx = G - b khat (khat^T G);  dv = b G^T khat;  dbeta = r . (G^T khat);
     # dkhat = b (G r - x G^T khat);  dk = (dkhat - khat (khat . dkhat)) / sqrt(|k|^2 + eps^2).
-    ok, okd, m2, rs, kh, x, b, r = _update_token_inputs(
-        n, n < N, X, Kd, V, BETA, CHAIN, N, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
+    ok = n < N
+    okd, m2, rs, kh, x, b, r = _update_bwd_inputs(
+        n, ok, X, Kd, BETA, RS, R, CHAIN, N, D, offs_d, offs_v, md, mv, off2, DV, CT
     )
     g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
     dw = w * 0.0
@@ -182,16 +214,15 @@ def _update_bwd_token(
         dw = dh[:, None] * xn
         g = g + dh[:, None] * w
     dx, dk, dv, dbeta = _update_grads(g, x, kh, rs, b, r, ERASE)
-    tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
-    tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md & okd)
-    tl.store(DVo + n * DV + offs_v, dv.to(DVo.dtype.element_ty), mask=mv & (offs_v * 0 + n < N))
-    tl.store(DBETA + n, dbeta.to(DBETA.dtype.element_ty), mask=ok)
+    _store_update_grads(
+        n, ok, okd, m2, off2, dx, dk, dv, dbeta, DX, DK, DVo, DBETA, D, offs_d, offs_v, md, mv, DV
+    )
     return dw
 
 
 @triton.jit
 def _update_bwd_kernel(
-    X, Kd, V, BETA, CHAIN, W, G, DH, DX, DK, DVo, DBETA, DWP, N, D, eps,
+    X, Kd, BETA, RS, R, CHAIN, W, G, DH, DX, DK, DVo, DBETA, DWP, N, D,
     TOKENS: tl.constexpr, PIPELINE: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_V: tl.constexpr, ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
@@ -207,13 +238,13 @@ def _update_bwd_kernel(
     if PIPELINE:
         for tt in tl.range(0, TOKENS, num_stages=2):
             dw += _update_bwd_token(
-                pid * TOKENS + tt, X, Kd, V, BETA, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D, eps,
+                pid * TOKENS + tt, X, Kd, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D,
                 offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, CT,
             )  # fmt: skip
     else:
         for tt in range(TOKENS):
             dw += _update_bwd_token(
-                pid * TOKENS + tt, X, Kd, V, BETA, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D, eps,
+                pid * TOKENS + tt, X, Kd, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D,
                 offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, CT,
             )  # fmt: skip
     if COMPRESS:
@@ -255,51 +286,53 @@ def _window(n, T, N, offs_j, mj, KW: tl.constexpr, PAST: tl.constexpr):
 
 
 @triton.jit
-def _row_tile(X, Kd, V, BETA, N, D, eps, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, CT: tl.constexpr):
-    # d_v = 1 row kernels: ROWS tokens as a [ROWS, d] tile; the normalised k and the loaded x, v, beta
+def _row_tile(X, Kd, BETA, N, D, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, CT: tl.constexpr):
+    # d_v = 1 row kernels: ROWS tokens as a [ROWS, d] tile; the loaded k, x and beta
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     mr = rows < N
     m2 = mr[:, None] & (cols < D)[None, :]
     off = rows[:, None] * D + cols[None, :]
     k = tl.load(Kd + off, mask=m2, other=0.0).to(CT)
-    rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + eps * eps)
     x = tl.load(X + off, mask=m2, other=0.0).to(CT)
-    v = tl.load(V + rows, mask=mr, other=0.0).to(CT)
     b = tl.load(BETA + rows, mask=mr, other=0.0).to(CT)
-    return rows, mr, m2, off, rs, k * rs[:, None], x, v, b
+    return rows, mr, m2, off, k, x, b
 
 
 @triton.jit
 def _update_row_fwd_kernel(
-    X, Kd, V, BETA, XOUT, N, D, eps,
+    X, Kd, V, BETA, XOUT, RS, R, N, D, eps,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # d_v = 1: the state is a d-vector per token, so a program takes ROWS tokens as a [ROWS, d] tile
-    # (like a layer norm) instead of one [d, 1] tile per token.
-    rows, mr, m2, off, rs, kh, x, v, b = _row_tile(X, Kd, V, BETA, N, D, eps, ROWS, BLOCK_D, CT)
+    # (like a layer norm) instead of one [d, 1] tile per token; rs and r stored as _update_fwd_kernel's.
+    rows, mr, m2, off, k, x, b = _row_tile(X, Kd, BETA, N, D, ROWS, BLOCK_D, CT)
+    rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + eps * eps)
+    kh = k * rs[:, None]
+    r = tl.load(V + rows, mask=mr, other=0.0).to(CT)
     if ERASE:
-        r = v - tl.sum(kh * x, axis=1)
-    else:
-        r = v
+        r = r - tl.sum(kh * x, axis=1)
     tl.store(XOUT + off, (x + (b * r)[:, None] * kh).to(XOUT.dtype.element_ty), mask=m2)
+    tl.store(RS + rows, rs, mask=mr)
+    tl.store(R + rows, r, mask=mr)
 
 
 @triton.jit
 def _update_row_bwd_kernel(
-    X, Kd, V, BETA, G, DX, DK, DVo, DBETA, N, D, eps,
+    X, Kd, BETA, RS, R, G, DX, DK, DVo, DBETA, N, D,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # _update_bwd_token with d_v = 1 (r, gk scalars per token), ROWS tokens per program.
-    rows, mr, m2, off, rs, kh, x, v, b = _row_tile(X, Kd, V, BETA, N, D, eps, ROWS, BLOCK_D, CT)
+    rows, mr, m2, off, k, x, b = _row_tile(X, Kd, BETA, N, D, ROWS, BLOCK_D, CT)
+    rs = tl.load(RS + rows, mask=mr, other=0.0).to(CT)
+    r = tl.load(R + rows, mask=mr, other=0.0).to(CT)
+    kh = k * rs[:, None]
     g = tl.load(G + off, mask=m2, other=0.0).to(CT)
     gk = tl.sum(kh * g, axis=1)
     if ERASE:
-        r = v - tl.sum(kh * x, axis=1)
         dx = g - (b * gk)[:, None] * kh
         dkh = b[:, None] * (g * r[:, None] - x * gk[:, None])
     else:
-        r = v
         dx = g
         dkh = (b * r)[:, None] * g
     dk = rs[:, None] * (dkh - kh * tl.sum(kh * dkh, axis=1)[:, None])
@@ -451,7 +484,7 @@ def _ec_bwd_kernel(
 
 @triton.jit
 def _update_tc_bwd_kernel(
-    X, Kd, V, BETA, CHAIN, WT, G, DH, DX, DK, DVo, DBETA, N, T, D, eps, TOKENS,
+    X, Kd, BETA, RS, R, CHAIN, WT, G, DH, DX, DK, DVo, DBETA, N, T, D, TOKENS,
     KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
     ERASE: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
@@ -462,8 +495,9 @@ def _update_tc_bwd_kernel(
     for tt in range(TOKENS):
         n = pid * TOKENS + tt
         t = n % T
-        ok, okd, m2, rs, kh, x, b, r = _update_token_inputs(
-            n, n < N, X, Kd, V, BETA, CHAIN, N, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE, CT
+        ok = n < N
+        okd, m2, rs, kh, x, b, r = _update_bwd_inputs(
+            n, ok, X, Kd, BETA, RS, R, CHAIN, N, D, offs_d, offs_v, md, mv, off2, DV, CT
         )
         g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
         for j in tl.static_range(KW):
@@ -472,21 +506,9 @@ def _update_tc_bwd_kernel(
             w = tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT)
             g += w * dh[:, None]
         dx, dk, dv, dbeta = _update_grads(g, x, kh, rs, b, r, ERASE)
-        tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
-        tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md & okd)
-        tl.store(DVo + n * DV + offs_v, dv.to(DVo.dtype.element_ty), mask=mv & (offs_v * 0 + n < N))
-        tl.store(DBETA + n, dbeta.to(DBETA.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _chan_update(x, n, okd, okv, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV: tl.constexpr,
-                 CT: tl.constexpr):  # fmt: skip
-    # x + beta (k rs) r^T on a channel block of token n, from the update's stored rs [N] and r [N, DV]
-    k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
-    rs = tl.sum(tl.load(RS + n + offs_v * 0, mask=okv & (offs_v == 0), other=0.0), axis=0)
-    b = tl.sum(tl.load(BETA + n + offs_v * 0, mask=okv & (offs_v == 0), other=0.0).to(CT), axis=0)
-    r = tl.load(R + n * DV + offs_v, mask=mv & okv, other=0.0)
-    return x + b * (k * rs)[:, None] * r[None, :]
+        _store_update_grads(
+            n, ok, okd, m2, off2, dx, dk, dv, dbeta, DX, DK, DVo, DBETA, D, offs_d, offs_v, md, mv, DV
+        )
 
 
 @triton.jit
@@ -495,24 +517,19 @@ def _update_tc_wgrad_kernel(
     KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
     CT: tl.constexpr,
 ):  # fmt: skip
-    # dWT[j] = sum_n dh[n + KW-1 - j] x'[n], x'[n] = x + beta (k rs) r^T rebuilt per channel block (from
-    # x0 through the updates of CHAIN first, with the rs and r the backward kernel stored for them)
+    # dWT[j] = sum_n dh[n + KW-1 - j] x'[n], x'[n] = x + beta khat r^T rebuilt per channel block from the
+    # stored terms (from x0 through the updates of CHAIN first)
     pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
-    ks, _, bs, CRS, CR = CHAIN
     acc = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
     for tt in range(TOKENS):
         n = pid * TOKENS + tt
-        okd = offs_d * 0 + n < N
-        okv = offs_v * 0 + n < N
+        ok = n < N
+        okd = offs_d * 0 + ok.to(tl.int32) != 0
         dst, valid = _window(n, T, N, offs_j, mj, KW, False)
         dh2 = tl.load(DH + dst[:, None] * D + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
         x = tl.load(X + n * D * DV + off2, mask=m2 & okd[:, None], other=0.0).to(CT)
-        for i in tl.static_range(len(ks)):
-            x = _chan_update(
-                x, n, okd, okv, ks[i], bs[i], CRS + i * N, CR + i * N * DV, D, offs_d, offs_v, md, mv, DV, CT
-            )  # fmt: skip
-            x = x.to(X.dtype.element_ty).to(CT)
-        xn = _chan_update(x, n, okd, okv, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV, CT)
+        x = _rebuilt_state(x, n, ok, CHAIN, D, offs_d, offs_v, md, mv, DV, CT, X.dtype.element_ty)
+        xn = _rebuilt_update(x, n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV, CT)
         acc += dh2.to(CT)[:, :, None] * xn.to(X.dtype.element_ty).to(CT)[None, :, :]
     off3 = offs_j[:, None, None] * D * DV + off2[None]
     tl.store(DWP + pid * KW * D * DV + off3, acc, mask=mj[:, None, None] & m2[None])
@@ -539,110 +556,119 @@ def _chan_grid(N, D, cfg):
     return (triton.cdiv(N, cfg["TOKENS"]), triton.cdiv(D, cfg["BLOCK_D"]))
 
 
-def _chain(x0, ks, vs, betas):
-    """The backward kernels' CHAIN argument (see _update_token_inputs) for a state rebuilt from x0 by the
-    updates (ks[i], vs[i], betas[i]), with the fp32 buffers their rs [len, N] and r [len, N, d_v] go to."""
-    N, _, DV = x0.shape
-    rs, r = _new((len(ks), N), x0, dtype=acc_dtype(x0)), _new((len(ks), N, DV), x0, dtype=acc_dtype(x0))
-    return (tuple(ks), tuple(vs), tuple(betas), rs, r)
+def _chain(ks, betas, rss, rs):
+    """The backward kernels' CHAIN argument (see _rebuilt_state): the updates (ks[i], betas[i], rss[i],
+    rs[i]) that made their state x from x0 (rebuild_from), as Triton tuples."""
+    return (tuple(ks), tuple(betas), tuple(rss), tuple(rs))
+
+
+def _update_forward(x, k, v, beta, weight, eps, erase):
+    """(x_new, h, rs, r): the update, with weight also h = the CC read-out of x_new (else empty), and the
+    terms rs [N], r [N, d_v] (fp32) that its backward and a later rebuild_from read."""
+    N, D, DV = x.shape
+    x_new = _new((N, D, DV), x)
+    h = _new((N, D) if weight is not None else (0,), x)
+    rs, r = _new((N,), x, dtype=acc_dtype(x)), _new((N, DV), x, dtype=acc_dtype(x))
+    ct = _ct(x, k, v, beta)
+    if _use_rows(DV, weight, x.dtype):
+        cfg = _cfg("update_row", x.dtype)
+        _update_row_fwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
+            x, k, v, beta, x_new, rs, r, N, D, eps, ROWS=cfg["ROWS"], BLOCK_D=_pow2(D), ERASE=erase, CT=ct,
+            num_warps=cfg["num_warps"],
+        )  # fmt: skip
+        return x_new, h, rs, r
+    cfg = LAUNCH["update_fwd"]
+    _update_fwd_kernel[(triton.cdiv(N, cfg["TOKENS"]),)](
+        x, k, v, beta, weight if weight is not None else x, x_new, h, rs, r, N, D, eps,
+        DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), TOKENS=cfg["TOKENS"], ERASE=erase,
+        COMPRESS=weight is not None, CT=ct, num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return x_new, h, rs, r
+
+
+def _fake_update_forward(x, weight):
+    N, D, DV = x.shape
+    ft = acc_dtype(x)
+    h = x.new_empty((N, D) if weight is not None else (0,))
+    return torch.empty_like(x), h, x.new_empty((N,), dtype=ft), x.new_empty((N, DV), dtype=ft)
 
 
 @torch.library.custom_op("ddl::update", mutates_args=())
 def _update_op(
     x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor | None,
     eps: float, erase: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    N, D, DV = x.shape
-    x_new = _new((N, D, DV), x)
-    h = _new((N, D) if weight is not None else (0,), x)
-    if _use_rows(DV, weight, x.dtype):
-        cfg = _cfg("update_row", x.dtype)
-        _update_row_fwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
-            x, k, v, beta, x_new, N, D, eps, ROWS=cfg["ROWS"], BLOCK_D=_pow2(D), ERASE=erase,
-            CT=_ct(x, k, v, beta), num_warps=cfg["num_warps"],
-        )  # fmt: skip
-        return x_new, h
-    _launch_update_fwd(x, k, v, beta, weight, x_new, h, None, eps, erase)
-    return x_new, h
-
-
-def _launch_update_fwd(x, k, v, beta, weight, x_new, h, stats, eps, erase):
-    """_update_fwd_kernel: x_new, with weight also h (the CC read-out), with stats = (rs, r) also those."""
-    N, D, DV = x.shape
-    cfg = LAUNCH["update_fwd"]
-    rs, r = stats if stats is not None else (x, x)
-    _update_fwd_kernel[(triton.cdiv(N, cfg["TOKENS"]),)](
-        x, k, v, beta, weight if weight is not None else x, x_new, h, rs, r, N, D, eps,
-        DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), TOKENS=cfg["TOKENS"], ERASE=erase,
-        COMPRESS=weight is not None, STATS=stats is not None, CT=_ct(x, k, v, beta),
-        num_warps=cfg["num_warps"],
-    )  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    return _update_forward(x, k, v, beta, weight, eps, erase)
 
 
 @_update_op.register_fake
 def _(x, k, v, beta, weight, eps, erase):
-    return torch.empty_like(x), x.new_empty((x.shape[0], x.shape[1]) if weight is not None else (0,))
+    return _fake_update_forward(x, weight)
 
 
-# The backward ops take the chain (ks, vs, betas) of updates that made their state x from x0 (rebuild_from):
-# given one, x is x0 and the kernels rebuild x in registers as they load it.
+# The backward ops read the update's stored rs and r instead of recomputing them (v: only for dv's shape and
+# dtype), and take the chain (ks, betas, rss, rs) of updates that made their state x from x0 (rebuild_from):
+# given one, x is x0 and the kernels rebuild x in registers as they load it, elementwise.
 @torch.library.custom_op("ddl::update_bwd", mutates_args=())
 def _update_bwd_op(
-    x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor | None,
-    g: torch.Tensor, dh: torch.Tensor | None, eps: float, erase: bool, ks: list[torch.Tensor],
-    vs: list[torch.Tensor], betas: list[torch.Tensor],
+    x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, rs: torch.Tensor, r: torch.Tensor,
+    weight: torch.Tensor | None, g: torch.Tensor, dh: torch.Tensor | None, erase: bool,
+    ks: list[torch.Tensor], betas: list[torch.Tensor], rss: list[torch.Tensor], rr: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     N, D, DV = x.shape
     cfg = _cfg("update_bwd", x.dtype)
     nprog = triton.cdiv(N, cfg["TOKENS"])
     dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
+    ct = _ct(x, k, v, beta, g)
     if _use_rows(DV, weight, x.dtype) and not ks:
         rcfg = _cfg("update_row", x.dtype)
         _update_row_bwd_kernel[(triton.cdiv(N, rcfg["ROWS"]),)](
-            x, k, v, beta, g, dx, dk, dv, dbeta, N, D, eps, ROWS=rcfg["ROWS"], BLOCK_D=_pow2(D),
-            ERASE=erase, CT=_ct(x, k, v, beta, g), num_warps=rcfg["num_warps"],
+            x, k, beta, rs, r, g, dx, dk, dv, dbeta, N, D, ROWS=rcfg["ROWS"], BLOCK_D=_pow2(D), ERASE=erase,
+            CT=ct, num_warps=rcfg["num_warps"],
         )  # fmt: skip
         return dx, dk, dv, dbeta, x.new_empty(0)
     compress = weight is not None
     dwp = _new((nprog, D, DV) if compress else (0,), x, dtype=acc_dtype(x))
     _update_bwd_kernel[(nprog,)](
-        x, k, v, beta, _chain(x, ks, vs, betas), weight if compress else x, g, dh if compress else g,
-        dx, dk, dv, dbeta, dwp,
-        N, D, eps, TOKENS=cfg["TOKENS"], PIPELINE=cfg.get("PIPELINE", False), DV=DV, BLOCK_D=_pow2(D),
-        BLOCK_V=_pow2(DV), ERASE=erase, COMPRESS=compress, CT=_ct(x, k, v, beta, g),
-        num_warps=cfg["num_warps"],
+        x, k, beta, rs, r, _chain(ks, betas, rss, rr), weight if compress else x, g, dh if compress else g,
+        dx, dk, dv, dbeta, dwp, N, D,
+        TOKENS=cfg["TOKENS"], PIPELINE=cfg.get("PIPELINE", False), DV=DV, BLOCK_D=_pow2(D),
+        BLOCK_V=_pow2(DV), ERASE=erase, COMPRESS=compress, CT=ct, num_warps=cfg["num_warps"],
     )  # fmt: skip
     dw = dwp.sum(0).to(weight.dtype) if compress else x.new_empty(0)
     return dx, dk, dv, dbeta, dw
 
 
 @_update_bwd_op.register_fake
-def _(x, k, v, beta, weight, g, dh, eps, erase, ks, vs, betas):
+def _(x, k, v, beta, rs, r, weight, g, dh, erase, ks, betas, rss, rr):
     dw = torch.empty_like(weight) if weight is not None else x.new_empty(0)
     return torch.empty_like(x), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta), dw
 
 
 def _update_setup(ctx, inputs, output):
     x, k, v, beta, weight, eps, erase = inputs
-    ctx.save_for_backward(x, k, v, beta, weight)
-    ctx.eps, ctx.erase = eps, erase
+    ctx.save_for_backward(x, k, v, beta, output[2], output[3], weight)
+    ctx.erase = erase
 
 
-def _update_grads_of(x, k, v, beta, weight, gx, gh, eps, erase, chain=((), (), ())):
+NO_CHAIN = ((), (), (), ())
+
+
+def _update_grads_of(x, k, v, beta, rs, r, weight, gx, gh, erase, chain=NO_CHAIN):
     """(dx, dk, dv, dbeta, dweight or None) of ddl::update at x (or at x rebuilt from x0 = x by the updates
-    chain = (ks, vs, betas)), for the output gradients gx, gh."""
+    chain = (ks, betas, rss, rs)), for the output gradients gx, gh."""
     gx = torch.zeros_like(x) if gx is None else gx.contiguous()
     if weight is not None:
         gh = torch.zeros(x.shape[:2], dtype=x.dtype, device=x.device) if gh is None else gh.contiguous()
     dx, dk, dv, dbeta, dw = _update_bwd_op(
-        x, k, v, beta, weight, gx, gh if weight is not None else None, eps, erase, *map(list, chain)
+        x, k, v, beta, rs, r, weight, gx, gh if weight is not None else None, erase, *map(list, chain)
     )
     return dx, dk, dv, dbeta, (dw if weight is not None else None)
 
 
-def _update_backward(ctx, gx, gh):
-    x, k, v, beta, weight = ctx.saved_tensors
-    return *_update_grads_of(x, k, v, beta, weight, gx, gh, ctx.eps, ctx.erase), None, None
+def _update_backward(ctx, gx, gh, _grs, _gr):
+    x, k, v, beta, rs, r, weight = ctx.saved_tensors
+    return *_update_grads_of(x, k, v, beta, rs, r, weight, gx, gh, ctx.erase), None, None
 
 
 torch.library.register_autograd("ddl::update", _update_backward, setup_context=_update_setup)
@@ -778,39 +804,30 @@ def _update_tc_op(
     x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, wt: torch.Tensor, T: int,
     eps: float, erase: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    N, D, DV = x.shape
-    ft = acc_dtype(x)
-    x_new, rs, r = _new((N, D, DV), x), _new((N,), x, dtype=ft), _new((N, DV), x, dtype=ft)
-    _launch_update_fwd(x, k, v, beta, None, x_new, x.new_empty(0), (rs, r), eps, erase)
+    x_new, _, rs, r = _update_forward(x, k, v, beta, None, eps, erase)
     return x_new, _tc_forward(x_new, wt, T), rs, r
 
 
 @_update_tc_op.register_fake
 def _(x, k, v, beta, wt, T, eps, erase):
-    ft = acc_dtype(x)
-    N, D, DV = x.shape
-    return (
-        torch.empty_like(x),
-        x.new_empty((N, D)),
-        x.new_empty((N,), dtype=ft),
-        x.new_empty((N, DV), dtype=ft),
-    )
+    x_new, _, rs, r = _fake_update_forward(x, None)
+    return x_new, x.new_empty((x.shape[0], x.shape[1])), rs, r
 
 
 @torch.library.custom_op("ddl::update_tc_bwd", mutates_args=())
 def _update_tc_bwd_op(
-    x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, wt: torch.Tensor, rs: torch.Tensor,
-    r: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, T: int, eps: float, erase: bool,
-    ks: list[torch.Tensor], vs: list[torch.Tensor], betas: list[torch.Tensor],
+    x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, rs: torch.Tensor, r: torch.Tensor,
+    wt: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, T: int, erase: bool, ks: list[torch.Tensor],
+    betas: list[torch.Tensor], rss: list[torch.Tensor], rr: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     N, D, DV = x.shape
     KW = wt.shape[0]
-    chain = _chain(x, ks, vs, betas)
+    chain = _chain(ks, betas, rss, rr)
     dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
     ct = _ct(x, k, v, beta, g)
     bcfg = LAUNCH["tc_bwd"]
     _update_tc_bwd_kernel[(triton.cdiv(N, bcfg["TOKENS"]),)](
-        x, k, v, beta, chain, wt, g, dh, dx, dk, dv, dbeta, N, T, D, eps, bcfg["TOKENS"], KW=KW, DV=DV,
+        x, k, beta, rs, r, chain, wt, g, dh, dx, dk, dv, dbeta, N, T, D, bcfg["TOKENS"], KW=KW, DV=DV,
         BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), ERASE=erase, CT=ct, num_warps=bcfg["num_warps"],
     )  # fmt: skip
     cfg = LAUNCH["chan_bwd"]
@@ -825,7 +842,7 @@ def _update_tc_bwd_op(
 
 
 @_update_tc_bwd_op.register_fake
-def _(x, k, v, beta, wt, rs, r, g, dh, T, eps, erase, ks, vs, betas):
+def _(x, k, v, beta, rs, r, wt, g, dh, T, erase, ks, betas, rss, rr):
     return (
         torch.empty_like(x),
         torch.empty_like(k),
@@ -837,21 +854,21 @@ def _(x, k, v, beta, wt, rs, r, g, dh, T, eps, erase, ks, vs, betas):
 
 def _update_tc_setup(ctx, inputs, output):
     x, k, v, beta, wt, T, eps, erase = inputs
-    ctx.save_for_backward(x, k, v, beta, wt, output[2], output[3])
-    ctx.T, ctx.eps, ctx.erase = T, eps, erase
+    ctx.save_for_backward(x, k, v, beta, output[2], output[3], wt)
+    ctx.T, ctx.erase = T, erase
 
 
-def _update_tc_grads_of(x, k, v, beta, wt, rs, r, gx, gh, T, eps, erase, chain=((), (), ())):
+def _update_tc_grads_of(x, k, v, beta, rs, r, wt, gx, gh, T, erase, chain=NO_CHAIN):
     """(dx, dk, dv, dbeta, dwt) of ddl::update_tc at x (or rebuilt from it, as _update_grads_of), for the
     output gradients gx, gh."""
     gx = torch.zeros_like(x) if gx is None else gx.contiguous()
     gh = torch.zeros(x.shape[:2], dtype=x.dtype, device=x.device) if gh is None else gh.contiguous()
-    return _update_tc_bwd_op(x, k, v, beta, wt, rs, r, gx, gh, T, eps, erase, *map(list, chain))
+    return _update_tc_bwd_op(x, k, v, beta, rs, r, wt, gx, gh, T, erase, *map(list, chain))
 
 
 def _update_tc_backward(ctx, gx, gh, _grs, _gr):
-    x, k, v, beta, wt, rs, r = ctx.saved_tensors
-    return *_update_tc_grads_of(x, k, v, beta, wt, rs, r, gx, gh, ctx.T, ctx.eps, ctx.erase), None, None, None
+    x, k, v, beta, rs, r, wt = ctx.saved_tensors
+    return *_update_tc_grads_of(x, k, v, beta, rs, r, wt, gx, gh, ctx.T, ctx.erase), None, None, None
 
 
 torch.library.register_autograd("ddl::update_tc", _update_tc_backward, setup_context=_update_tc_setup)
@@ -859,50 +876,50 @@ torch.library.register_autograd("ddl::update_tc", _update_tc_backward, setup_con
 
 def _update_with_read(x, k, v, beta, weight, wt, T, eps, erase):
     """ddl::update (wt None; weight: the CC read-out or None) or ddl::update_tc (wt: the TC taps) as one
-    4-tuple (x_new, h, rs, r); rs and r are empty without TC."""
+    4-tuple (x_new, h, rs, r); h is empty without a read-out."""
     if wt is not None:
         return _update_tc_op(x, k, v, beta, wt, T, eps, erase)
-    return (*_update_op(x, k, v, beta, weight, eps, erase), x.new_empty(0), x.new_empty(0))
+    return _update_op(x, k, v, beta, weight, eps, erase)
 
 
 # An update on a state x that earlier updates made from x0 (rebuild_from): the same forward as ddl::update
-# (wt None) or ddl::update_tc, but autograd keeps x0 and the earlier updates' (k, v, beta), which their own
-# ops keep anyway, instead of x: the backward kernels rebuild x in registers as they load it (the same
+# (wt None) or ddl::update_tc, but autograd keeps x0 and the earlier updates' (k, beta, rs, r), which their
+# own ops keep anyway, instead of x: the backward kernels rebuild x in registers as they load it (the same
 # reads of the state, plus each earlier update's k). Fewer states stay alive for the backward.
 @torch.library.custom_op("ddl::update_rebuilt", mutates_args=())
 def _update_rebuilt_op(
     x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor | None,
-    wt: torch.Tensor | None, T: int, x0: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor],
-    betas: list[torch.Tensor], eps: float, erase: bool,
+    wt: torch.Tensor | None, T: int, x0: torch.Tensor, ks: list[torch.Tensor], betas: list[torch.Tensor],
+    rss: list[torch.Tensor], rr: list[torch.Tensor], eps: float, erase: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     return _update_with_read(x, k, v, beta, weight, wt, T, eps, erase)
 
 
 @_update_rebuilt_op.register_fake
-def _(x, k, v, beta, weight, wt, T, x0, ks, vs, betas, eps, erase):  # the ops it calls have fakes
+def _(x, k, v, beta, weight, wt, T, x0, ks, betas, rss, rr, eps, erase):  # the ops it calls have fakes
     return _update_with_read(x, k, v, beta, weight, wt, T, eps, erase)
 
 
 def _update_rebuilt_setup(ctx, inputs, output):
-    x, k, v, beta, weight, wt, T, x0, ks, vs, betas, eps, erase = inputs
-    ctx.save_for_backward(k, v, beta, weight, wt, output[2], output[3], x0, *ks, *vs, *betas)
-    ctx.T, ctx.eps, ctx.erase, ctx.steps = T, eps, erase, len(ks)
+    x, k, v, beta, weight, wt, T, x0, ks, betas, rss, rr, eps, erase = inputs
+    ctx.save_for_backward(k, v, beta, output[2], output[3], weight, wt, x0, *ks, *betas, *rss, *rr)
+    ctx.T, ctx.erase, ctx.steps = T, erase, len(ks)
 
 
 def _update_rebuilt_backward(ctx, gx, gh, _grs, _gr):
-    k, v, beta, weight, wt, rs, r, x0, *chain = ctx.saved_tensors
+    k, v, beta, rs, r, weight, wt, x0, *saved = ctx.saved_tensors
     n = ctx.steps
-    chain = (chain[:n], chain[n : 2 * n], chain[2 * n :])
+    chain = tuple(saved[i * n : (i + 1) * n] for i in range(4))
     if wt is not None:
         dx, dk, dv, dbeta, dwt = _update_tc_grads_of(
-            x0, k, v, beta, wt, rs, r, gx, gh, ctx.T, ctx.eps, ctx.erase, chain
+            x0, k, v, beta, rs, r, wt, gx, gh, ctx.T, ctx.erase, chain
         )
         dw = None
     else:
-        dx, dk, dv, dbeta, dw = _update_grads_of(x0, k, v, beta, weight, gx, gh, ctx.eps, ctx.erase, chain)
+        dx, dk, dv, dbeta, dw = _update_grads_of(x0, k, v, beta, rs, r, weight, gx, gh, ctx.erase, chain)
         dwt = None
     no_grads = [None] * n  # the earlier updates get theirs from their own ops
-    return dx, dk, dv, dbeta, dw, dwt, None, None, no_grads, no_grads, no_grads, None, None
+    return dx, dk, dv, dbeta, dw, dwt, None, None, no_grads, no_grads, no_grads, no_grads, None, None
 
 
 torch.library.register_autograd(
@@ -934,35 +951,39 @@ def _tap_weights(conv_weight, read=None):
 
 
 def _update_any(x, k, v, beta, weight, wt, T, eps, erase, rebuild_from):
-    """(x_new, h) of the update (+ CC read-out with weight, + TC read-out with taps wt), through the op that
-    keeps x for the backward, or, given rebuild_from = (x0, steps) with x made from x0 by the updates
-    steps = ((k0, v0, beta0), ...), the op that rebuilds x there."""
+    """(x_new, h, step) of the update (+ CC read-out with weight, + TC read-out with taps wt), through the op
+    that keeps x for the backward, or, given rebuild_from = (x0, steps) with x made from x0 by the updates
+    steps = ((k0, beta0, rs0, r0), ...), the op that rebuilds x there; step = (k, beta, rs, r), this
+    update's for a later rebuild_from."""
     flat, eps, erase = _flat(x, k, v, beta), float(eps), bool(erase)
+    d, dv = x.shape[-2:]
     if rebuild_from is not None:
         x0, steps = rebuild_from
-        chain = [_flat(x0, *step) for step in steps]  # (x0, k, v, beta) flat, each
-        ks, vs, betas = ([step[i] for step in chain] for i in (1, 2, 3))
-        out = _update_rebuilt_op(*flat, weight, wt, T, chain[0][0], ks, vs, betas, eps, erase)
+        shapes = ((-1, d), (-1,), (-1,), (-1, dv))  # a step's k, beta, rs and r, flat
+        chain = [[s[i].reshape(shape).contiguous() for s in steps] for i, shape in enumerate(shapes)]
+        out = _update_rebuilt_op(*flat, weight, wt, T, x0.reshape(-1, d, dv).contiguous(), *chain, eps, erase)
     else:
         out = _update_with_read(*flat, weight, wt, T, eps, erase)
-    return out[0].view(x.shape), out[1]
+    lead = x.shape[:-2]
+    return out[0].view(x.shape), out[1], (k, beta, out[2].view(lead), out[3].view(*lead, dv))
 
 
 def update(x, k, v, beta, eps, erase, rebuild_from=None):
-    return _update_any(x, k, v, beta, None, None, 0, eps, erase, rebuild_from)[0]
+    x_new, _, step = _update_any(x, k, v, beta, None, None, 0, eps, erase, rebuild_from)
+    return x_new, step
 
 
 def update_compress_cc(x, k, v, beta, weight, eps, erase, rebuild_from=None):
     B, T, d, _ = x.shape
-    x_new, h = _update_any(x, k, v, beta, weight.contiguous(), None, T, eps, erase, rebuild_from)
-    return x_new, h.view(B, T, d)
+    x_new, h, step = _update_any(x, k, v, beta, weight.contiguous(), None, T, eps, erase, rebuild_from)
+    return x_new, h.view(B, T, d), step
 
 
 def update_compress_tc(x, k, v, beta, conv_weight, read, eps, erase, rebuild_from=None):
     B, T, d, _ = x.shape
     wt = _tap_weights(conv_weight, read)
-    x_new, h = _update_any(x, k, v, beta, None, wt, T, eps, erase, rebuild_from)
-    return x_new, h.view(B, T, d)
+    x_new, h, step = _update_any(x, k, v, beta, None, wt, T, eps, erase, rebuild_from)
+    return x_new, h.view(B, T, d), step
 
 
 def compress_cc(x, weight):
