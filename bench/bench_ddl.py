@@ -130,6 +130,8 @@ def sweep_update(args, do_bench, report, dtype, dv):
         dict(TOKENS=8, PIPELINE=False, num_warps=4),
         dict(TOKENS=16, PIPELINE=True, num_warps=4),
         dict(TOKENS=32, PIPELINE=True, num_warps=4),
+        dict(TOKENS=32, PIPELINE=False, num_warps=8),  # 4 warps spill (bench/compile_check.py)
+        dict(TOKENS=8, PIPELINE=False, num_warps=8),
     ]
     for tok, nw in ((1, 4), (1, 2), (2, 4), (4, 4)):  # forward: 1 token/program looked latency-bound in bf16
         cfg = dict(TOKENS=tok, num_warps=nw)
@@ -162,7 +164,7 @@ def sweep_update(args, do_bench, report, dtype, dv):
                 lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton"),
                 2 * S + 2 * V,
             )
-    for tok, nw in ((1, 4), (4, 4), (4, 8), (16, 8)):  # the TC backward: tokens per program share the taps
+    for tok, nw in ((1, 4), (1, 8), (1, 16), (4, 4), (4, 8), (16, 8)):  # tokens per program share the taps
         cfg = dict(TOKENS=tok, num_warps=nw)
         mark = " (shipped)" if cfg == ship["tc_bwd"] else ""
         with launch_shapes(tc_bwd=cfg):

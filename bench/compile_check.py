@@ -11,13 +11,16 @@ What launches: a forward and backward of every model variant at the gpt2-small w
 block's states rebuilt in the backward from the first's input), on a few tokens (the shipped launch shapes,
 fp32 and bf16 DDL state; ddl-tc runs the fused update + TC read-out), and of the Deltaformer u-stage for every
 kernel, head dim 64 and 128, each dtype and both `lowp`. Prints each distinct compile
-(ok with its shared memory, or the error); exit 1 if any failed. ptxas comes with the triton wheel (a 3.6
-wheel unzipped anywhere works). A few minutes on 2 cores the first time (Triton caches compiles)."""
+(ok with its shared memory, registers per thread and the stack its spills take, from cuobjdump; or the error);
+exit 1 if any failed. ptxas and cuobjdump come with the triton wheel (a 3.6 wheel unzipped anywhere works). A
+few minutes on 2 cores the first time (Triton caches compiles)."""
 
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
-os.environ.pop("TRITON_INTERPRET", None)  # compile, not interpret
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
@@ -29,7 +32,23 @@ from triton.runtime.jit import KernelInterface  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32"}
 TYPES[torch.float64] = "*fp64"
-SEEN, FAILED = {}, []
+SEEN, FAILED, SPILLS = {}, [], []
+
+
+def resources(cubin):
+    """(registers per thread, stack bytes per thread: where spilled registers go) of a kernel's cubin, from
+    the cuobjdump that ships with Triton; None where it is missing."""
+    import triton.backends.nvidia as nvidia
+
+    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return (int(found[1]), int(found[2])) if found else None
 
 
 def arg_type(value):
@@ -59,10 +78,19 @@ def compile_launch(fn, args, kwargs):
         return
     label = f"{fn.__name__} " + " ".join(f"{n}={bound[n]}" for n, p in zip(fn.arg_names, fn.params)
                                         if p.is_constexpr and n not in ("SPIN_LIMIT",))  # fmt: skip
+    label += f" {fn.arg_names[0]}:{sig[fn.arg_names[0]]}"  # the first argument's type: the data's dtype
+    # a tuple argument of tuples (the DDL rebuild chain): their lengths
+    label += "".join(f" {n}={tuple(map(len, v))}" for n, v in bound.items() if isinstance(v, tuple) and v
+                     and all(isinstance(x, tuple) for x in v))  # fmt: skip
     label += f" {options}" if options else ""
     try:
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET, options=options)
         SEEN[key] = f"ok   {label}: shared memory {k.metadata.shared} B"
+        regs = resources(k.asm["cubin"])
+        if regs:
+            SEEN[key] += f", {regs[0]} registers, stack {regs[1]} B"
+            if regs[1]:
+                SPILLS.append((regs[1], label))
     except Exception as e:  # noqa: BLE001
         while e.__cause__ is not None:
             e = e.__cause__
@@ -124,12 +152,15 @@ def run_deltaformer_variants():
 
 
 def main():
+    os.environ.pop("TRITON_INTERPRET", None)  # compile, not interpret: before the kernels are imported
     print("triton", triton.__version__, "from", os.path.dirname(triton.__file__))
     KernelInterface.__getitem__ = intercepted
     torch.manual_seed(0)
     run_deltaformer_variants()
     run_model_variants()
     print(f"{len(SEEN)} distinct compiles; failed: {FAILED or 'none'}")
+    largest = [f"stack {b} B: {label}" for b, label in sorted(SPILLS, reverse=True)[:10]]
+    print(f"{len(SPILLS)} spill registers to the stack; the largest (per thread):", *largest, sep="\n  ")
     sys.exit(1 if FAILED else 0)
 
 
