@@ -484,15 +484,17 @@ def _ec_bwd_kernel(
 
 @triton.jit
 def _update_tc_bwd_kernel(
-    X, Kd, BETA, RS, R, CHAIN, WT, G, DH, DX, DK, DVo, DBETA, N, T, D, TOKENS,
-    KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    X, Kd, BETA, RS, R, CHAIN, WT, G, DH, DX, DK, DVo, DBETA, N, T, D,
+    TOKENS: tl.constexpr, KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
     ERASE: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # As _update_bwd_kernel, with G += sum_j WT[j] * dh[n + KW-1 - j] (x'[n] feeds the read-outs of
-    # tokens n .. n+KW-1 of its sequence); TOKENS consecutive tokens per program, which read the same taps.
+    # tokens n .. n+KW-1 of its sequence); TOKENS consecutive tokens per program, which read the same taps,
+    # unrolled: as a loop (even of one token) ptxas spills up to 4 KB of registers per thread on sm_90
+    # (bench/compile_check.py), unrolled next to none.
     pid = tl.program_id(0).to(tl.int64)
     offs_d, offs_v, md, mv, off2 = _token_tile(D, DV, BLOCK_D, BLOCK_V)
-    for tt in range(TOKENS):
+    for tt in tl.static_range(TOKENS):
         n = pid * TOKENS + tt
         t = n % T
         ok = n < N
@@ -827,7 +829,7 @@ def _update_tc_bwd_op(
     ct = _ct(x, k, v, beta, g)
     bcfg = LAUNCH["tc_bwd"]
     _update_tc_bwd_kernel[(triton.cdiv(N, bcfg["TOKENS"]),)](
-        x, k, beta, rs, r, chain, wt, g, dh, dx, dk, dv, dbeta, N, T, D, bcfg["TOKENS"], KW=KW, DV=DV,
+        x, k, beta, rs, r, chain, wt, g, dh, dx, dk, dv, dbeta, N, T, D, TOKENS=bcfg["TOKENS"], KW=KW, DV=DV,
         BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), ERASE=erase, CT=ct, num_warps=bcfg["num_warps"],
     )  # fmt: skip
     cfg = LAUNCH["chan_bwd"]
