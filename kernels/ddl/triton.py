@@ -112,18 +112,19 @@ def _rebuilt_update(x, n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV: tl
 @triton.jit
 def _rebuilt_state(x, n, ok, CHAIN, D, offs_d, offs_v, md, mv, DV: tl.constexpr, CT: tl.constexpr,
                    OUT_T: tl.constexpr):  # fmt: skip
-    """x0 (a tile of token n) through the updates of CHAIN = (ks, betas, rss, rs): each is x + beta khat
-    r^T rounded to the state's dtype OUT_T as the forward stored it (empty tuples: x unchanged)."""
-    ks, bs, rss, rs = CHAIN
+    """x0 (a tile of token n) through the updates of CHAIN = (ks, betas, rss, rr), each update's k, beta
+    and stored rs and r: x + beta khat r^T each, rounded to the state's dtype OUT_T as the forward stored
+    it (empty tuples: x unchanged)."""
+    ks, bs, rss, rr = CHAIN
     for i in tl.static_range(len(ks)):
-        x = _rebuilt_update(x, n, ok, ks[i], bs[i], rss[i], rs[i], D, offs_d, offs_v, md, mv, DV, CT)
+        x = _rebuilt_update(x, n, ok, ks[i], bs[i], rss[i], rr[i], D, offs_d, offs_v, md, mv, DV, CT)
         x = x.to(OUT_T).to(CT)
     return x
 
 
 @triton.jit
 def _update_bwd_inputs(
-    n, ok, X, Kd, BETA, RS, R, CHAIN, N, D, offs_d, offs_v, md, mv, off2, DV: tl.constexpr, CT: tl.constexpr,
+    n, ok, X, Kd, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     """What the backward of token n's update reads (zeros where ok, a scalar condition, is false): its
     masks, the state x (X holds x0 and x is rebuilt through CHAIN, see _rebuilt_state) and the update's
@@ -204,7 +205,7 @@ def _update_bwd_token(
     # dkhat = b (G r - x G^T khat);  dk = (dkhat - khat (khat . dkhat)) / sqrt(|k|^2 + eps^2).
     ok = n < N
     okd, m2, rs, kh, x, b, r = _update_bwd_inputs(
-        n, ok, X, Kd, BETA, RS, R, CHAIN, N, D, offs_d, offs_v, md, mv, off2, DV, CT
+        n, ok, X, Kd, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV, CT
     )
     g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
     dw = w * 0.0
@@ -499,7 +500,7 @@ def _update_tc_bwd_kernel(
         t = n % T
         ok = n < N
         okd, m2, rs, kh, x, b, r = _update_bwd_inputs(
-            n, ok, X, Kd, BETA, RS, R, CHAIN, N, D, offs_d, offs_v, md, mv, off2, DV, CT
+            n, ok, X, Kd, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV, CT
         )
         g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
         for j in tl.static_range(KW):
@@ -558,10 +559,10 @@ def _chan_grid(N, D, cfg):
     return (triton.cdiv(N, cfg["TOKENS"]), triton.cdiv(D, cfg["BLOCK_D"]))
 
 
-def _chain(ks, betas, rss, rs):
+def _chain(ks, betas, rss, rr):
     """The backward kernels' CHAIN argument (see _rebuilt_state): the updates (ks[i], betas[i], rss[i],
-    rs[i]) that made their state x from x0 (rebuild_from), as Triton tuples."""
-    return (tuple(ks), tuple(betas), tuple(rss), tuple(rs))
+    rr[i]) that made their state x from x0 (rebuild_from), as Triton tuples."""
+    return (tuple(ks), tuple(betas), tuple(rss), tuple(rr))
 
 
 def _update_forward(x, k, v, beta, weight, eps, erase):
@@ -609,7 +610,7 @@ def _(x, k, v, beta, weight, eps, erase):
 
 
 # The backward ops read the update's stored rs and r instead of recomputing them (v: only for dv's shape and
-# dtype), and take the chain (ks, betas, rss, rs) of updates that made their state x from x0 (rebuild_from):
+# dtype), and take the chain (ks, betas, rss, rr) of updates that made their state x from x0 (rebuild_from):
 # given one, x is x0 and the kernels rebuild x in registers as they load it, elementwise.
 @torch.library.custom_op("ddl::update_bwd", mutates_args=())
 def _update_bwd_op(
@@ -658,7 +659,7 @@ NO_CHAIN = ((), (), (), ())
 
 def _update_grads_of(x, k, v, beta, rs, r, weight, gx, gh, erase, chain=NO_CHAIN):
     """(dx, dk, dv, dbeta, dweight or None) of ddl::update at x (or at x rebuilt from x0 = x by the updates
-    chain = (ks, betas, rss, rs)), for the output gradients gx, gh."""
+    chain = (ks, betas, rss, rr)), for the output gradients gx, gh."""
     gx = torch.zeros_like(x) if gx is None else gx.contiguous()
     if weight is not None:
         gh = torch.zeros(x.shape[:2], dtype=x.dtype, device=x.device) if gh is None else gh.contiguous()
