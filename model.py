@@ -330,12 +330,13 @@ class Residual(nn.Module):
             self.beta = nn.Linear(cfg.n_embd, 1, bias=True)  # W_beta, b_beta
 
     def forward(
-        self, X, sublayer, read=None, x_in=None, next_read=None, cache=None, slot=None, rebuild_from=None
-    ):
+        self, X, sublayer, read=None, x_in=None, next_read=None, cache=None, slot=None, rebuild_from=None,
+        return_step=False,
+    ):  # fmt: skip
         """-> (new stream, the next sublayer's input if the write computed it (a fused CC/TC read of
-        next_read) else None, (X, this DDL update's step) else None). rebuild_from: (X0, the steps of the
-        updates that made X from X0); the backward rebuilds X from them instead of keeping it (kernels/ddl:
-        return_step, rebuild_from)."""
+        next_read) else None, with return_step (X, this DDL update's step) else None). rebuild_from: (X0,
+        the steps of the updates that made X from X0); the backward rebuilds X from them instead of keeping
+        it (kernels/ddl: return_step, rebuild_from)."""
         if not self.cfg.is_ddl:
             return X + self.drop(sublayer(self.norm(X))), None, None
         if x_in is None:
@@ -345,15 +346,16 @@ class Residual(nn.Module):
         h = self.drop(sublayer(c))
         v, beta = self.value_and_gate(x_in, c)
         kw = dict(eps=DDL_EPS, erase=self.cfg.ddl_erase, backend=self.cfg.backend, rebuild_from=rebuild_from)
-        kw["return_step"] = True
         kind = next_read.kind if next_read is not None else None
         if kind == "ddl-cc":
-            X_new, x_next, step = ddl_update_compress_cc(X, h, v, beta, next_read.cc_weight(), **kw)
+            out = ddl_update_compress_cc(X, h, v, beta, next_read.cc_weight(), **kw, return_step=return_step)
         elif kind == "ddl-tc" and cache is None:  # decoding reads through the Compressor's history instead
-            X_new, x_next, step = ddl_update_compress_tc(X, h, v, beta, next_read.conv, next_read.read, **kw)
+            read_tc = (next_read.conv, next_read.read)
+            out = ddl_update_compress_tc(X, h, v, beta, *read_tc, **kw, return_step=return_step)
         else:
-            (X_new, step), x_next = ddl_update(X, h, v, beta, **kw), None
-        return X_new, x_next, (X, step)
+            out = ddl_update(X, h, v, beta, **kw, return_step=return_step)
+            out = (out[0], None, out[1]) if return_step else (out, None)
+        return out[0], out[1], ((X, out[2]) if return_step else None)
 
     def value_and_gate(self, x_in, c):
         """(v [B, T, d_v], beta [B, T]) in fp32, as in the module docstring."""
@@ -378,18 +380,20 @@ class Block(nn.Module):
         with rebuild, rebuild_from (X0, the updates since; None: X) extended by this block's updates."""
         read = getattr(self, "compress", None)
         attn = lambda c: self.attn(c, pos, cache)
+        kw = dict(cache=cache, return_step=rebuild)
         X, x_in, update = self.res_attn(
-            X, attn, read, x_in, next_read=read, cache=cache, slot="attn", rebuild_from=rebuild_from
+            X, attn, read, x_in, next_read=read, slot="attn", rebuild_from=rebuild_from, **kw
         )
-        rebuild_from = extend_chain(rebuild_from, update) if rebuild else None
+        rebuild_from = extend_chain(rebuild_from, update)
         X, x_in, update = self.res_mlp(
-            X, self.mlp, read, x_in, next_read=next_read, cache=cache, slot="mlp", rebuild_from=rebuild_from
+            X, self.mlp, read, x_in, next_read=next_read, slot="mlp", rebuild_from=rebuild_from, **kw
         )
-        return X, x_in, extend_chain(rebuild_from, update) if rebuild else None
+        return X, x_in, extend_chain(rebuild_from, update)
 
 
 def extend_chain(chain, update):
-    """(X0, steps) after one more DDL update (X, step); None (no update) stays None."""
+    """(X0, steps) after one more DDL update (X, step); None (no update, or its step not asked for) stays
+    None."""
     if update is None:
         return None
     X, step = update
