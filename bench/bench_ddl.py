@@ -132,6 +132,8 @@ def sweep_update(args, do_bench, report, dtype, dv):
         dict(TOKENS=32, PIPELINE=True, num_warps=4),
         dict(TOKENS=32, PIPELINE=False, num_warps=8),  # 4 warps spill (bench/compile_check.py)
         dict(TOKENS=8, PIPELINE=False, num_warps=8),
+        dict(TOKENS=32, PIPELINE=False, num_warps=16),
+        dict(TOKENS=16, PIPELINE=True, num_warps=8),
     ]
     for tok, nw in ((1, 4), (1, 2), (2, 4), (4, 4)):  # forward: 1 token/program looked latency-bound in bf16
         cfg = dict(TOKENS=tok, num_warps=nw)
@@ -142,11 +144,25 @@ def sweep_update(args, do_bench, report, dtype, dv):
                 lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"),
                 2 * S + 2 * V,
             )
+
+    def fused_run(rebuild, n=4):  # n fused CC updates in a row; rebuild: keep only x, as the model does
+        X, hs, chain = x, [], None
+        for _ in range(n):
+            out = ddl.ddl_update_compress_cc(
+                X, k, v, beta, w, backend="triton", rebuild_from=chain, return_step=rebuild
+            )
+            chain = (x, (chain[1] if chain else ()) + (out[2],)) if rebuild else None
+            X, hs = out[0], hs + [out[1]]
+        return torch.autograd.grad([X, *hs], (x, k, v, beta, w), [gx] + [gh] * n)
+
     for cfg in bwd_cfgs:
         mark = " (shipped)" if cfg == ship["update_bwd"] else ""
         with launch_shapes(update_bwd=cfg):
             timed(f"update f+b update_bwd={cfg}{mark}", upd, 5 * S + 3 * V)
             timed(f"update+cc f+b update_bwd={cfg}{mark}", fused, 5 * S + 5 * V)
+            for rebuild in (False, True):  # bytes as without the rebuild, whose reads of k come on top
+                name = f"4 x update+cc f+b, {'rebuilt from the first' if rebuild else 'each input kept'}"
+                timed(f"{name} update_bwd={cfg}{mark}", lambda r=rebuild: fused_run(r), 4 * (5 * S + 5 * V))
     cw = torch.randn(d, dv, 4, device="cuda", requires_grad=True)  # TC: K = 4
     read = torch.randn(dv, device="cuda", requires_grad=True)
 
