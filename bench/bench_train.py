@@ -145,8 +145,9 @@ def measure(model, compiled, cfg, B, args, row):
 
 
 def profile_step(compiled, opt, B, cfg, args, row):
-    """torch.profiler over --profile-steps training steps: the top GPU kernels by total time, and the
-    time by kind (matmul, attention, Triton kernels of Inductor, the DDL kernels, optimizer, other).
+    """torch.profiler over --profile-steps training steps: the top GPU kernels by total time, the time by
+    kind (matmul, attention, Triton kernels of Inductor, the DDL kernels, optimizer, other), and the top
+    host ops by self CPU time (ms/step, calls/step).
     Printed, and kept in the row (profile_kinds_ms, profile_top) of bench_train.json."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -183,12 +184,28 @@ def profile_step(compiled, opt, B, cfg, args, row):
     lines.append(f"  top {args.profile_top} kernels (ms/step, share, calls/step, name):")
     for name, us, count in kernels[: args.profile_top]:
         lines.append(f"  {us / 1e3 / n:8.3f} {100 * us / total:5.1f}% {count // n:4d}  {name[:150]}")
+    # the host: where the CPU time goes (self time of each op, Python-level ops included), for steps whose
+    # GPU sits idle between kernels (timed step > kernels busy): what launches them is then the bound
+    host = [
+        e for e in events if getattr(e, "device_type", None) != DeviceType.CUDA and e.self_cpu_time_total > 0
+    ]
+    host.sort(key=lambda e: -e.self_cpu_time_total)
+    host_total = sum(e.self_cpu_time_total for e in host)
+    lines.append(
+        f"  host: {host_total / 1e3 / n:.1f} ms/step of CPU time in ops (profiled); the top by self time:"
+    )
+    for e in host[: args.profile_top]:
+        lines.append(f"  {e.self_cpu_time_total / 1e3 / n:8.3f} {e.count // n:5d}  {e.key[:150]}")
     text = "\n".join(lines)
     print(text, flush=True)
     row["profile_kinds_ms"] = {k: round(us / 1e3 / args.profile_steps, 3) for k, us in kinds.items()}
     row["profile_top"] = [
         [name[:200], round(us / 1e3 / args.profile_steps, 3), count // args.profile_steps]
         for name, us, count in kernels[: args.profile_top]
+    ]
+    row["profile_host_top"] = [
+        [e.key[:200], round(e.self_cpu_time_total / 1e3 / n, 3), e.count // n]
+        for e in host[: args.profile_top]
     ]
 
 

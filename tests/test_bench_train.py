@@ -253,3 +253,23 @@ def test_cpu_smoke_nanogpt_row(tmp_path):
         cmd[:-4] + ["--nanogpt", str(tmp_path / "missing.py")], cwd=ROOT, capture_output=True, text=True
     )
     assert bad.returncode != 0 and "--nanogpt" in bad.stderr
+
+
+def test_cpu_smoke_profile(tmp_path):
+    """--profile on the CPU device: the row keeps the op times by kind and the host's top ops by self CPU
+    time, and the printed profile lists them per step."""
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, "bench/bench_train.py", "--device", "cpu", "--compile", "0", "--models", "gpt2-small",
+        "--variants", "additive", "--batches", "gpt2-small=2", "--seq", "16", "--warmup", "1", "--steps", "1",
+        "--profile", "--profile-steps", "2", "--profile-top", "5",
+        "--model-overrides", "n_layer=1,n_embd=32,n_head=2,vocab_size=64", "--out", str(out),
+    ]  # fmt: skip
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (row,) = json.loads((out / "bench_train.json").read_text())["rows"]
+    host = row["profile_host_top"]
+    assert len(host) == 5 and all(ms > 0 and calls >= 1 for _, ms, calls in host), host
+    assert [ms for _, ms, _ in host] == sorted((ms for _, ms, _ in host), reverse=True)
+    assert any(name.startswith("aten::") for name, _, _ in host), host
+    assert "host: " in p.stdout and "ms/step of CPU time in ops" in p.stdout
