@@ -293,9 +293,9 @@ def check_update_and_cc(lead, dv, d=20):
 def test_launch_shape_per_state_dtype(monkeypatch):
     """_cfg reads an entry's per-dtype launch shape for that dtype only, and the ops launch with the one of
     the state's dtype (a bad ROWS stored for float64 alone must fail float64 and nothing else)."""
-    bf16 = ddl_triton.LAUNCH["update_bwd"]["bfloat16"]
-    assert ddl_triton._cfg("update_bwd", torch.bfloat16) is bf16
-    assert ddl_triton._cfg("update_bwd", torch.float32) is ddl_triton.LAUNCH["update_bwd"]
+    bf16 = ddl_triton.LAUNCH["update_row"]["bfloat16"]
+    assert ddl_triton._cfg("update_row", torch.bfloat16) is bf16
+    assert ddl_triton._cfg("update_row", torch.float32) is ddl_triton.LAUNCH["update_row"]
     assert (
         ddl_triton._cfg("update_fwd", torch.bfloat16) is ddl_triton.LAUNCH["update_fwd"]
     )  # no per-dtype entry
@@ -318,8 +318,12 @@ def test_triton_update_bf16_launch_shapes_exact(dv, monkeypatch):
     monkeypatch.setattr(ddl_triton, "_FILL_OUTPUTS_WITH_NAN", True)
     for key in ("update_bwd", "update_row"):
         entry = ddl_triton.LAUNCH[key]
-        monkeypatch.setitem(ddl_triton.LAUNCH, key, {**entry, "float64": entry["bfloat16"]})
-    assert ddl_triton._cfg("update_bwd", F64) == dict(TOKENS=16, PIPELINE=True, num_warps=4)
+        monkeypatch.setitem(
+            ddl_triton.LAUNCH, key, {**entry, "float64": ddl_triton._cfg(key, torch.bfloat16)}
+        )
+    assert (
+        ddl_triton._cfg("update_bwd", F64)["TOKENS"] == 16 and ddl_triton._cfg("update_bwd", F64)["PIPELINE"]
+    )
     check_update_and_cc(lead=(2, 21), dv=dv)
 
 

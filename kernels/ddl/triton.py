@@ -23,9 +23,7 @@ from ..common import acc_dtype
 # shapes in a profile of a training step (bench_train.py --profile) before changing them.
 LAUNCH = {
     "update_fwd": dict(TOKENS=1, num_warps=4),
-    "update_bwd": dict(
-        TOKENS=32, PIPELINE=False, num_warps=4, bfloat16=dict(TOKENS=16, PIPELINE=True, num_warps=4)
-    ),
+    "update_bwd": dict(TOKENS=16, PIPELINE=True, num_warps=8),
     "update_row": dict(  # d_v = 1 without a fused read-out; ROWS=0: the general kernel
         ROWS=2, num_warps=4, bfloat16=dict(ROWS=4, num_warps=8)
     ),
@@ -124,32 +122,36 @@ def _rebuilt_state(x, n, ok, CHAIN, D, offs_d, offs_v, md, mv, DV: tl.constexpr,
 
 @triton.jit
 def _update_bwd_inputs(
-    n, ok, X, Kd, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV: tl.constexpr, CT: tl.constexpr,
+    n, ok, X, Kd, V, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     """What the backward of token n's update reads (zeros where ok, a scalar condition, is false): its
-    masks, the state x (X holds x0 and x is rebuilt through CHAIN, see _rebuilt_state) and the update's
-    stored terms (_stored_update_terms)."""
+    masks, the state x (X holds x0 and x is rebuilt through CHAIN, see _rebuilt_state), the update's
+    stored terms (_stored_update_terms) and its value v."""
     okd = offs_d * 0 + ok.to(tl.int32) != 0  # vector masks (the interpreter rejects scalar & vector)
     m2 = (md & okd)[:, None] & mv[None, :]
     x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
     x = _rebuilt_state(x, n, ok, CHAIN, D, offs_d, offs_v, md, mv, DV, CT, X.dtype.element_ty)
     rs, kh, b, r = _stored_update_terms(n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV, CT)
-    return okd, m2, rs, kh, x, b, r
+    v = tl.load(V + n * DV + offs_v, mask=mv & (offs_v * 0 + ok.to(tl.int32) != 0), other=0.0).to(CT)
+    return okd, m2, rs, kh, x, b, r, v
 
 
 @triton.jit
-def _update_grads(g, x, kh, rs, b, r, ERASE: tl.constexpr):
+def _update_grads(g, x, kh, rs, b, r, v, ERASE: tl.constexpr):
     """The update's backward for one token, given G = dL/dx' (formulas in `_update_bwd_token`):
-    dx, dk, dv, dbeta."""
+    dx, dk, dv, dbeta. One reduction over d (khat^T G): khat . dkhat follows from it and the stored r."""
     gk = tl.sum(kh[:, None] * g, axis=0)  # khat^T G  [d_v]
     gr = tl.sum(g * r[None, :], axis=1)  # G r  [d]
     if ERASE:
         dx = g - b * kh[:, None] * gk[None, :]
         dkh = b * (gr - tl.sum(x * gk[None, :], axis=1))
+        # khat . dkhat = b (gk . r - (khat^T x) . gk), and khat^T x = v - r
+        kdk = b * tl.sum(gk * (2.0 * r - v), axis=0)
     else:
         dx = g
         dkh = b * gr
-    dk = rs * (dkh - kh * tl.sum(kh * dkh, axis=0))
+        kdk = b * tl.sum(gk * r, axis=0)
+    dk = rs * (dkh - kh * kdk)
     return dx, dk, b * gk, tl.sum(gk * r, axis=0)
 
 
@@ -196,7 +198,7 @@ def _update_fwd_kernel(
 
 @triton.jit
 def _update_bwd_token(
-    n, X, Kd, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D, offs_d, offs_v, md, mv, off2,
+    n, X, Kd, V, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D, offs_d, offs_v, md, mv, off2,
     DV: tl.constexpr, ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # One token of the backward; returns its contribution dh xn^T to the CC weight gradient.
@@ -204,8 +206,8 @@ def _update_bwd_token(
     # dx = G - b khat (khat^T G);  dv = b G^T khat;  dbeta = r . (G^T khat);
     # dkhat = b (G r - x G^T khat);  dk = (dkhat - khat (khat . dkhat)) / sqrt(|k|^2 + eps^2).
     ok = n < N
-    okd, m2, rs, kh, x, b, r = _update_bwd_inputs(
-        n, ok, X, Kd, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV, CT
+    okd, m2, rs, kh, x, b, r, v = _update_bwd_inputs(
+        n, ok, X, Kd, V, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV, CT
     )
     g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
     dw = w * 0.0
@@ -214,7 +216,7 @@ def _update_bwd_token(
         xn = (x + b * kh[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)
         dw = dh[:, None] * xn
         g = g + dh[:, None] * w
-    dx, dk, dv, dbeta = _update_grads(g, x, kh, rs, b, r, ERASE)
+    dx, dk, dv, dbeta = _update_grads(g, x, kh, rs, b, r, v, ERASE)
     _store_update_grads(
         n, ok, okd, m2, off2, dx, dk, dv, dbeta, DX, DK, DVo, DBETA, D, offs_d, offs_v, md, mv, DV
     )
@@ -223,7 +225,7 @@ def _update_bwd_token(
 
 @triton.jit
 def _update_bwd_kernel(
-    X, Kd, BETA, RS, R, CHAIN, W, G, DH, DX, DK, DVo, DBETA, DWP, N, D,
+    X, Kd, V, BETA, RS, R, CHAIN, W, G, DH, DX, DK, DVo, DBETA, DWP, N, D,
     TOKENS: tl.constexpr, PIPELINE: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_V: tl.constexpr, ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
@@ -239,13 +241,13 @@ def _update_bwd_kernel(
     if PIPELINE:
         for tt in tl.range(0, TOKENS, num_stages=2):
             dw += _update_bwd_token(
-                pid * TOKENS + tt, X, Kd, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D,
+                pid * TOKENS + tt, X, Kd, V, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D,
                 offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, CT,
             )  # fmt: skip
     else:
         for tt in range(TOKENS):
             dw += _update_bwd_token(
-                pid * TOKENS + tt, X, Kd, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D,
+                pid * TOKENS + tt, X, Kd, V, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D,
                 offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, CT,
             )  # fmt: skip
     if COMPRESS:
@@ -320,7 +322,7 @@ def _update_row_fwd_kernel(
 
 @triton.jit
 def _update_row_bwd_kernel(
-    X, Kd, BETA, RS, R, G, DX, DK, DVo, DBETA, N, D,
+    X, Kd, V, BETA, RS, R, G, DX, DK, DVo, DBETA, N, D,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # _update_bwd_token with d_v = 1 (r, gk scalars per token), ROWS tokens per program.
@@ -330,13 +332,16 @@ def _update_row_bwd_kernel(
     kh = k * rs[:, None]
     g = tl.load(G + off, mask=m2, other=0.0).to(CT)
     gk = tl.sum(kh * g, axis=1)
-    if ERASE:
+    if ERASE:  # khat . dkhat from gk as in _update_grads
+        v = tl.load(V + rows, mask=mr, other=0.0).to(CT)
         dx = g - (b * gk)[:, None] * kh
         dkh = b[:, None] * (g * r[:, None] - x * gk[:, None])
+        kdk = b * gk * (2.0 * r - v)
     else:
         dx = g
         dkh = (b * r)[:, None] * g
-    dk = rs[:, None] * (dkh - kh * tl.sum(kh * dkh, axis=1)[:, None])
+        kdk = b * gk * r
+    dk = rs[:, None] * (dkh - kh * kdk[:, None])
     tl.store(DX + off, dx.to(DX.dtype.element_ty), mask=m2)
     tl.store(DK + off, dk.to(DK.dtype.element_ty), mask=m2)
     tl.store(DVo + rows, (b * gk).to(DVo.dtype.element_ty), mask=mr)
@@ -485,7 +490,7 @@ def _ec_bwd_kernel(
 
 @triton.jit
 def _update_tc_bwd_kernel(
-    X, Kd, BETA, RS, R, CHAIN, WT, G, DH, DX, DK, DVo, DBETA, N, T, D,
+    X, Kd, V, BETA, RS, R, CHAIN, WT, G, DH, DX, DK, DVo, DBETA, N, T, D,
     TOKENS: tl.constexpr, KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
     ERASE: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
@@ -499,8 +504,8 @@ def _update_tc_bwd_kernel(
         n = pid * TOKENS + tt
         t = n % T
         ok = n < N
-        okd, m2, rs, kh, x, b, r = _update_bwd_inputs(
-            n, ok, X, Kd, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV, CT
+        okd, m2, rs, kh, x, b, r, v = _update_bwd_inputs(
+            n, ok, X, Kd, V, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV, CT
         )
         g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
         for j in tl.static_range(KW):
@@ -508,7 +513,7 @@ def _update_tc_bwd_kernel(
             dh = tl.load(DH + (n + (KW - 1) - j) * D + offs_d, mask=okj, other=0.0).to(CT)
             w = tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT)
             g += w * dh[:, None]
-        dx, dk, dv, dbeta = _update_grads(g, x, kh, rs, b, r, ERASE)
+        dx, dk, dv, dbeta = _update_grads(g, x, kh, rs, b, r, v, ERASE)
         _store_update_grads(
             n, ok, okd, m2, off2, dx, dk, dv, dbeta, DX, DK, DVo, DBETA, D, offs_d, offs_v, md, mv, DV
         )
@@ -609,9 +614,10 @@ def _(x, k, v, beta, weight, eps, erase):
     return _fake_update_forward(x, weight)
 
 
-# The backward ops read the update's stored rs and r instead of recomputing them (v: only for dv's shape and
-# dtype), and take the chain (ks, betas, rss, rr) of updates that made their state x from x0 (rebuild_from):
-# given one, x is x0 and the kernels rebuild x in registers as they load it, elementwise.
+# The backward ops read the update's stored rs and r instead of recomputing them, and v (khat^T x = v - r:
+# one reduction over d a token, not two). They take the chain (ks, betas, rss, rr) of updates that made
+# their state x from x0 (rebuild_from): given one, x is x0 and the kernels rebuild x in registers as they
+# load it, elementwise.
 @torch.library.custom_op("ddl::update_bwd", mutates_args=())
 def _update_bwd_op(
     x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, rs: torch.Tensor, r: torch.Tensor,
@@ -626,14 +632,14 @@ def _update_bwd_op(
     if _use_rows(DV, weight, x.dtype) and not ks:
         rcfg = _cfg("update_row", x.dtype)
         _update_row_bwd_kernel[(triton.cdiv(N, rcfg["ROWS"]),)](
-            x, k, beta, rs, r, g, dx, dk, dv, dbeta, N, D, ROWS=rcfg["ROWS"], BLOCK_D=_pow2(D), ERASE=erase,
-            CT=ct, num_warps=rcfg["num_warps"],
+            x, k, v, beta, rs, r, g, dx, dk, dv, dbeta, N, D, ROWS=rcfg["ROWS"], BLOCK_D=_pow2(D),
+            ERASE=erase, CT=ct, num_warps=rcfg["num_warps"],
         )  # fmt: skip
         return dx, dk, dv, dbeta, x.new_empty(0)
     compress = weight is not None
     dwp = _new((nprog, D, DV) if compress else (0,), x, dtype=acc_dtype(x))
     _update_bwd_kernel[(nprog,)](
-        x, k, beta, rs, r, _chain(ks, betas, rss, rr), weight if compress else x, g, dh if compress else g,
+        x, k, v, beta, rs, r, _chain(ks, betas, rss, rr), weight if compress else x, g, dh if compress else g,
         dx, dk, dv, dbeta, dwp, N, D,
         TOKENS=cfg["TOKENS"], PIPELINE=cfg.get("PIPELINE", False), DV=DV, BLOCK_D=_pow2(D),
         BLOCK_V=_pow2(DV), ERASE=erase, COMPRESS=compress, CT=ct, num_warps=cfg["num_warps"],
@@ -807,14 +813,12 @@ def _update_tc_op(
     x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, wt: torch.Tensor, T: int,
     eps: float, erase: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    x_new, _, rs, r = _update_forward(x, k, v, beta, None, eps, erase)
-    return x_new, _tc_forward(x_new, wt, T), rs, r
+    return _update_with_read(x, k, v, beta, None, wt, T, eps, erase)
 
 
 @_update_tc_op.register_fake
 def _(x, k, v, beta, wt, T, eps, erase):
-    x_new, _, rs, r = _fake_update_forward(x, None)
-    return x_new, x.new_empty((x.shape[0], x.shape[1])), rs, r
+    return _fake_update_with_read(x, None, wt)
 
 
 @torch.library.custom_op("ddl::update_tc_bwd", mutates_args=())
@@ -830,8 +834,8 @@ def _update_tc_bwd_op(
     ct = _ct(x, k, v, beta, g)
     bcfg = LAUNCH["tc_bwd"]
     _update_tc_bwd_kernel[(triton.cdiv(N, bcfg["TOKENS"]),)](
-        x, k, beta, rs, r, chain, wt, g, dh, dx, dk, dv, dbeta, N, T, D, TOKENS=bcfg["TOKENS"], KW=KW, DV=DV,
-        BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), ERASE=erase, CT=ct, num_warps=bcfg["num_warps"],
+        x, k, v, beta, rs, r, chain, wt, g, dh, dx, dk, dv, dbeta, N, T, D, TOKENS=bcfg["TOKENS"], KW=KW,
+        DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), ERASE=erase, CT=ct, num_warps=bcfg["num_warps"],
     )  # fmt: skip
     cfg = LAUNCH["chan_bwd"]
     bd = min(cfg["BLOCK_D"], _pow2(D))
@@ -878,11 +882,17 @@ torch.library.register_autograd("ddl::update_tc", _update_tc_backward, setup_con
 
 
 def _update_with_read(x, k, v, beta, weight, wt, T, eps, erase):
-    """ddl::update (wt None; weight: the CC read-out or None) or ddl::update_tc (wt: the TC taps) as one
-    4-tuple (x_new, h, rs, r); h is empty without a read-out."""
+    """The forward of ddl::update (wt None; weight: the CC read-out or None) or of ddl::update_tc (wt: the
+    TC taps), as plain code for the ops to share: (x_new, h, rs, r); h is empty without a read-out."""
+    x_new, h, rs, r = _update_forward(x, k, v, beta, weight, eps, erase)
     if wt is not None:
-        return _update_tc_op(x, k, v, beta, wt, T, eps, erase)
-    return _update_op(x, k, v, beta, weight, eps, erase)
+        h = _tc_forward(x_new, wt, T)
+    return x_new, h, rs, r
+
+
+def _fake_update_with_read(x, weight, wt):
+    x_new, h, rs, r = _fake_update_forward(x, weight)
+    return x_new, (x.new_empty(x.shape[:2]) if wt is not None else h), rs, r
 
 
 # An update on a state x that earlier updates made from x0 (rebuild_from): the same forward as ddl::update
@@ -899,8 +909,8 @@ def _update_rebuilt_op(
 
 
 @_update_rebuilt_op.register_fake
-def _(x, k, v, beta, weight, wt, T, x0, ks, betas, rss, rr, eps, erase):  # the ops it calls have fakes
-    return _update_with_read(x, k, v, beta, weight, wt, T, eps, erase)
+def _(x, k, v, beta, weight, wt, T, x0, ks, betas, rss, rr, eps, erase):
+    return _fake_update_with_read(x, weight, wt)
 
 
 def _update_rebuilt_setup(ctx, inputs, output):
@@ -966,7 +976,11 @@ def _update_any(x, k, v, beta, weight, wt, T, eps, erase, rebuild_from):
         chain = [[s[i].reshape(shape).contiguous() for s in steps] for i, shape in enumerate(shapes)]
         out = _update_rebuilt_op(*flat, weight, wt, T, x0.reshape(-1, d, dv).contiguous(), *chain, eps, erase)
     else:
-        out = _update_with_read(*flat, weight, wt, T, eps, erase)
+        out = (
+            _update_tc_op(*flat, wt, T, eps, erase)
+            if wt is not None
+            else _update_op(*flat, weight, eps, erase)
+        )
     lead = x.shape[:-2]
     return out[0].view(x.shape), out[1], (k, beta, out[2].view(lead), out[3].view(*lead, dv))
 
