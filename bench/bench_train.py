@@ -524,7 +524,8 @@ def main():
         default="model",
         choices=["model", "blocks"],
         help="model: torch.compile(model); blocks: each Block and the LM head + loss (compiles ~L times "
-        "faster; the embedding runs eagerly)",
+        "faster; the embedding runs eagerly; every block call runs its own wrapper on the host, which can "
+        "leave the GPU waiting: --profile shows kernels busy against the step)",
     )
     p.add_argument(
         "--ddl-backend",
