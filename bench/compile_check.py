@@ -7,8 +7,9 @@ a GPU run.
 
 How: every `kernel[grid](...)` launch is intercepted and compiled for sm_90 with the argument types and
 constexprs it was launched with, instead of run (outputs stay uninitialised: values mean nothing here).
-What launches: a forward and backward of every model variant at the gpt2-small width, two blocks (the second
-block's states rebuilt in the backward from the first's input), on a few tokens (the shipped launch shapes,
+What launches: a forward and backward of every model variant at the gpt2-small width, four blocks (the
+states of blocks 2-4 rebuilt in the backward from the first's input by 1-7 updates, as the default keeps
+every 4th block's), on a few tokens (the shipped launch shapes,
 fp32 and bf16 DDL state; ddl-tc runs the fused update + TC read-out), and of the Deltaformer u-stage for every
 kernel, head dim 64 and 128, each dtype and both `lowp`. Prints each distinct compile
 (ok with its shared memory, registers per thread and the stack its spills take, from cuobjdump; or the error);
@@ -126,9 +127,9 @@ def run_model_variants(variants=None):
                 continue
             print(f"--- model {overrides} ddl_state_dtype={state}", flush=True)
             extra = {} if overrides["residual"] == "additive" else dict(ddl_state_dtype=state)
-            keep = 0 if overrides["residual"] == "additive" else 2  # 2 blocks: states rebuilt by 1-3 updates
+            keep = 0 if overrides["residual"] == "additive" else 4  # 4 blocks: states rebuilt by 1-7 updates
             cfg = GPTConfig.preset(
-                "gpt2-small", n_layer=2, block_size=64, backend="triton", ddl_keep_state_every=keep,
+                "gpt2-small", n_layer=4, block_size=64, backend="triton", ddl_keep_state_every=keep,
                 **overrides, **extra,
             )  # fmt: skip
             model = GPT(cfg)
