@@ -6,7 +6,7 @@ each against additive + softmax attention of the same size measured in the same 
     python bench/bench_train.py --gpus 0,1 --batches "gpt2-small=64,32;gpt2-medium=32,16"
                                                       # one job per GPU at a time
     CUDA_VISIBLE_DEVICES=1 python bench/bench_train.py --models gpt2-small --variants additive --profile
-                                                      # + where one step's GPU time goes (torch.profiler)
+                                                      # + where one step's GPU and host time go
     python bench/bench_train.py --models gpt2-small --variants additive --nanogpt ../nanoGPT/model.py
                                                       # + nanoGPT's own GPT-2 124M, timed the same way
 
@@ -31,6 +31,8 @@ process per GPU at a time, from one queue that starts the baselines and the long
 
 Prints the command, the GPU and versions, and the table (markdown); with --out also writes
 bench_train.json (every row's numbers) and bench_train.md (the printed text) there, updated after each row.
+Each row also keeps host_ms: the host's median time to issue a timed step's forward, backward and optimizer,
+and then to wait for the GPU (near 0: the host, not the GPU, sets the step time).
 """
 
 import argparse
@@ -72,8 +74,10 @@ VARIANTS = {
 # One (model, variant): runs in its own process.
 
 
-def train_steps(model, opt, B, T, steps, vocab, device):
-    """Run `steps` optimizer steps on random tokens; return per-step times (s) measured with CUDA events."""
+def train_steps(model, opt, B, T, steps, vocab, device, host=None):
+    """Run `steps` optimizer steps on random tokens; return per-step times (s) measured with CUDA events.
+    host: a list to append, per step, the host's seconds to issue the forward, the backward and the
+    optimizer, and then to wait for the GPU (a step whose host never waits is bound by the host)."""
     times = []
     for _ in range(steps):
         idx = torch.randint(0, vocab, (B, T), device=device)
@@ -82,19 +86,25 @@ def train_steps(model, opt, B, T, steps, vocab, device):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        t0 = time.perf_counter()
+        marks = [time.perf_counter()]
         with torch.autocast(device, dtype=torch.bfloat16):
             _, loss = model(idx, tgt)
+        marks.append(time.perf_counter())
         loss.backward()
+        marks.append(time.perf_counter())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        marks.append(time.perf_counter())
         if cuda:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
         else:
-            times.append(time.perf_counter() - t0)
+            times.append(marks[-1] - marks[0])
+        marks.append(time.perf_counter())
+        if host is not None:
+            host.append([b - a for a, b in zip(marks, marks[1:])])
         if not torch.isfinite(loss):
             raise RuntimeError(f"non-finite loss {loss.item()}")
     return times
@@ -128,8 +138,11 @@ def measure(model, compiled, cfg, B, args, row):
     t0 = time.time()
     train_steps(compiled, opt, B, args.seq, max(args.warmup - 1, 0), cfg.vocab_size, device)
     row["warmup_s"] = round(time.time() - t0, 1)
-    times = train_steps(compiled, opt, B, args.seq, args.steps, cfg.vocab_size, device)
+    host = []
+    times = train_steps(compiled, opt, B, args.seq, args.steps, cfg.vocab_size, device, host)
     step = statistics.median(times)
+    # the host's median seconds to issue the forward, the backward and the optimizer, and to wait for the GPU
+    row["host_ms"] = [round(statistics.median(part) * 1e3, 2) for part in zip(*host)]
     tok_s = B * args.seq / step
     row.update(
         batch=B,
@@ -175,9 +188,12 @@ def profile_step(compiled, opt, B, cfg, args, row):
     for name, us, _ in kernels:
         kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us
     n = args.profile_steps
+    fwd, bwd, optim, wait = row["host_ms"]
     lines = [
         f"profile {row['model']} {row['variant']} micro-batch {B}: {n} step(s), kernels busy "
-        f"{total / 1e3 / n:.1f} ms/step (timed step {row['step_ms']:.1f} ms)"
+        f"{total / 1e3 / n:.1f} ms/step (timed step {row['step_ms']:.1f} ms); the timed steps' host issued "
+        f"the forward, backward and optimizer in {fwd:.1f} + {bwd:.1f} + {optim:.1f} ms, then waited "
+        f"{wait:.1f} ms for the GPU (medians)"
     ]
     for kind, us in sorted(kinds.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {kind:40s} {us / 1e3 / n:8.2f} ms/step  {100 * us / total:5.1f}%")

@@ -256,8 +256,8 @@ def test_cpu_smoke_nanogpt_row(tmp_path):
 
 
 def test_cpu_smoke_profile(tmp_path):
-    """--profile on the CPU device: the row keeps the op times by kind and the host's top ops by self CPU
-    time, and the printed profile lists them per step."""
+    """--profile on the CPU device: the row keeps the op times by kind, the host's top ops by self CPU time
+    and its time to issue each part of a step, and the printed profile lists them per step."""
     out = tmp_path / "out"
     cmd = [
         sys.executable, "bench/bench_train.py", "--device", "cpu", "--compile", "0", "--models", "gpt2-small",
@@ -273,3 +273,8 @@ def test_cpu_smoke_profile(tmp_path):
     assert [ms for _, ms, _ in host] == sorted((ms for _, ms, _ in host), reverse=True)
     assert any(name.startswith("aten::") for name, _, _ in host), host
     assert "host: " in p.stdout and "ms/step of CPU time in ops" in p.stdout
+    # the host's time to issue the timed step's forward, backward and optimizer: on the CPU, the step itself
+    fwd, bwd, optim, wait = row["host_ms"]
+    assert min(fwd, bwd, optim, wait) >= 0 and fwd > 0 and bwd > 0, row["host_ms"]
+    assert math.isclose(fwd + bwd + optim, row["step_ms"], abs_tol=0.05), (row["host_ms"], row["step_ms"])
+    assert f"forward, backward and optimizer in {fwd:.1f} + {bwd:.1f} + {optim:.1f} ms" in p.stdout
