@@ -3,9 +3,9 @@ implementations) and autograd, and the functions that flatten the public functio
 
 The state is memory-bound work: each kernel reads and writes every [d, d_v] tile once and keeps all
 arithmetic in registers (fp32, or float64 for float64 inputs so tests can be exact). The update needs
-whole-token reductions over d (|k|, khat^T x), so one program owns whole tokens (the forward stores the
-results, rs and r, for the backward to read); compressors and EC are
-per-channel, so their programs take a block of d and a run of tokens. Weight gradients are reduced over
+whole-token reductions over d (|k|, khat^T x; its backward, khat^T G), so one program owns whole tokens
+(the forward stores rs and r for the backward to read); compressors and EC are per-channel, so their
+programs take a block of d and a run of tokens. Weight gradients are reduced over
 tokens inside a program into fp32 partials, summed by torch.
 """
 
