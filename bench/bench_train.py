@@ -161,7 +161,7 @@ def profile_step(compiled, opt, B, cfg, args, row):
     """torch.profiler over --profile-steps training steps: the top GPU kernels by total time, the time by
     kind (matmul, attention, Triton kernels of Inductor, the DDL kernels, optimizer, other), and the top
     host ops by self CPU time (ms/step, calls/step).
-    Printed, and kept in the row (profile_kinds_ms, profile_top) of bench_train.json."""
+    Printed, and kept in the row (profile_kinds_ms, profile_top, profile_host_top) of bench_train.json."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])

@@ -70,6 +70,12 @@ def _token_tile(D, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexp
 
 
 @triton.jit
+def _vec_mask(ok, offs):
+    # a scalar condition as a vector mask like offs (the interpreter rejects scalar & vector)
+    return offs * 0 + ok.to(tl.int32) != 0
+
+
+@triton.jit
 def _token_update_terms(n, ok, okd, okv, x, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv,
                         DV: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr):  # fmt: skip
     """rs = 1 / sqrt(|k|^2 + eps^2), khat = k rs, beta and r = v - khat^T x (r = v without the erase) of
@@ -92,10 +98,10 @@ def _stored_update_terms(n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV: 
     """rs, khat, beta and r of token n's update as _token_update_terms, from its k and beta and the rs [N]
     and r [N, DV] its forward stored: no reduction, and no need for x (zeros where ok, a scalar
     condition, is false). offs_d: all of d, or a block of it."""
-    k = tl.load(Kd + n * D + offs_d, mask=md & (offs_d * 0 + ok.to(tl.int32) != 0), other=0.0).to(CT)
+    k = tl.load(Kd + n * D + offs_d, mask=md & _vec_mask(ok, offs_d), other=0.0).to(CT)
     rs = tl.load(RS + n, mask=ok, other=0.0).to(CT)
     b = tl.load(BETA + n, mask=ok, other=0.0).to(CT)
-    r = tl.load(R + n * DV + offs_v, mask=mv & (offs_v * 0 + ok.to(tl.int32) != 0), other=0.0).to(CT)
+    r = tl.load(R + n * DV + offs_v, mask=mv & _vec_mask(ok, offs_v), other=0.0).to(CT)
     return rs, k * rs, b, r
 
 
@@ -127,12 +133,12 @@ def _update_bwd_inputs(
     """What the backward of token n's update reads (zeros where ok, a scalar condition, is false): its
     masks, the state x (X holds x0 and x is rebuilt through CHAIN, see _rebuilt_state), the update's
     stored terms (_stored_update_terms) and its value v."""
-    okd = offs_d * 0 + ok.to(tl.int32) != 0  # vector masks (the interpreter rejects scalar & vector)
+    okd = _vec_mask(ok, offs_d)
     m2 = (md & okd)[:, None] & mv[None, :]
     x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
     x = _rebuilt_state(x, n, ok, CHAIN, D, offs_d, offs_v, md, mv, DV, CT, X.dtype.element_ty)
     rs, kh, b, r = _stored_update_terms(n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV, CT)
-    v = tl.load(V + n * DV + offs_v, mask=mv & (offs_v * 0 + ok.to(tl.int32) != 0), other=0.0).to(CT)
+    v = tl.load(V + n * DV + offs_v, mask=mv & _vec_mask(ok, offs_v), other=0.0).to(CT)
     return okd, m2, rs, kh, x, b, r, v
 
 
@@ -160,7 +166,7 @@ def _store_update_grads(n, ok, okd, m2, off2, dx, dk, dv, dbeta, DX, DK, DVo, DB
                         mv, DV: tl.constexpr):  # fmt: skip
     tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
     tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md & okd)
-    okv = offs_v * 0 + ok.to(tl.int32) != 0
+    okv = _vec_mask(ok, offs_v)
     tl.store(DVo + n * DV + offs_v, dv.to(DVo.dtype.element_ty), mask=mv & okv)
     tl.store(DBETA + n, dbeta.to(DBETA.dtype.element_ty), mask=ok)
 
@@ -180,8 +186,8 @@ def _update_fwd_kernel(
     for tt in tl.static_range(TOKENS):
         n = pid * TOKENS + tt
         ok = n < N
-        okd = offs_d * 0 + ok.to(tl.int32) != 0  # vector masks (the interpreter rejects scalar & vector)
-        okv = offs_v * 0 + ok.to(tl.int32) != 0
+        okd = _vec_mask(ok, offs_d)
+        okv = _vec_mask(ok, offs_v)
         m2 = (md & okd)[:, None] & mv[None, :]
         x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
         rs, kh, b, r = _token_update_terms(
@@ -532,7 +538,7 @@ def _update_tc_wgrad_kernel(
     for tt in range(TOKENS):
         n = pid * TOKENS + tt
         ok = n < N
-        okd = offs_d * 0 + ok.to(tl.int32) != 0
+        okd = _vec_mask(ok, offs_d)
         dst, valid = _window(n, T, N, offs_j, mj, KW, False)
         dh2 = tl.load(DH + dst[:, None] * D + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
         x = tl.load(X + n * D * DV + off2, mask=m2 & okd[:, None], other=0.0).to(CT)
