@@ -29,8 +29,10 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -155,13 +157,19 @@ def launch_all(jobs, parallel, on_finish=lambda: None):
         while pending and len(running) < parallel:
             cmd, out_dir = pending.pop(0)
             os.makedirs(out_dir, exist_ok=True)
+            # compile caches of its own: two of three runs of one model that compiled into one cache at
+            # once died of SIGSEGV in their first step (none since, with a cache each)
+            cache = tempfile.mkdtemp(prefix="bench_quality-")
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "t"))
             with open(os.path.join(out_dir, "train.out"), "w") as f:
-                running.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO), out_dir))
+                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+                running.append((proc, out_dir, cache))
             print(f"started {out_dir}", flush=True)
         time.sleep(2)
-        for proc, out_dir in list(running):
+        for proc, out_dir, cache in list(running):
             if proc.poll() is not None:
-                running.remove((proc, out_dir))
+                running.remove((proc, out_dir, cache))
+                shutil.rmtree(cache, ignore_errors=True)
                 print(f"finished {out_dir} (exit {proc.returncode})", flush=True)
                 on_finish()
 
@@ -169,7 +177,7 @@ def launch_all(jobs, parallel, on_finish=lambda: None):
 def read_run(out_dir):
     """dict(vals: val loss by iteration, train: train losses in order, lr: the peak learning rate, last_iter,
     final: finished?, why: what stopped it) from out_dir/log.jsonl and train.out."""
-    run = dict(vals={}, train=[], lr=float("nan"), last_iter=-1, final=False, why="")
+    run = dict(vals={}, train=[], lr=0.0, last_iter=-1, final=False, why="")
     path = os.path.join(out_dir, "log.jsonl")
     if os.path.exists(path):
         with open(path) as f:
@@ -183,15 +191,15 @@ def read_run(out_dir):
                     run["vals"][rec["iter"]] = rec["val_loss"]
                 if "train_loss" in rec:
                     run["train"].append(rec["train_loss"])
-                    run["lr"] = max(rec["lr"], run["lr"]) if math.isfinite(run["lr"]) else rec["lr"]
+                    run["lr"] = max(run["lr"], rec.get("lr", 0.0))
     console = os.path.join(out_dir, "train.out")
     if os.path.exists(console):
         with open(console, errors="replace") as f:
             lines = f.read().splitlines()
         run["final"] = any(line.startswith("done:") for line in lines)
-        errors = [line for line in lines if "stopping before the update" in line or "Error" in line]
-        run["why"] = "non-finite loss" if errors and "before the update" in errors[0] else errors[-1:] or ""
-        run["why"] = run["why"] if isinstance(run["why"], str) else run["why"][0][:60]
+        errors = [line[:60] for line in lines if "Error" in line]  # the last one names the cause
+        nonfinite = any("stopping before the update" in line for line in lines)  # train.py's divergence stop
+        run["why"] = "non-finite loss" if nonfinite else errors[-1] if errors else ""
     return run
 
 
@@ -227,7 +235,7 @@ def probe_summary(out_dir):
         r = max(finite, key=lambda r: r["u_over_v"])
         kappa = f", kappa(i-1) {r['kappa_prev_mean']:.2f}" if "kappa_prev_mean" in r else ""
         out.append(
-            f"max |u|/|v| {r['u_over_v']:.3g} (iter {r['iter']}, layer {r['layer']}, beta mean "
+            f"u/v {r['u_over_v']:.3g} (iter {r['iter']}, layer {r['layer']}, beta mean "
             f"{r['beta_mean']:.2f} max {r['beta_max']:.2f}{kappa})"
         )
     out += [f"first non-finite u: iter {r['iter']} layer {r['layer']} (v finite: {r['v_finite']})"
@@ -305,7 +313,7 @@ def stability_table(folder, rows, runs):
     lines = [
         f"\n**{folder}** ({SETTINGS['stability']['max_iters']} iterations, peak lr {', '.join(lrs)}): "
         f"{len(every) - stopped} of {len(every)} runs finished, {stopped} stopped\n",
-        "| row | seed | run | largest loss spike | best val | probe |",
+        "| row | seed | run | largest loss spike | best val | probe: largest u/v = max abs u / max abs v |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -854,7 +854,7 @@ def bounded_inputs(T, D, dtype, seed=0):
 
 def assert_linear_growth(o, v):
     """o finite and max |o_{<t}| <= t max |v| at every prefix length t (the README's bound)."""
-    o, v = o.double()[0, 0], v.double()[0, 0]
+    o, v = o.double().cpu()[0, 0], v.double().cpu()[0, 0]
     assert torch.isfinite(o).all(), "non-finite output"
     t = torch.arange(1, o.shape[0] + 1, dtype=torch.float64)
     grown = o.abs().amax(dim=-1).cummax(0).values / (v.abs().amax() * t)
@@ -887,7 +887,8 @@ def test_default_beta_bounded_on_previous_token_keys_triton(dtype, request):
     o = F.scaled_dot_product_attention(q, k, u, is_causal=True)
     assert_linear_growth(o, v)
     u_ref = deltaformer_u_torch(*(x.double() for x in (k, v, w, beta)), kernel="softmax")
-    assert rel_err(u, u_ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+    # u reaches ~1000 |v| here; fp32 on a GPU at T = 1024 within test_triton_gpu_reflection_regime's 1e-4
+    assert rel_err(u, u_ref) < ({"cpu": 1e-5, "cuda": 1e-4}[device] if dtype == torch.float32 else 1e-2)
 
 
 def test_linear_kappa_w_is_k_bounded_up_to_beta_2():
