@@ -21,14 +21,18 @@ import re
 import subprocess
 import sys
 import tempfile
+import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+if __name__ == "__main__":  # compile, not interpret: before triton decorates its own library (tl.sum, ...)
+    os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import KernelInterface  # noqa: E402
+from triton.runtime.jit import JITFunction, KernelInterface  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32"}
@@ -55,6 +59,16 @@ def resources(cubin):
 def arg_type(value):
     """A tensor's pointer type, or a tuple's (of tensors and tuples) as a tuple of those."""
     return tuple(map(arg_type, value)) if isinstance(value, tuple) else TYPES[value.dtype]
+
+
+def check_compilable():
+    """Triton imported under TRITON_INTERPRET=1 decorated its own library for the interpreter, which its
+    compiler cannot take (Triton 3.9's refuses on its first compile with a bare AssertionError)."""
+    if not isinstance(tl.standard.cdiv, JITFunction):
+        raise RuntimeError(
+            "triton was imported with TRITON_INTERPRET=1, so its library is interpreted, not compilable: run "
+            "compile_check in a process without TRITON_INTERPRET"
+        )
 
 
 def compile_launch(fn, args, kwargs):
@@ -85,6 +99,7 @@ def compile_launch(fn, args, kwargs):
                      and all(isinstance(x, tuple) for x in v))  # fmt: skip
     label += f" {options}" if options else ""
     try:
+        check_compilable()
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET, options=options)
         SEEN[key] = f"ok   {label}: shared memory {k.metadata.shared} B"
         regs = resources(k.asm["cubin"])
@@ -95,7 +110,9 @@ def compile_launch(fn, args, kwargs):
     except Exception as e:  # noqa: BLE001
         while e.__cause__ is not None:
             e = e.__cause__
-        SEEN[key] = f"FAIL {label}: {type(e).__name__}: {str(e)[-600:]}"
+        where = traceback.extract_tb(e.__traceback__)[-1:]  # an assert without a message says nothing else
+        where = f" (at {os.path.basename(where[0].filename)}:{where[0].lineno})" if where else ""
+        SEEN[key] = f"FAIL {label}: {type(e).__name__}{where}: {str(e)[-600:]}"
         FAILED.append(label)
     print(SEEN[key], flush=True)
 
@@ -153,7 +170,6 @@ def run_deltaformer_variants():
 
 
 def main():
-    os.environ.pop("TRITON_INTERPRET", None)  # compile, not interpret: before the kernels are imported
     print("triton", triton.__version__, "from", os.path.dirname(triton.__file__))
     KernelInterface.__getitem__ = intercepted
     torch.manual_seed(0)

@@ -1,6 +1,7 @@
 """bench/compile_check.py: a launch compiled for sm_90 on this machine, with its registers and spills."""
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -8,7 +9,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 tl = triton.language
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "bench"))
 import compile_check  # noqa: E402
 
 
@@ -21,15 +23,41 @@ def _scale(X, Y, PAIRS, N, BLOCK: tl.constexpr):
     tl.store(Y + offs, y, mask=offs < N)
 
 
-def test_a_launch_compiles_for_sm90_with_its_resources(monkeypatch, capsys):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # decorated now: compiled, not interpreted
-    kernel = triton.jit(_scale)
+# as compile_check runs: a process whose triton was imported without TRITON_INTERPRET (this one's was, by
+# conftest.py, for the kernel tests)
+CHILD = """
+import sys
+import torch
+import triton
+sys.path[:0] = [{bench!r}, {tests!r}]
+import compile_check
+from test_compile_check import _scale
+x = torch.empty(8)
+pairs = ((x, x), (x, x))  # a tuple of tuples: the label gives their lengths
+compile_check.compile_launch(triton.jit(_scale), (x, x, pairs, 8), dict(BLOCK=8, num_warps=1))
+print("failed:", compile_check.FAILED)
+"""
+
+
+def test_a_launch_compiles_for_sm90_with_its_resources(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compiled here, not found in a cache of an earlier run
+    code = CHILD.format(bench=os.path.join(REPO, "bench"), tests=os.path.join(REPO, "tests"))
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    line, failed = result.stdout.strip().splitlines()
+    assert line.startswith("ok   _scale BLOCK=8 X:*fp32 PAIRS=(2, 2) {'num_warps': 1}: shared memory"), line
+    assert " registers, stack 0 B" in line and failed == "failed: []"
+
+
+def test_a_process_with_interpreted_triton_is_told_why_it_cannot_compile(monkeypatch, capsys):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("this process compiles Triton kernels (CUDA): nothing interpreted")
+    monkeypatch.delenv("TRITON_INTERPRET")  # the kernel decorated for the compiler, triton's library not
     monkeypatch.setattr(compile_check, "SEEN", {})
     monkeypatch.setattr(compile_check, "FAILED", [])
     x = torch.empty(8)
-    pairs = ((x, x), (x, x))  # a tuple of tuples: the label gives their lengths
-    compile_check.compile_launch(kernel, (x, x, pairs, 8), dict(BLOCK=8, num_warps=1))
+    compile_check.compile_launch(triton.jit(_scale), (x, x, ((x, x), (x, x)), 8), dict(BLOCK=8, num_warps=1))
     (line,) = compile_check.SEEN.values()
-    assert line.startswith("ok   _scale BLOCK=8 X:*fp32 PAIRS=(2, 2) {'num_warps': 1}: shared memory")
-    assert " registers, stack 0 B" in line and not compile_check.FAILED
-    assert capsys.readouterr().out.strip() == line
+    assert line.startswith("FAIL _scale BLOCK=8") and "imported with TRITON_INTERPRET=1" in line, line
+    assert compile_check.FAILED and capsys.readouterr().out.strip() == line
