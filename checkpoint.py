@@ -12,6 +12,8 @@ advice to load it unsafely. save_checkpoint is atomic (temp file, fsync, rename)
 last complete checkpoint, a failed write removes its temp file, and a full disk is reported in one line
 with the space needed. On resume, log_lines_before keeps the log up to the checkpoint; RunLog writes
 the log, its first record replacing the previous log (by the kept lines and itself) atomically too.
+hold_run_dir locks the run folder for one live run; keep_log renames the log of a run that stopped before
+its first checkpoint, so a new run can start there without deleting it.
 """
 
 import contextlib
@@ -24,6 +26,11 @@ import random
 import shutil
 import warnings
 import zipfile
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: runs there are not locked
+    fcntl = None
 
 import numpy as np
 import torch
@@ -163,6 +170,61 @@ def save_checkpoint(ckpt, path):
             raise
         kept = f"the previous {os.path.basename(path)} is kept" if os.path.exists(path) else "nothing written"
         raise CheckpointError(f"{write_error(path, cause, tensor_bytes(ckpt))}; {kept}") from None
+
+
+def lock_holder(path):
+    """' (pid N)' of the process holding a lock on the file or folder `path`, from /proc/locks (Linux);
+    '' where that is not known."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        st = os.stat(path)
+        where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with open("/proc/locks") as f:
+            for line in f:
+                fields = line.split()
+                if where in fields and fields[fields.index(where) - 1] not in ("0", "-1"):
+                    return f" (pid {fields[fields.index(where) - 1]})"
+    return ""
+
+
+def hold_run_dir(path):
+    """Create the run folder `path` if needed and lock it for as long as this process lives; return the
+    descriptor that holds the lock (keep it open). The lock is flock on the folder itself: the OS drops it
+    when the process ends, even by kill -9, so a dead run never leaves it stuck, and no file is added to the
+    folder. CheckpointError if `path` is a file, cannot be created, or a live process holds it."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"out_dir {path} is a file, not a folder; choose another --out_dir")
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise CheckpointError(f"cannot create the run folder {path}: {e.strerror or e}") from None
+    if fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return fd  # a file system without locks (ENOLCK): run unlocked, as before locks
+            os.close(fd)
+            raise CheckpointError(
+                f"{path} is in use by another training run{lock_holder(path)}: wait for it to end, or choose "
+                "another --out_dir (--overwrite=True does not replace a live run)"
+            ) from None
+    return fd
+
+
+def keep_log(path):
+    """Rename the log at `path` (dir/log.jsonl) to the first free dir/log.N.jsonl, N = 1, 2, ...; return
+    the new path. For the log of a run that stopped before its first checkpoint: nothing to resume, but
+    not deleted."""
+    stem, ext = os.path.splitext(path)
+    n = 1
+    while os.path.exists(f"{stem}.{n}{ext}"):
+        n += 1
+    try:
+        os.rename(path, f"{stem}.{n}{ext}")
+    except OSError as e:
+        raise CheckpointError(f"cannot rename {path} to {stem}.{n}{ext}: {e.strerror or e}") from None
+    return f"{stem}.{n}{ext}"
 
 
 def rng_state(cuda_device=None):

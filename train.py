@@ -8,7 +8,9 @@ usage: python train.py [CONFIG.py ...] [--key=value ...]   (config files and ove
     python train.py --help                                   # every config key, its default and meaning
 
 Config keys: the names in the "config keys" section below and the GPTConfig fields (configurator.py). A
-fresh run refuses an out_dir holding a run: --init_from=resume continues it, --overwrite=True replaces it.
+fresh run refuses an out_dir holding a run: --init_from=resume continues it, --overwrite=True replaces it
+(the log of a run that stopped before its first checkpoint is kept as log.N.jsonl, not refused). A live run
+holds its out_dir (a lock the OS drops when the process ends): a second run there is refused.
 
 Reproducibility: global batch `iter_num` (batch_size * gradient_accumulation_steps rows) is a function of
 (data, seed, iter_num); rank r, micro-step m takes rows from (m * world_size + r) * batch_size; losses are
@@ -122,11 +124,23 @@ try:  # resolved (e.g. ddl_dv=None -> 4), so model_args round-trips through the 
 except (ValueError, TypeError) as e:
     fail(f"model config: {e}")
 
-# ---- the run directory: resume from it, or refuse to start over a previous run ----
+# ---- the run directory: one live run holds it; resume from it, or refuse to start over a previous run ----
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 log_path = os.path.join(out_dir, "log.jsonl")
 checkpoint = None
+if not dry_run and os.environ.get("RANK", "0") == "0":  # rank 0 writes the run's files
+    try:  # held until this process ends; the checks below then see no other live run's files
+        _run_dir_lock = ck.hold_run_dir(out_dir)
+    except ck.CheckpointError as e:
+        fail(str(e))
+# a log without a checkpoint: its run stopped before its first checkpoint, so there is nothing to resume
+log_only = os.path.isfile(log_path) and os.path.getsize(log_path) > 0 and not os.path.exists(ckpt_path)
 if init_from == "resume":
+    if log_only:
+        fail(
+            f"init_from='resume': no checkpoint at {ckpt_path}: the run of its log.jsonl stopped before its "
+            "first checkpoint; start afresh (without --init_from=resume), which keeps that log"
+        )
     try:  # the architecture comes from the checkpoint, RUN_FIELDS from this run's config
         checkpoint, resumed = ck.load_for_resume(ckpt_path, model_args, RUN_FIELDS)
     except ck.CheckpointError as e:
@@ -137,11 +151,17 @@ if init_from == "resume":
     model_args, block_size = resumed, resumed["block_size"]  # the loaders cut rows of the model's length
 elif not dry_run:
     previous = [p for p in (ckpt_path, log_path) if os.path.isfile(p) and os.path.getsize(p) > 0]
-    if previous and not overwrite:
+    if previous and not overwrite and not log_only:
         fail(
             f"{out_dir} holds a previous run ({', '.join(map(os.path.basename, previous))}); continue it "
             "with --init_from=resume, replace it with --overwrite=True, or choose another --out_dir"
         )
+    if log_only and not overwrite and os.environ.get("RANK", "0") == "0":
+        try:
+            kept_as = ck.keep_log(log_path)
+        except ck.CheckpointError as e:
+            fail(str(e))
+        print(f"{log_path}: its run stopped before its first checkpoint; kept as {kept_as}", flush=True)
 
 if dry_run:
     with torch.device("meta"):  # shapes only: instant, even for the large presets
@@ -177,7 +197,6 @@ autocast = torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else contex
 log = functools.partial(print, flush=True) if master else lambda *args: None  # console: rank 0 only
 to_device = lambda t: t.pin_memory().to(device, non_blocking=True) if device_type == "cuda" else t
 if master:  # temp files of a run killed while writing them
-    os.makedirs(out_dir, exist_ok=True)
     for _tmp in filter(os.path.exists, (ckpt_path + ".tmp", log_path + ".tmp")):
         os.remove(_tmp)
 
@@ -391,7 +410,7 @@ while True:
             metrics["st_length"] = curriculum.length  # the training length from this iteration on
         log(f"eval iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         write_log({"iter": iter_num, **metrics})
-        if iter_num > 0:
+        if iter_num > 0 or iter_num >= max_iters:  # the initial model only as the result (max_iters=0)
             save()
     if iter_num >= max_iters:
         break

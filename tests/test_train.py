@@ -9,6 +9,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -580,3 +581,77 @@ def test_plot_logs_missing_output_folder_and_torn_last_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"folder {tmp_path / 'missing'} does not exist" in err and "Traceback" not in err
     assert os.listdir(tmp_path) == ["log.jsonl"]
+
+
+def test_a_live_run_holds_its_out_dir_and_a_killed_run_leaves_it_free(tmp_path, data_dir):
+    pytest.importorskip("fcntl")
+    out = str(tmp_path / "out")
+    train(out, data_dir, "--max_iters=2", "--eval_interval=2")
+    cmd = [sys.executable, "train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out}",
+           "--init_from=resume", "--max_iters=1000000", "--eval_interval=1000000"]  # fmt: skip
+    with open(tmp_path / "stderr", "w") as stderr:
+        live = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        for line in live.stdout:  # the model line comes after the folder is held: no waiting on a clock
+            if line.startswith("model:"):
+                break
+        live.send_signal(signal.SIGSTOP)  # alive, holding the folder, using no CPU
+        assert live.poll() is None, (tmp_path / "stderr").read_text()
+        for args in ([], ["--overwrite=True"], ["--init_from=resume"]):
+            refused = train(out, data_dir, "--max_iters=4", *args, check=False)
+            assert_one_line_error(refused, f"{out} is in use by another training run", "another --out_dir")
+        assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 2
+    finally:
+        live.kill()  # kill -9: the OS drops its lock
+        live.wait()
+        live.stdout.close()
+    train(out, data_dir, "--max_iters=4", "--eval_interval=2", "--init_from=resume")
+    _, train_loss, val_loss = read_log(out)
+    assert sorted(train_loss) == list(range(4)) and sorted(val_loss) == [0, 2, 4]
+
+
+def test_out_dir_that_is_a_file_is_one_line(tmp_path, data_dir):
+    path = tmp_path / "out"
+    path.write_text("notes\n")
+    result = train(str(path), data_dir, "--max_iters=2", check=False)
+    assert_one_line_error(result, f"out_dir {path} is a file, not a folder")
+    assert path.read_text() == "notes\n"
+
+
+def test_max_iters_0_checkpoints_the_initial_model_it_names(tmp_path, data_dir):
+    out = str(tmp_path / "out")
+    result = train(out, data_dir, "--max_iters=0")
+    _, train_loss, val_loss = read_log(out)
+    assert train_loss == {} and list(val_loss) == [0]
+    assert f"done: 0 iterations, best val loss {val_loss[0]:.4f}, checkpoint {out}/ckpt.pt" in result.stdout
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    assert ckpt["iter_num"] == 0 and ckpt["best_val_loss"] == val_loss[0]
+    torch.manual_seed(1337)  # train.py's seed: the same initial weights
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    assert all(torch.equal(t, ckpt["model"][k]) for k, t in model.state_dict().items())
+    train(out, data_dir, "--max_iters=2", "--init_from=resume")  # and it resumes
+    assert sorted(read_log(out)[1]) == [0, 1]
+
+
+def test_a_run_that_failed_before_its_first_checkpoint_does_not_block_its_folder(tmp_path, data_dir):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    tokens = counting_tokens(20_000, 0)
+    tokens[0] = 65535  # the first training batch fails, after the evaluation at iteration 0 was logged
+    write_shard(str(bad / "train.bin"), tokens)
+    shutil.copy(os.path.join(data_dir, "val.bin"), bad / "val.bin")
+    out = str(tmp_path / "out")
+    failed = train(out, str(bad), "--max_iters=4", "--eval_interval=2", check=False)
+    assert_one_line_error(failed, "token id 65535 >= vocab_size 64")
+    assert os.listdir(out) == ["log.jsonl"]
+    log = file_bytes(os.path.join(out, "log.jsonl"))
+    resumed = train(out, data_dir, "--max_iters=4", "--init_from=resume", check=False)
+    assert_one_line_error(resumed, "no checkpoint", "stopped before its first checkpoint", "start afresh")
+    for n in (1, 2):  # each rerun keeps the log it finds, under the first free name
+        data = str(bad) if n == 1 else data_dir  # the first rerun fails the same way
+        result = train(out, data, "--max_iters=4", "--eval_interval=2", check=n == 2)
+        assert f"kept as {out}/log.{n}.jsonl" in result.stdout
+    assert file_bytes(os.path.join(out, "log.1.jsonl")) == log
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.1.jsonl", "log.2.jsonl", "log.jsonl"]
+    _, train_loss, val_loss = read_log(out)
+    assert sorted(train_loss) == list(range(4)) and sorted(val_loss) == [0, 2, 4]
