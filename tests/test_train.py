@@ -655,3 +655,42 @@ def test_a_run_that_failed_before_its_first_checkpoint_does_not_block_its_folder
     assert sorted(os.listdir(out)) == ["ckpt.pt", "log.1.jsonl", "log.2.jsonl", "log.jsonl"]
     _, train_loss, val_loss = read_log(out)
     assert sorted(train_loss) == list(range(4)) and sorted(val_loss) == [0, 2, 4]
+
+
+# ---- the optimizer: what it was given, read back from the checkpoint ----
+
+
+def test_lr_is_min_lr_from_lr_decay_iters_on(tmp_path, data_dir):
+    out = str(tmp_path / "out")
+    train(out, data_dir, "--max_iters=7", "--eval_interval=7", "--warmup_iters=1", "--lr_decay_iters=4")
+    lrs = {r["iter"]: r["lr"] for r in read_log(out)[0] if "lr" in r}
+    assert sorted(lrs) == list(range(7))
+    for it, lr in lrs.items():
+        assert lr == pytest.approx(expected_lr(it, warmup=1, decay=4), rel=1e-12), (it, lr)
+    assert [lrs[it] for it in (4, 5, 6)] == [3e-4] * 3  # min_lr, exactly, at and after lr_decay_iters
+    groups = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["optimizer"]["param_groups"]
+    assert [g["lr"] for g in groups] == [3e-4] * len(groups)  # what the last update used
+
+
+def test_the_optimizer_gets_the_clipped_gradient_and_decays_only_matrices(tmp_path, data_dir):
+    # one update from zero moments: Adam's first moment is (1 - beta1) g, g the gradient the optimizer got
+    out = str(tmp_path / "out")
+    args = ["--max_iters=1", "--eval_interval=1", "--grad_clip=0.01", "--weight_decay=0.3"]
+    train(out, data_dir, *args, "--residual=ddl-cc")
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    (grad_norm,) = [r["grad_norm"] for r in read_log(out)[0] if "grad_norm" in r]
+    assert grad_norm > 0.1  # the logged norm is the gradient's before clipping: far above grad_clip
+    state = ckpt["optimizer"]["state"]
+    g = [s["exp_avg"] / (1 - 0.9) for s in state.values()]
+    assert torch.stack([t.norm() for t in g]).norm().item() == pytest.approx(0.01, rel=1e-4)  # grad_clip
+    # weight decay on matrices, embeddings and convolutions, not on vectors (norm weights, biases, reads)
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    vectors = sum(p.dim() < 2 for p in params)
+    assert vectors >= 2 * 2 + 2  # per block a norm and a read at least, and the final norm
+    groups = ckpt["optimizer"]["param_groups"]
+    decay_of = {i: group["weight_decay"] for group in groups for i in group["params"]}
+    assert sorted(decay_of) == sorted(state) == list(range(len(params)))  # every parameter, once
+    for i, s in state.items():
+        assert decay_of[i] == (0.3 if s["exp_avg"].dim() >= 2 else 0.0), (i, s["exp_avg"].shape)
+    assert sum(decay_of[i] == 0.0 for i in state) == vectors
