@@ -346,30 +346,34 @@ def job_order(models, variants):
     return sorted(((m, v) for m in models for v in variants), key=key)
 
 
-def run_jobs(jobs, gpus, start, time_limit, job_timeout, report=print, min_left=30, ctx=None, poll_s=0.2):
+def run_jobs(
+    jobs, gpus, start, time_limit, job_timeout, report=print, min_left=30, ctx=None, poll_s=0.2,
+    clock=time.time, sleep=time.sleep,
+):  # fmt: skip
     """Run jobs (dicts with model, variant; in queue order) in fresh processes, one per GPU of `gpus` at a
     time, each GPU taking the next job when its last one has ended. start(job, queue) is the process
     target and must put exactly one row (a dict) on the queue. A job starts only while >= min_left s of
     time_limit remain, and is killed after min(job_timeout, what was left when it started) s, so the
     whole run ends within time_limit (+ a few s to reap). Returns one row per job, in the jobs' order;
     report(row) is called as each finishes. The GPU (a CUDA_VISIBLE_DEVICES value; None: the caller's
-    own device) is set in the environment the child is spawned with, before it can initialise CUDA."""
+    own device) is set in the environment the child is spawned with, before it can initialise CUDA.
+    clock and sleep measure and pass the time limits (a test passes a fake pair)."""
     import multiprocessing as mp
     import queue
 
     ctx = ctx or mp.get_context("spawn")
-    t0, todo, running, rows = time.time(), list(jobs), {}, {}
+    t0, todo, running, rows = clock(), list(jobs), {}, {}
 
     def finish(gpu, row):
         job = running[gpu]["job"]
-        row.update(model=job["model"], variant=job["variant"], gpu=gpu, t_done_s=round(time.time() - t0, 1))
+        row.update(model=job["model"], variant=job["variant"], gpu=gpu, t_done_s=round(clock() - t0, 1))
         rows[id(job)] = row
         report(row)
-        running[gpu]["row_at"] = time.time()  # the process gets a few s to exit and free the GPU
+        running[gpu]["row_at"] = clock()  # the process gets a few s to exit and free the GPU
 
     while todo or running:
         for gpu in gpus:
-            if gpu in running or not todo or time_limit - (time.time() - t0) < min_left:
+            if gpu in running or not todo or time_limit - (clock() - t0) < min_left:
                 continue
             job, q = todo.pop(0), ctx.Queue()
             p = ctx.Process(target=start, args=(job, q))
@@ -383,15 +387,15 @@ def run_jobs(jobs, gpus, start, time_limit, job_timeout, report=print, min_left=
                     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
                 else:
                     os.environ["CUDA_VISIBLE_DEVICES"] = old
-            left = time_limit - (time.time() - t0)
-            running[gpu] = dict(job=job, p=p, q=q, t=time.time(), budget=min(left, job_timeout), row_at=None)
+            left = time_limit - (clock() - t0)
+            running[gpu] = dict(job=job, p=p, q=q, t=clock(), budget=min(left, job_timeout), row_at=None)
         if not running:  # the time limit leaves no room for another job
             for job in todo:
                 rows[id(job)] = dict(
                     model=job["model"], variant=job["variant"], error="not run: --time-limit reached"
                 )
             break
-        time.sleep(poll_s)
+        sleep(poll_s)
         for gpu, r in list(running.items()):
             p = r["p"]
             if r["row_at"] is None:
@@ -400,10 +404,10 @@ def run_jobs(jobs, gpus, start, time_limit, job_timeout, report=print, min_left=
                 except queue.Empty:
                     if not p.is_alive():  # died without a row (crash, killed for memory, ...)
                         finish(gpu, dict(error=f"worker exited with code {p.exitcode}, no result"))
-                    elif time.time() - r["t"] > r["budget"]:
+                    elif clock() - r["t"] > r["budget"]:
                         p.kill()
                         finish(gpu, dict(error=f"no result within {r['budget']:.0f} s (killed)"))
-            if r["row_at"] is not None and (not p.is_alive() or time.time() - r["row_at"] > 10):
+            if r["row_at"] is not None and (not p.is_alive() or clock() - r["row_at"] > 10):
                 if p.is_alive():
                     p.kill()
                 p.join()

@@ -2,6 +2,9 @@
 
 Without CUDA, every Triton kernel runs through Triton's CPU interpreter: TRITON_INTERPRET must be
 set before `triton.jit` decorates anything, i.e. before the kernels are imported, hence here.
+
+No test measures the wall clock: a subprocess's timeout (1800 s) only guards against a hang, and code
+with time limits is tested with a fake clock, so a slow or loaded machine fails no test.
 """
 
 import os

@@ -48,7 +48,7 @@ def test_runs_and_table(tmp_path):
     cmd = [sys.executable, "bench/bench_curves.py", "--ref", REPO, "--variants", "ddl", "--iters", "3"]
     cmd += ["--out", str(out), "--data-dir", str(data), "--set", *tiny.split(), "compile=False"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout + result.stderr
     row = next(line for line in result.stdout.splitlines() if line.startswith("| ddl |"))
     cells = [c.strip() for c in row.strip("|").split("|")]

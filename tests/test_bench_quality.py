@@ -64,7 +64,7 @@ def test_run_args_are_train_config_keys(setting, row, tmp_path):
     """train.py accepts every key a run passes (its --dry_run resolves the config and exits)."""
     cmd = bq.run_args(setting, row, 7, str(tmp_path / "run"), data_dir=str(tmp_path), extra=["dry_run=True"])
     out = subprocess.run(
-        cmd + ["--device=cpu", "--compile=False"], capture_output=True, text=True, timeout=120
+        cmd + ["--device=cpu", "--compile=False"], capture_output=True, text=True, timeout=1800
     )
     assert out.returncode == 0, out.stdout + out.stderr
     for key, value in {**bq.SETTINGS[setting], **bq.ROWS[row], "seed": 7}.items():

@@ -21,15 +21,54 @@ from model import GPT, GPTConfig  # noqa: E402
 FORK = mp.get_context("fork")  # the fake worker needs no fresh interpreter; fork starts it in ms
 
 
+class FakeTime:
+    """run_jobs' clock and sleep, and its process context: the time is a number that sleep advances only
+    once every job that can go on without it has (each started job either waiting for a later time, or
+    ended, reported and reaped), so when things happen does not depend on how fast this machine runs the
+    processes. A fake worker waits for the time its job takes (job['sleep'], inf: forever)."""
+
+    def __init__(self):
+        self.now = FORK.Value("d", 0.0, lock=False)  # shared with the forked workers
+        self.started, self.reported = [], set()
+
+    def clock(self):
+        return self.now.value
+
+    def sleep(self, seconds):
+        if all(self.settled(job, p) for job, p in self.started):
+            self.now.value += seconds
+        else:
+            time.sleep(0.002)  # let the processes run; the fake time stands still
+
+    def settled(self, job, p):
+        reported = job["variant"] in self.reported
+        return (not reported and self.now.value < job["t0"] + job["sleep"]) or (reported and not p.is_alive())
+
+    def report(self, row):
+        self.reported.add(row["variant"])
+
+    # the process context run_jobs starts the jobs with (fork: the workers share `now`)
+    def Queue(self):
+        return FORK.Queue()
+
+    def Process(self, target, args):
+        job = args[0]
+        job.update(t0=self.now.value, now=self.now)
+        p = FORK.Process(target=target, args=args)
+        self.started.append((job, p))
+        return p
+
+
 def fake_worker(job, q):
-    """Logs (job, GPU it sees, start/end time) to job['log'], then does what job['do'] says."""
-    t0 = time.time()
+    """Logs (job, GPU it sees, start/end time) to job['log'], then does what job['do'] says; a job that
+    does not crash ends when the fake time reaches its start + job['sleep']."""
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES")
     with open(job["log"], "a") as f:
-        f.write(json.dumps(dict(variant=job["variant"], gpu=gpu, start=t0)) + "\n")
+        f.write(json.dumps(dict(variant=job["variant"], gpu=gpu, start=time.time())) + "\n")
     if job["do"] == "crash":
         os._exit(3)
-    time.sleep(job["sleep"])
+    while job["now"].value < job["t0"] + job["sleep"]:
+        time.sleep(0.002)
     with open(job["log"], "a") as f:
         f.write(json.dumps(dict(variant=job["variant"], gpu=gpu, end=time.time())) + "\n")
     q.put(dict(model=job["model"], variant=job["variant"], tok_s=1.0, seen_gpu=gpu))
@@ -48,21 +87,24 @@ def read_log(log):
 def test_run_jobs_two_gpus_crash_and_timeout(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "parent")
     specs = [
-        ("hang", "ok", 30.0),  # killed after job_timeout
+        ("hang", "ok", math.inf),  # killed after job_timeout
         ("a", "ok", 0.6),
         ("crash", "crash", 0.0),
-        ("b", "ok", 0.6),
-        ("c", "ok", 0.6),
-        ("d", "ok", 0.6),
+        ("b", "ok", 1.0),
+        ("c", "ok", 1.0),
+        ("d", "ok", 1.0),
     ]
     log, jobs = make_jobs(tmp_path, specs)
-    reported = []
-    t0 = time.time()
+    reported, fake = [], FakeTime()
+
+    def report(row):
+        fake.report(row)
+        reported.append(row)
+
     rows = bench_train.run_jobs(
-        jobs, ["g0", "g1"], fake_worker, time_limit=60, job_timeout=2.5, report=reported.append, ctx=FORK,
-        poll_s=0.05,
+        jobs, ["g0", "g1"], fake_worker, time_limit=60, job_timeout=2.5, report=report, ctx=fake,
+        poll_s=0.05, clock=fake.clock, sleep=fake.sleep,
     )  # fmt: skip
-    wall = time.time() - t0
     assert [r["variant"] for r in rows] == [s[0] for s in specs]  # one row per job, in the jobs' order
     assert sorted(r["variant"] for r in reported) == sorted(s[0] for s in specs)
     by = {r["variant"]: r for r in rows}
@@ -83,27 +125,28 @@ def test_run_jobs_two_gpus_crash_and_timeout(tmp_path, monkeypatch):
                 spans.setdefault(e["variant"], {}).update(e)
         spans = sorted((s["start"], s.get("end", s["start"])) for s in spans.values())
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), (gpu, spans)
-    # in parallel: one GPU held the hang (2.5 s), the other ran a, crash, b, c, d meanwhile
-    assert by["hang"]["gpu"] != by["a"]["gpu"]
-    assert wall < 2.5 + 4 * 0.6, wall
-    assert {by[n]["gpu"] for n in "abcd"} == {"g0", "g1"}  # the freed GPU took jobs after the kill
+    # in parallel: one GPU held the hang until its 2.5 s were up, the other ran a, crash, b, c (0-2.6 s)
+    # meanwhile, and the freed GPU took d
+    assert [by[n]["gpu"] for n in ("a", "crash", "b", "c")] == [by["a"]["gpu"]] * 4 != [by["hang"]["gpu"]] * 4
+    assert 2.5 <= by["hang"]["t_done_s"] <= 2.7 and by["d"]["gpu"] == by["hang"]["gpu"]
+    assert by["d"]["t_done_s"] <= 2.7 + 1.0  # the whole run, in parallel: not the 2.5 + 3.6 s in a row
 
 
 def test_run_jobs_time_limit(tmp_path):
     """A job starts only while min_left s remain; jobs left over get 'not run' rows, and a job still
     running when the time limit comes is killed."""
-    # g1: short (0.2 s), then x (1.5 s, started with ~2.7 s left); after x < 1.3 s are left: y not run
-    specs = [("long", "ok", 20.0), ("short", "ok", 0.2), ("x", "ok", 1.5), ("y", "ok", 0.1)]
+    # g1: short (0.2 s), then x (1.5 s, started with ~2.8 s left); after x < 1.5 s are left: y not run
+    specs = [("long", "ok", math.inf), ("short", "ok", 0.2), ("x", "ok", 1.5), ("y", "ok", 0.1)]
     log, jobs = make_jobs(tmp_path, specs)
-    t0 = time.time()
+    fake = FakeTime()
     rows = bench_train.run_jobs(
-        jobs, ["g0", "g1"], fake_worker, time_limit=3.0, job_timeout=100, report=lambda r: None,
-        min_left=1.5, ctx=FORK, poll_s=0.05,
+        jobs, ["g0", "g1"], fake_worker, time_limit=3.0, job_timeout=100, report=fake.report,
+        min_left=1.5, ctx=fake, poll_s=0.05, clock=fake.clock, sleep=fake.sleep,
     )  # fmt: skip
-    assert time.time() - t0 < 3.0 + 3  # killed at the time limit, not at job_timeout
     assert [r["variant"] for r in rows] == ["long", "short", "x", "y"]
     by = {r["variant"]: r for r in rows}
     assert "killed" in by["long"]["error"]
+    assert 3.0 <= by["long"]["t_done_s"] <= 3.2  # killed at the time limit, not at job_timeout
     assert by["short"]["tok_s"] == 1.0 and by["x"]["tok_s"] == 1.0
     assert by["y"] == dict(model="m", variant="y", error="not run: --time-limit reached")
     assert {e["variant"] for e in read_log(log) if "start" in e} == {"long", "short", "x"}
@@ -112,9 +155,11 @@ def test_run_jobs_time_limit(tmp_path):
 def test_run_jobs_one_default_gpu(tmp_path, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     log, jobs = make_jobs(tmp_path, [("a", "ok", 0.0), ("b", "crash", 0.0), ("c", "ok", 0.0)])
+    fake = FakeTime()
     rows = bench_train.run_jobs(
-        jobs, [None], fake_worker, 60, 10, report=lambda r: None, ctx=FORK, poll_s=0.02
-    )
+        jobs, [None], fake_worker, 60, 10, report=fake.report, ctx=fake, poll_s=0.02, clock=fake.clock,
+        sleep=fake.sleep,
+    )  # fmt: skip
     assert [r.get("tok_s") for r in rows] == [1.0, None, 1.0]
     assert all(r["gpu"] is None and r.get("seen_gpu") is None for r in rows)  # the caller's own device
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
@@ -168,7 +213,7 @@ def test_cpu_smoke_two_fake_gpus(tmp_path):
         "--warmup", "1", "--steps", "1", "--model-overrides", "n_layer=1,n_embd=32,n_head=2,vocab_size=64",
         "--out", str(out),
     ]  # fmt: skip
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stderr[-3000:]
     run = json.loads((out / "bench_train.json").read_text())
     assert [r["variant"] for r in run["rows"]] == ["additive", "ddl"]  # the baseline, always in the run
@@ -238,7 +283,7 @@ def test_cpu_smoke_nanogpt_row(tmp_path):
         "--model-overrides", "n_layer=2,n_embd=128,n_head=2,vocab_size=64",
         "--nanogpt", str(tmp_path / "nanogpt_model.py"), "--out", str(out),
     ]  # fmt: skip
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads((out / "bench_train.json").read_text())["rows"]
     assert [r["variant"] for r in rows] == ["additive", "nanogpt"]
@@ -265,7 +310,7 @@ def test_cpu_smoke_profile(tmp_path):
         "--profile", "--profile-steps", "2", "--profile-top", "5",
         "--model-overrides", "n_layer=1,n_embd=32,n_head=2,vocab_size=64", "--out", str(out),
     ]  # fmt: skip
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stderr[-3000:]
     (row,) = json.loads((out / "bench_train.json").read_text())["rows"]
     host = row["profile_host_top"]

@@ -31,7 +31,7 @@ def out_dir(tmp_path_factory):
 def sample(*args, check=True):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, PYTHONIOENCODING="utf-8")
     cmd = [sys.executable, "sample.py", "--device=cpu", *args]
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{result.stderr}")
     return result

@@ -304,7 +304,7 @@ def _bench(tmp_path, *args, extra=""):
         "--device=cpu --dtype=float32 --n_embd=32 --n_head=1 --head_dim=16 --batch_size=4 --eval_iters=1 "
         + extra
     )
-    r = subprocess.run([*cmd, *args, f"--extra={extra}"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([*cmd, *args, f"--extra={extra}"], capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout, (tmp_path / "out" / "results.md").read_text()
 
