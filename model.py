@@ -54,18 +54,18 @@ PRESETS = {
 
 @dataclass
 class GPTConfig:
-    n_layer: int = 12
-    n_head: int = 6
-    n_embd: int = 768
-    head_dim: int = 128
+    n_layer: int = 12  # blocks (each: attention and MLP sublayers)
+    n_head: int = 6  # attention heads (n_head * head_dim need not equal n_embd)
+    n_embd: int = 768  # width d of the residual stream
+    head_dim: int = 128  # width of each attention head (even: RoPE rotates pairs)
     block_size: int = 1024
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64
     mlp_hidden: int | None = None  # None -> floor(8 n_embd / 3)
-    rope_base: float = 10000.0
-    norm_eps: float = 1e-5
+    rope_base: float = 10000.0  # RoPE base frequency
+    norm_eps: float = 1e-5  # epsilon of every RMSNorm
     init: str = "scaled"  # "scaled" (the DDL code's, every row) | "nanogpt"
-    dropout: float = 0.0
-    residual: str = "additive"
+    dropout: float = 0.0  # in training: on the embeddings, attention weights and sublayer outputs
+    residual: str = "additive"  # "additive": x + F(x) | DDL: "ddl" (d_v = 1), "ddl-tc", "ddl-cc" (d_v > 1)
     ddl_dv: int | None = None  # None -> 1 for "ddl", 4 for "ddl-tc"/"ddl-cc"; must be None for additive
     ddl_ec: bool = True  # EC expansion of the embedding ("ddl-tc"/"ddl-cc" only)
     ddl_erase: bool = True  # False: the write-only control X <- X + beta khat v^T
@@ -77,12 +77,12 @@ class GPTConfig:
     # and the updates since (less memory, more backward work). 0: every sublayer's state kept. None -> 0 at
     # d_v = 1 (the state is the sublayer's input, which autograd keeps anyway), else 4
     ddl_keep_state_every: int | None = None
-    attention: str = "softmax"
-    deltaformer_w: str = "k"
-    deltaformer_kernel: str = "softmax"
+    attention: str = "softmax"  # "softmax" (causal attention) | "deltaformer"
+    deltaformer_w: str = "k"  # w of kappa(w_i, k_j): "k" | "q" | "proj" (its own projection)
+    deltaformer_kernel: str = "softmax"  # kappa: "softmax" | "relu" | "linear" (of unit w, k)
     # beta = beta_max sigmoid(.) in (0, beta_max). <= 1 bounds stage 1 for every softmax kappa (rows sum to 1,
     # so |u| <= T max|v|); up to 2 (reflections) is bounded only for linear kappa with w = k (README)
-    deltaformer_beta_max: float = 1.0
+    deltaformer_beta_max: float = 1.0  # beta_i = deltaformer_beta_max * sigmoid(Linear(c)) (above)
     backend: str = "auto"  # kernels' backend: "auto" | "torch" | "triton" (not an architecture choice)
 
     def __post_init__(self):
