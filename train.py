@@ -2,7 +2,7 @@
 
 usage: python train.py [CONFIG.py ...] [--key=value ...]   (config files and overrides apply left to right)
 
-    python data/shakespeare.py && python train.py configs/shakespeare.py    # start here: 2 CPU cores, ~8 min
+    python data/shakespeare.py && python train.py configs/shakespeare.py    # start here: 2 CPU cores, ~9 min
     python train.py configs/gpt2_small.py --residual=ddl-cc                 # one GPU
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_small.py
     python train.py --help                                   # every config key, its default and meaning

@@ -307,6 +307,21 @@ def test_config_files_are_valid_for_train_py(config, millions):
     assert millions[0] * 1e6 <= params <= millions[1] * 1e6
 
 
+def test_shakespeare_config_header_states_the_readme_figures():
+    import re
+
+    with open(os.path.join(REPO, "configs", "shakespeare.py"), encoding="utf-8") as f:
+        header = " ".join(line.lstrip("# ").strip() for line in f if line.startswith("#"))
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        readme = " ".join(f.read().split())
+    speed = re.search(r"~([\d.]+) s per iteration", header)
+    loss = re.search(r"val loss of ~([\d.]+) at iteration (\d+)", header)
+    assert speed and loss, f"the header gives no time per iteration or val loss at an iteration: {header}"
+    (seconds,), (loss, at) = speed.groups(), loss.groups()
+    assert f"an iteration takes about {seconds} s" in readme, seconds
+    assert f"{loss} at {at} (torch" in readme and int(at) == read_config("shakespeare.py")["max_iters"]
+
+
 def readme_variant_overrides():
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
         text = f.read()
