@@ -42,6 +42,14 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be read or written; the message (one line) names the file."""
 
 
+def looks_saved_by_torch(path):
+    """Whether the file starts like one torch.save wrote: a zip archive, or (the legacy format) a pickle,
+    whose first opcode is PROTO with a protocol of 2 to 5."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return head.startswith(b"PK\x03\x04") or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5)
+
+
 def load_checkpoint(path, required=("model", "model_args")):
     """The checkpoint dict at `path` (tensors on the CPU); CheckpointError if it is missing or unreadable."""
     if not os.path.isfile(path):
@@ -54,6 +62,9 @@ def load_checkpoint(path, required=("model", "model_args")):
             warnings.simplefilter("ignore")
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
+        if not looks_saved_by_torch(path):  # random or foreign bytes, not a pickle of unsafe objects
+            what = f"{size:,} bytes in no format torch.save writes"
+            raise CheckpointError(f"{path}: not a checkpoint ({what})") from None
         raise CheckpointError(
             f"{path}: holds objects other than tensors and plain containers; not a checkpoint of train.py "
             "(refused: unpickling arbitrary objects can run code)"

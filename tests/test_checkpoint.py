@@ -59,6 +59,24 @@ def test_unreadable_checkpoints_are_one_line_naming_the_file(tmp_path, kind):
     assert "weights_only" not in message
 
 
+def test_random_bytes_are_not_a_checkpoint_and_unsafe_objects_are_named(tmp_path):
+    import random
+
+    path = str(tmp_path / "ckpt.pt")
+    for seed in range(8):  # torch.load fails on these in several ways (UnpicklingError, IndexError, ...)
+        data = random.Random(seed).randbytes(4096)
+        assert data[:1] != b"\x80" and data[:2] != b"PK"  # neither a pickle nor a zip: arbitrary bytes
+        with open(path, "wb") as f:
+            f.write(data)
+        with pytest.raises(CheckpointError) as e:
+            load_checkpoint(path)
+        assert str(e.value).startswith(f"{path}: not a checkpoint (4,096 bytes"), (seed, str(e.value))
+    for legacy in (False, True):  # objects an unsafe load would construct, in both of torch.save's formats
+        torch.save({"model": Foreign(), "model_args": {}}, path, _use_new_zipfile_serialization=not legacy)
+        with pytest.raises(CheckpointError, match="holds objects other than tensors"):
+            load_checkpoint(path)
+
+
 def test_missing_keys_and_missing_file(tmp_path):
     path = str(tmp_path / "ckpt.pt")
     with pytest.raises(CheckpointError, match="no checkpoint at"):
