@@ -25,10 +25,13 @@ all; a bad row found later leaves only the finished shards and the state, never 
 
 import argparse
 import collections
+import contextlib
+import ctypes
 import hashlib
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 
@@ -234,7 +237,16 @@ def tokenize_docs(texts):
     return np.array(ids, dtype=np.uint16), lengths, nbytes
 
 
-def _init_worker():
+def _init_worker(parent):
+    # A worker whose parent was killed would live on only to print BrokenPipeError tracebacks when it sends
+    # its result: on Linux the kernel kills it with its parent instead (prctl PR_SET_PDEATHSIG), silently,
+    # whatever it holds (a worker that dies of the broken pipe itself can hold the pool's write lock and
+    # leave its siblings blocked forever).
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before that
+            os._exit(0)
     get_encoding()  # build the encoding once per process, before the first task
 
 
@@ -247,7 +259,8 @@ def make_pool(workers):
     if workers <= 1:
         return None
     method = "fork" if sys.platform.startswith("linux") else "spawn"
-    return multiprocessing.get_context(method).Pool(workers, initializer=_init_worker)
+    pool = multiprocessing.get_context(method).Pool
+    return pool(workers, initializer=_init_worker, initargs=(os.getpid(),))
 
 
 def run_task(task, min_int_score):

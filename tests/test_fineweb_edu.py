@@ -198,6 +198,40 @@ def test_sigkill_then_cli_resume(corpus, tmp_path):
     assert proc.returncode != 0 and "different arguments" in proc.stderr
 
 
+ORPHANS = """
+import multiprocessing, os, signal, sys, time
+sys.path.insert(0, {root!r})
+from data import fineweb_edu
+
+started = multiprocessing.get_context("fork").Semaphore(0)  # inherited by the workers
+
+
+def outlive(parent):  # a task still running when its parent dies; its result has nowhere to go
+    started.release()
+    while os.getppid() == parent:
+        time.sleep(0.01)
+    return "result"
+
+
+pool = fineweb_edu.make_pool(2)
+for _ in range(2):
+    pool.apply_async(outlive, (os.getpid(),))
+started.acquire()
+started.acquire()  # both workers are inside a task: kill the parent now
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_workers_orphaned_by_a_killed_run_end_quietly():
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the pool forks only on Linux")
+    script = ORPHANS.format(root=ROOT)
+    # run returns once the workers, which share its stderr, have exited too
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+
+
 def test_malformed_files_named_and_no_output(corpus, tmp_path):
     files, docs, scores = corpus
     garbage = tmp_path / "broken.parquet"
