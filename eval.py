@@ -312,14 +312,43 @@ def include_paths(extra=None):
     return [LOCAL_TASKS] + [q for q in (extra or "").split(",") if q]
 
 
-def task_manager(tasks, paths, builtin=True):
+def named_in_task_files(names, folders):
+    """The names among `names` that occur as text in some .yaml file under `folders`. Every lm-eval task,
+    group and tag is named in one, so a name found in none is unknown: a test that reads the files (under a
+    second) where indexing lm-eval's ~15k built-in tasks parses them all (seconds, minutes on a busy
+    machine)."""
+    found, left = set(), set(names)
+    for folder in folders:
+        for root, _, files in os.walk(folder):
+            for name in files:
+                if left and name.endswith((".yaml", ".yml")):
+                    with open(os.path.join(root, name), encoding="utf-8", errors="replace") as f:
+                        text = f.read()
+                    found |= {n for n in left if n in text}
+                    left -= found
+    return found
+
+
+def task_manager(tasks, paths, builtin=True, say=None):
     """An lm-eval TaskManager that knows every one of tasks (names or glob patterns): the folders in paths
-    alone if they hold them all (indexing lm-eval's ~15k built-in tasks takes seconds), else those and
-    (builtin=True) lm-eval's own. ValueError names the unknown tasks."""
+    alone if they hold them all, else those and (builtin=True) lm-eval's own, indexed after a line to
+    say(...) (default: stderr) since that takes a while. ValueError names the unknown tasks: at once for a
+    name in no task file, else after the indexing."""
     from lm_eval.tasks import TaskManager
 
+    say = say or (lambda message: print(message, file=sys.stderr, flush=True))
     tm = TaskManager(include_path=paths, include_defaults=False)
-    if builtin and not all(tm.match_tasks([t]) for t in tasks):
+    missing = [t for t in tasks if not tm.match_tasks([t])]
+    if builtin and missing:
+        plain = [t for t in missing if not any(c in t for c in "*?[")]  # not a glob pattern
+        builtin_dir = os.path.join(os.path.dirname(lm_eval.__file__), "tasks")
+        absent = sorted(set(plain) - named_in_task_files(plain, [builtin_dir, *paths]), key=plain.index)
+        if absent:
+            raise ValueError(
+                f"unknown task(s) {', '.join(absent)}: named in none of lm-eval {lm_eval.__version__}'s task "
+                f"files nor in {', '.join(paths)} (list them with `lm-eval ls tasks`)"
+            )
+        say(f"# indexing lm-eval {lm_eval.__version__}'s tasks for {', '.join(missing)} (takes a while)")
         tm = TaskManager(include_path=paths)
     unknown = [t for t in tasks if not tm.match_tasks([t])]
     if unknown:
@@ -331,9 +360,10 @@ def task_manager(tasks, paths, builtin=True):
     return tm
 
 
-def evaluate(lm, tasks, num_fewshot=None, limit=None, paths=None, seed=1234, builtin=True):
-    """lm_eval.simple_evaluate of lm (an LM) on tasks, with data/tasks (and paths) included."""
-    tm = task_manager(tasks, paths or include_paths(), builtin)
+def evaluate(lm, tasks, num_fewshot=None, limit=None, paths=None, seed=1234, builtin=True, tm=None):
+    """lm_eval.simple_evaluate of lm (an LM) on tasks, with data/tasks (and paths) included; tm: the
+    task_manager of tasks, if already made."""
+    tm = tm or task_manager(tasks, paths or include_paths(), builtin)
     return lm_eval.simple_evaluate(
         model=lm,
         tasks=tasks,
@@ -383,6 +413,10 @@ def main(argv=None):
     if argv[:1] == ["lm_eval"]:
         return run_lm_eval_cli(argv[1:])
     args = parse_args(argv)
+    try:  # the task names first: a typo fails before the model loads (and before any slow indexing)
+        tm = task_manager(args.tasks, include_paths(args.include_path))
+    except ValueError as e:
+        fail(str(e))
     try:
         lm = CheckpointLM(
             out_dir=args.out_dir,
@@ -401,14 +435,7 @@ def main(argv=None):
         file=sys.stderr,
     )
     t0 = time.perf_counter()
-    try:
-        results = evaluate(
-            lm, args.tasks, args.num_fewshot, args.limit, include_paths(args.include_path), args.seed
-        )
-    except ValueError as e:
-        if str(e).startswith("unknown task"):
-            fail(str(e))
-        raise
+    results = evaluate(lm, args.tasks, args.num_fewshot, args.limit, seed=args.seed, tm=tm)
     seconds = time.perf_counter() - t0
     items = sum(n["effective"] for n in results.get("n-samples", {}).values())
     results["eval_seconds"] = seconds

@@ -385,6 +385,16 @@ def test_unknown_task_is_named():
         ev.task_manager(["shakespeare_cloze", "no_such_task"], ev.include_paths(), builtin=False)
 
 
+def test_a_name_in_no_task_file_fails_before_lm_evals_index():
+    said = []
+    with pytest.raises(ValueError, match="unknown task.*no_such_task: named in none of lm-eval"):
+        ev.task_manager(["shakespeare_cloze", "no_such_task"], ev.include_paths(), say=said.append)
+    assert said == []  # lm-eval's built-in tasks were not indexed
+    assert ev.named_in_task_files(["shakespeare_cloze", "no_such_task"], ev.include_paths()) == {
+        "shakespeare_cloze"
+    }
+
+
 # ---- command line ----
 def run_eval(*args):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8")
@@ -440,6 +450,12 @@ def test_lm_eval_command_line(tmp_path):
     (results_file,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "lm") for f in fs]
     with open(results_file, encoding="utf-8") as f:
         assert json.load(f)["n-samples"]["shakespeare_cloze"]["effective"] == 4
+
+
+def test_cli_checks_the_task_names_first(tmp_path):
+    r = run_eval(f"--out_dir={tmp_path}", "--tasks=shakespeare_cloze,no_such_task")  # and no checkpoint
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("eval.py: error: unknown task(s) no")
 
 
 def test_cli_missing_checkpoint_one_line(tmp_path):
