@@ -123,29 +123,18 @@ def load_config(defaults, argv):
     return config
 
 
-def _note(node, notes, above):
-    """The comment that ends the line of the assignment `node`, else the comment-only lines right above
-    it (notes: line number -> comment; above: the comment-only line numbers)."""
-    if node.end_lineno in notes and node.end_lineno not in above:
-        return notes[node.end_lineno]
-    first = node.lineno
-    while first - 1 in above:
-        first -= 1
-    return " ".join(notes[n] for n in range(first, node.lineno))
-
-
 def key_help(defaults, sources):
     """One line per key: `name = default  # comment`, the comment taken from the key's assignment in the
-    source files `sources`, [(path, class name or None for the module level)] (the first one found): the
-    comment that ends the assignment's line, else the comment lines right above it."""
+    source files `sources`, [(path, class name or None for the module level)] (the first one found)."""
     comments = {}
     for path, class_name in sources:
         with open(path, encoding="utf-8") as f:
             source = f.read()
-        tokens = tokenize.generate_tokens(io.StringIO(source).readline)
-        tokens = [t for t in tokens if t.type == tokenize.COMMENT]
-        notes = {t.start[0]: t.string.lstrip("#").strip() for t in tokens}
-        above = {t.start[0] for t in tokens if t.line.lstrip().startswith("#")}
+        notes = {  # line number -> the comment that ends it
+            tok.start[0]: tok.string.lstrip("#").strip()
+            for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+            if tok.type == tokenize.COMMENT
+        }
         body = ast.parse(source).body
         if class_name is not None:
             body = next((n.body for n in body if isinstance(n, ast.ClassDef) and n.name == class_name), [])
@@ -153,7 +142,7 @@ def key_help(defaults, sources):
             targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
             for target in targets:
                 if isinstance(target, ast.Name) and target.id in defaults:
-                    comments.setdefault(target.id, _note(node, notes, above))
+                    comments.setdefault(target.id, notes.get(node.end_lineno, ""))
     items = [(f"{key} = {value!r}", comments.get(key, "")) for key, value in defaults.items()]
     width = max(len(a) for a, _ in items) + 2
     return "\n".join(f"  {a:<{width}}{'# ' + b if b else ''}".rstrip() for a, b in items)

@@ -76,7 +76,7 @@ class GPTConfig:
     # autograd keeps the state entering every Nth block; the backward rebuilds the states in between from it
     # and the updates since (less memory, more backward work). 0: every sublayer's state kept. None -> 0 at
     # d_v = 1 (the state is the sublayer's input, which autograd keeps anyway), else 4
-    ddl_keep_state_every: int | None = None
+    ddl_keep_state_every: int | None = None  # DDL state kept every Nth block, rebuilt between (0: all)
     attention: str = "softmax"  # "softmax" (causal attention) | "deltaformer"
     deltaformer_w: str = "k"  # w of kappa(w_i, k_j): "k" | "q" | "proj" (its own projection)
     deltaformer_kernel: str = "softmax"  # kappa: "softmax" | "relu" | "linear" (of unit w, k)
