@@ -82,7 +82,7 @@ class GPTConfig:
     deltaformer_kernel: str = "softmax"  # kappa: "softmax" | "relu" | "linear" (of unit w, k)
     # beta = beta_max sigmoid(.) in (0, beta_max). <= 1 bounds stage 1 for every softmax kappa (rows sum to 1,
     # so |u| <= T max|v|); up to 2 (reflections) is bounded only for linear kappa with w = k (README)
-    deltaformer_beta_max: float = 1.0  # beta_i = deltaformer_beta_max * sigmoid(Linear(c)) (above)
+    deltaformer_beta_max: float = 1.0  # beta_i = deltaformer_beta_max * sigmoid(Linear(c)), per head
     backend: str = "auto"  # kernels' backend: "auto" | "torch" | "triton" (not an architecture choice)
 
     def __post_init__(self):
