@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import ATTENTIONS, DDL_EPS, GPT, RESIDUALS, GPTConfig, Residual
+from model import ATTENTIONS, DDL_EPS, GPT, RESIDUALS, DDLStream, GPTConfig, Residual
 from sample import generate
 
 COMBOS = [(r, a) for r in RESIDUALS for a in ATTENTIONS]
@@ -112,7 +112,7 @@ def test_bf16_autocast_close_to_fp32():
     _, loss32 = model(idx, targets)
     seen = {}
     res = model.blocks[0].res_attn
-    hook = res.register_forward_hook(lambda m, args, out: seen.update(X=out[0].dtype))
+    hook = res.register_forward_hook(lambda m, args, out: seen.update(X=out.X.dtype))
     orig = res.value_and_gate
     res.value_and_gate = lambda x_in, c: seen.setdefault("v_beta", orig(x_in, c))
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -178,21 +178,49 @@ def naive_compress(residual, comp, X):
     return (out * comp.read).sum(-1)
 
 
+class StatesRead:
+    """Records the state X every read of a DDLStream sees (a sublayer's input; the last, the readout's),
+    by wrapping DDLStream.read; .remove() puts it back."""
+
+    def __init__(self):
+        self.states, self.orig = [], DDLStream.read
+
+        def read(stream):
+            x_in = self.orig(stream)
+            self.states.append(stream.X)
+            return x_in
+
+        DDLStream.read = read
+
+    def remove(self):
+        DDLStream.read = self.orig
+
+
 def capture(model):
-    """Per DDL sublayer: X in, X out, the norm's input x_in and output c, the sublayer output h."""
-    records, hooks = [], []
+    """Per DDL sublayer: X in, X out, the norm's input x_in and output c, the sublayer output h (records
+    complete after the forward; call .remove() on each hook)."""
+    records, states = [], StatesRead()
+    hooks = [states, Completes(records, states)]
     for block in model.blocks:
         for m in (block.res_attn, block.res_mlp):
             rec = {"module": m, "compress": block.compress}
             records.append(rec)
             hooks.append(
-                m.register_forward_hook(lambda mod, args, out, r=rec: r.update(X=args[0], X_new=out[0]))
-            )
-            hooks.append(
                 m.norm.register_forward_hook(lambda mod, args, out, r=rec: r.update(x_in=args[0], c=out))
             )
             hooks.append(m.drop.register_forward_hook(lambda mod, args, out, r=rec: r.update(h=out)))
     return records, hooks
+
+
+class Completes:
+    """On .remove(): each record's X and X_new from the states read (sublayer j reads X_j, writes X_j+1)."""
+
+    def __init__(self, records, states):
+        self.records, self.states = records, states
+
+    def remove(self):
+        for j, rec in enumerate(self.records):
+            rec.update(X=self.states.states[j], X_new=self.states.states[j + 1])
 
 
 def value(m, x_in, c):
@@ -551,17 +579,6 @@ def test_flops_per_token_gpt2_small():
 # The bf16 DDL state (ddl_state_dtype="bfloat16")
 
 
-def state_dtypes_seen(model):
-    """Record the dtype of every DDL state a Residual returns (hooks; call .remove() on the result)."""
-    seen = []
-    hooks = [
-        m.register_forward_hook(lambda mod, args, out: seen.append(out[0].dtype))
-        for m in model.modules()
-        if isinstance(m, Residual)
-    ]
-    return seen, hooks
-
-
 @pytest.mark.parametrize("residual", DDL_RESIDUALS)
 def test_bf16_state_close_to_fp32_state(residual):
     """The same fp32 weights with X stored in bf16: loss and every gradient agree to bf16 rounding (X is
@@ -574,11 +591,10 @@ def test_bf16_state_close_to_fp32_state(residual):
             for p in model.parameters():
                 p.add_(0.1 * torch.randn_like(p))
         idx, targets = tokens(T=9), tokens(T=9, seed=2)
-        seen, hooks = state_dtypes_seen(model)
+        seen = StatesRead()  # every state a read sees
         logits, loss = model(idx, targets)
-        for h in hooks:
-            h.remove()
-        assert set(seen) == {torch.bfloat16 if state == "bfloat16" else torch.float32}
+        seen.remove()
+        assert {X.dtype for X in seen.states} == {torch.bfloat16 if state == "bfloat16" else torch.float32}
         assert logits.dtype == torch.float32 and loss.dtype == torch.float32
         loss.backward()
         results[state] = loss, {n: p.grad for n, p in model.named_parameters()}
