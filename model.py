@@ -10,9 +10,8 @@ x [B, T, d] (additive) or, for DDL, a state X [B, T, d, d_v] per token in a DDLS
                beta = 2 sigmoid(W_beta c + b_beta)  (in (0, 2): identity .. reflection)
                X <- X + beta khat (v^T - khat^T X)  (ddl_erase=False: X <- X + beta khat v^T)
 
-compress (a Compressor per block, one before the final norm): "ddl" takes X[..., 0]; "ddl-cc" a depthwise
-conv along d_v, "ddl-tc" a causal depthwise conv over tokens, then a read over d_v. X0: the embedding d_v
-times, or with EC a causal conv of it. Norms, gates and updates compute in fp32, X is in `ddl_state_dtype`.
+compress: a Compressor per block and one before the final norm. X0: the embedding d_v times, or with EC a
+causal conv of it. Norms, gates and updates compute in fp32; X is stored in `ddl_state_dtype`.
 """
 
 import math
@@ -72,9 +71,8 @@ class GPTConfig:
     ddl_v: str = "sigmoid"  # "sigmoid": 4 sigmoid(W_v x_in + b_v) (the code) | "linear": W_v c (the text)
     ddl_conv_size: int = 4  # K of the TC compressor and of EC
     ddl_state_dtype: str = "float32"  # dtype X is stored in: "float32" (= parameter dtype) | "bfloat16"
-    # autograd keeps the state entering every Nth block; the backward rebuilds the states in between from it
-    # and the updates since (less memory, more backward work). 0: every sublayer's state kept. None -> 0 at
-    # d_v = 1 (the state is the sublayer's input, which autograd keeps anyway), else 4
+    # autograd keeps the state entering every Nth block, the backward rebuilds the others from it (less
+    # memory, more backward work). 0: every sublayer's. None: 0 at d_v = 1 (kept anyway as input), else 4
     ddl_keep_state_every: int | None = None
     attention: str = "softmax"
     deltaformer_w: str = "k"
@@ -129,23 +127,14 @@ class GPTConfig:
         return self.residual in DDL_RESIDUALS
 
     @property
-    def uses_ec(self):
-        return self.ddl_ec and self.residual in ("ddl-tc", "ddl-cc")
-
-    @property
     def hidden(self):
         return self.mlp_hidden if self.mlp_hidden is not None else (8 * self.n_embd) // 3
 
 
 @dataclass
-class Cache:
-    """Decoding: `pos` tokens seen so far, and per-module tensors (keyed by module or (module, slot))."""
-
+class Cache:  # decoding: `pos` tokens seen so far, and per-module tensors (keyed by module or (module, slot))
     pos: int = 0
     store: dict = field(default_factory=dict)
-
-
-# ---- Small pieces ----------------------------------------------------------------------------------------
 
 
 class RMSNorm(nn.Module):
@@ -209,14 +198,13 @@ class Attention(nn.Module):
         n_proj = 4 if (self.deltaformer and cfg.deltaformer_w == "proj") else 3  # q, k, v (, w)
         self.c_attn = nn.Linear(cfg.n_embd, n_proj * width, bias=False)
         self.c_proj = nn.Linear(width, cfg.n_embd, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps), RMSNorm(cfg.head_dim, cfg.norm_eps)
         if n_proj == 4:
             self.w_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         if self.deltaformer:
             self.beta = nn.Linear(cfg.n_embd, cfg.n_head, bias=True)  # per-head gate
-        # RoPE angles of positions 0..block_size-1, computed once (recomputing the sines inside the compiled
-        # q/k kernels cost 12% of a GPT-2 small training step, measured). Not saved in checkpoints.
+        # RoPE angles of positions < block_size, once (recomputed in the compiled q/k kernels they cost 12% of
+        # a GPT-2 small training step, measured). Not saved in checkpoints.
         cos, sin = rope_tables(cfg.block_size, cfg.head_dim, cfg.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -261,9 +249,8 @@ class Attention(nn.Module):
         return y
 
 
-# ---- The residual interface: how a sublayer reads from and writes to the stream (the variants differ here)
-# A residual rule is a module per sublayer: rule(stream, F) -> the stream after F has read and written it.
-# The stream is what the rule chooses: a tensor x [B, T, d] (additive), or a DDLStream around X.
+# ---- The residual rules: a module per sublayer, rule(stream, F) -> the stream after F read and wrote it.
+# The stream is what the rule chooses: a tensor x [B, T, d] (additive), or a DDLStream around X (DDL).
 
 
 class Additive(nn.Module):
@@ -278,14 +265,12 @@ class Additive(nn.Module):
         return x + self.drop(sublayer(self.norm(x)))
 
 
-class Residual(nn.Module):
+class Residual(Additive):
     """DDL: x_in = compress(X); c = RMSNorm(x_in); h = F(c); X <- X + beta khat (v^T - khat^T X)."""
 
     def __init__(self, cfg):
-        super().__init__()
+        super().__init__(cfg)  # the norm and the dropout
         self.cfg = cfg
-        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.drop = nn.Dropout(cfg.dropout)
         self.v_proj = nn.Linear(cfg.n_embd, cfg.ddl_dv, bias=cfg.ddl_v == "sigmoid")  # W_v (, b_v)
         self.beta = nn.Linear(cfg.n_embd, 1, bias=True)  # W_beta, b_beta
 
@@ -294,8 +279,7 @@ class Residual(nn.Module):
         c = self.norm(x_in)
         h = self.drop(sublayer(c))
         v, beta = self.value_and_gate(x_in, c)
-        stream.write(h, v, beta)  # khat = h / sqrt(|h|^2 + eps^2), in the update
-        return stream
+        return stream.write(h, v, beta)  # khat = h / sqrt(|h|^2 + eps^2), in the update
 
     def value_and_gate(self, x_in, c):
         """(v [B, T, d_v], beta [B, T]) in fp32, as in the module docstring."""
@@ -315,7 +299,7 @@ class Compressor(nn.Module):
         super().__init__()
         self.kind, self.backend, d, dv = cfg.residual, cfg.backend, cfg.n_embd, cfg.ddl_dv
         if self.kind == "ddl-cc":  # depthwise conv along d_v (kernel d_v, centred), then the read
-            self.conv = nn.Parameter(identity_conv(d, 1, dv, tap=(dv - 1) // 2)[:, 0])
+            self.conv = nn.Parameter(identity_conv(d, dv, tap=(dv - 1) // 2))
         elif self.kind == "ddl-tc":  # causal depthwise conv over tokens (tap K-1 = now), then the read
             self.conv = nn.Parameter(identity_conv(d, dv, cfg.ddl_conv_size))
         if self.kind != "ddl":
@@ -332,11 +316,9 @@ class Compressor(nn.Module):
         return compress_tc(X, self.conv, self.read, backend=self.backend)
 
 
-def identity_conv(d, dv, K, tap=None):
-    """[d, d_v, K] depthwise conv weight that passes its input through: tap `tap` (default K-1) is 1."""
-    w = torch.zeros(d, dv, K)
-    w[:, :, K - 1 if tap is None else tap] = 1.0
-    return w
+def identity_conv(*shape, tap=None):
+    """A depthwise conv weight [..., K] that passes its input through: tap `tap` (default K-1) is 1."""
+    return torch.zeros(shape).index_fill_(-1, torch.tensor([shape[-1] - 1 if tap is None else tap]), 1.0)
 
 
 class Block(nn.Module):
@@ -344,17 +326,12 @@ class Block(nn.Module):
         super().__init__()
         if cfg.is_ddl:  # one compressor per block: it reads the stream before attention and before the MLP
             self.compress = Compressor(cfg)
-        self.res_attn = RESIDUALS[cfg.residual](cfg)
-        self.attn = Attention(cfg)
-        self.res_mlp = RESIDUALS[cfg.residual](cfg)
-        self.mlp = MLP(cfg)
+        self.res_attn, self.attn = RESIDUALS[cfg.residual](cfg), Attention(cfg)
+        self.res_mlp, self.mlp = RESIDUALS[cfg.residual](cfg), MLP(cfg)
 
     def forward(self, x, pos=0, cache=None):
         x = self.res_attn(x, lambda c: self.attn(c, pos, cache))
         return self.res_mlp(x, self.mlp)
-
-
-# ---- The model -------------------------------------------------------------------------------------------
 
 
 class GPT(nn.Module):
@@ -365,7 +342,7 @@ class GPT(nn.Module):
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        if cfg.uses_ec:
+        if cfg.ddl_ec and cfg.residual in ("ddl-tc", "ddl-cc"):  # EC
             self.ec_conv = nn.Parameter(identity_conv(cfg.n_embd, cfg.ddl_dv, cfg.ddl_conv_size))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         if cfg.is_ddl:
@@ -413,7 +390,7 @@ class GPT(nn.Module):
         if not cfg.is_ddl:
             return emb
         emb = emb.to(torch.bfloat16 if cfg.ddl_state_dtype == "bfloat16" else emb.dtype)  # X's dtype
-        if not cfg.uses_ec:
+        if not hasattr(self, "ec_conv"):
             return emb[..., None].expand(*emb.shape, cfg.ddl_dv).contiguous()
         T = emb.shape[1]
         if cache is not None:
@@ -448,10 +425,9 @@ class GPT(nn.Module):
         return self.logits_and_loss(x, targets)
 
     def logits_and_loss(self, x, targets):
-        """LM head and mean cross-entropy (-1 ignored) of final-normed features x [B, T, d]. A method of
-        its own so that a regional compile (bench_train.py --compile-scope blocks) can compile it too."""
-        logits = self.lm_head(x)
-        # (autocast runs cross_entropy in fp32)
+        """LM head and mean cross-entropy (-1 ignored) of final-normed x [B, T, d] (a method: a regional
+        compile, bench_train.py --compile-scope blocks, compiles it too)."""
+        logits = self.lm_head(x)  # (autocast runs cross_entropy in fp32)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
@@ -465,9 +441,8 @@ class GPT(nn.Module):
         the weights + 12 L H D T for attention (Deltaformer's stage 1 doubles it) + the DDL updates,
         ~4 d d_v + 3 d per sublayer forward, x3 with the backward."""
         cfg = self.config
-        flops = 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
-        if cfg.attention == "deltaformer":
-            flops += 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+        stages = 2 if cfg.attention == "deltaformer" else 1
+        flops = 6 * self.num_params() + stages * 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
         if cfg.is_ddl:
             flops += 3 * 2 * cfg.n_layer * (4 * cfg.n_embd * cfg.ddl_dv + 3 * cfg.n_embd)
         return flops

@@ -10,11 +10,13 @@ themselves are tested in tests/test_ddl.py and tests/test_deltaformer.py.
 import dataclasses
 import io
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import model as model_module
 from model import ATTENTIONS, DDL_EPS, GPT, RESIDUALS, DDLStream, GPTConfig, Residual
 from sample import generate
 
@@ -550,8 +552,6 @@ def test_flops_per_token_against_counted_matmuls(attention, monkeypatch):
     beta gate's bias), so the count must equal (flops_per_token - 6 * their number) * B * T exactly.
     Deltaformer's stage 1 is counted through dense_deltaformer (checked against the model's own path
     first). The DDL residuals' update term is elementwise work the counter does not see: not checked."""
-    import model as model_module
-
     cfg = tiny(attention=attention, head_dim=8, block_size=32)  # 2 heads of 8 in a width of 32
     if attention == "deltaformer":
         m = make(cfg)
@@ -745,3 +745,89 @@ def test_ddl_keep_state_every_default():
     assert GPTConfig(residual="additive").ddl_keep_state_every == 0
     with pytest.raises(ValueError, match="ddl_keep_state_every"):
         GPTConfig(residual="ddl-tc", ddl_keep_state_every=-1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The README's worked example of a new residual rule
+
+
+def readme_residual_example():
+    """The first python code block of README.md's "Add your own residual" section."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Add your own residual\n", 1)[1].split("\n## ", 1)[0]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_residual_example_trains():
+    """The example as written (at most 30 lines), pasted into model.py's namespace: it registers its rule,
+    every sublayer uses it, and a few AdamW steps on one repeated batch lower the loss and move the gate."""
+    code = readme_residual_example()
+    assert len(code.strip().splitlines()) <= 30
+    before = dict(model_module.RESIDUALS)
+    namespace = dict(vars(model_module))
+    try:
+        exec(code, namespace)
+        (name,) = set(model_module.RESIDUALS) - set(before)
+        torch.manual_seed(0)
+        model = GPT(tiny(residual=name)).double()
+        rule = model_module.RESIDUALS[name]
+        assert all(type(b.res_attn) is rule and type(b.res_mlp) is rule for b in model.blocks)
+        gates = [p for n, p in model.named_parameters() if n.endswith("gate")]
+        assert len(gates) == 2 * model.config.n_layer
+        start = [g.detach().clone() for g in gates]
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        idx = tokens(B=2, T=16)
+        losses = []
+        for _ in range(8):
+            _, loss = model(idx[:, :-1], idx[:, 1:])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert all(math.isfinite(x) for x in losses)
+        assert losses[-1] < losses[0] - 0.1, losses
+        assert all(not torch.equal(g, s) for g, s in zip(gates, start))
+    finally:
+        model_module.RESIDUALS.clear()
+        model_module.RESIDUALS.update(before)
+
+
+# The parameter names checkpoints of this model have been written with (one block, Deltaformer with its own
+# w): a renamed module would break loading them, so a rename must map these names or fail naming the change.
+EARLIER_KEYS_COMMON = (
+    "wte.weight ln_f.weight lm_head.weight blocks.0.mlp.c_fc.weight blocks.0.mlp.c_proj.weight "
+    "blocks.0.attn.c_attn.weight blocks.0.attn.c_proj.weight blocks.0.attn.q_norm.weight "
+    "blocks.0.attn.k_norm.weight blocks.0.attn.w_norm.weight blocks.0.attn.beta.weight "
+    "blocks.0.attn.beta.bias blocks.0.res_attn.norm.weight blocks.0.res_mlp.norm.weight"
+)
+DDL_KEYS = " ".join(
+    f"blocks.0.{res}.{p}"
+    for res in ("res_attn", "res_mlp")
+    for p in ("beta.bias", "beta.weight", "v_proj.bias", "v_proj.weight")
+)
+COMPRESSOR_KEYS = "blocks.0.compress.conv blocks.0.compress.read readout.conv readout.read ec_conv"
+EARLIER_KEYS = {
+    "additive": "",
+    "ddl": DDL_KEYS,
+    "ddl-tc": f"{DDL_KEYS} {COMPRESSOR_KEYS}",
+    "ddl-cc": f"{DDL_KEYS} {COMPRESSOR_KEYS}",
+}
+
+
+@pytest.mark.parametrize("residual", list(EARLIER_KEYS))
+def test_checkpoints_of_the_earlier_layout_load(residual, tmp_path):
+    """A checkpoint written under the earlier names (random tensors of the right shapes) loads through
+    checkpoint.load_model into exactly those tensors."""
+    from checkpoint import load_model
+
+    cfg = tiny(n_layer=1, residual=residual, attention="deltaformer", deltaformer_w="proj")
+    shapes = {k: v.shape for k, v in GPT(cfg).state_dict().items()}
+    keys = (EARLIER_KEYS_COMMON + " " + EARLIER_KEYS[residual]).split()
+    torch.manual_seed(0)
+    earlier = {k: torch.randn(shapes[k]) for k in keys}
+    earlier["lm_head.weight"] = earlier["wte.weight"]  # tied
+    torch.save({"model": earlier, "model_args": dataclasses.asdict(cfg)}, tmp_path / "ckpt.pt")
+    model, _ = load_model(tmp_path / "ckpt.pt")
+    assert set(model.state_dict()) == set(keys)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, earlier[k]), k

@@ -48,8 +48,10 @@ class DDLStream:
         return self
 
     def write(self, h, v, beta):
-        """X <- X + beta khat (v^T - khat^T X), khat = h / sqrt(|h|^2 + eps^2): applied at the next read."""
+        """X <- X + beta khat (v^T - khat^T X), khat = h / sqrt(|h|^2 + eps^2), applied at the next read.
+        Returns the stream."""
         self.pending, self.keep = (h, v, beta, self.keep), False
+        return self
 
     def read(self):
         """x_in [B, T, d] = compress(X), after the pending write."""
