@@ -11,10 +11,10 @@ without flash-attn. The floors for our kernel are the larger of two numbers: the
 (forward 4 T^2 D per head: two causal products per stage; forward+backward 12 T^2 D) over the measured
 bf16 matrix rate, and the minimal bytes (inputs read once, outputs written once) over the copy bandwidth.
 "f+b graph" is the same forward+backward as a CUDA graph's replay: the GPU's time without the host's launch
-work, which at these sizes can exceed it (--overhead). Prints the command, GPU and versions first; --json
+work, which at these sizes can exceed it. Prints the command, GPU and versions first; --json
 writes every number.
 
---variants / --graph-variants / --kernel-profile time our kernel's options (VARIANTS: deltaformer_u_triton's
+--variants / --graph-variants time our kernel's options (VARIANTS: deltaformer_u_triton's
 keyword arguments).
 """
 
@@ -140,124 +140,9 @@ def graph_time(fn, inputs, backward=True):
     return ms
 
 
-def kernel_times(fn, inputs, iters=10):
-    """{kernel name: GPU microseconds per call} over `iters` forward+backward calls (torch.profiler)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    grad_out = torch.randn_like(fn(*inputs))
-    for _ in range(3):
-        fn_bwd(fn, inputs, grad_out)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn_bwd(fn, inputs, grad_out)
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        if getattr(e, "device_type", None) != DeviceType.CUDA:
-            continue
-        us = getattr(e, "self_device_time_total", None)
-        us = getattr(e, "self_cuda_time_total", 0.0) if us is None else us
-        out[e.key] = out.get(e.key, 0.0) + us / iters
-    return out
-
-
-def overhead(shape, kernels, results):
-    """Is a forward+backward bound by the host? Per f+b, ms: do_bench's median (what the table reports);
-    the host's issue time alone (the GPU held busy by a sleep kernel meanwhile, so the host never waits
-    for it); a CUDA graph's replay (the same kernels without host gaps); the sum of GPU kernel times."""
-    fns = {"sdpa": sdpa, **{kernel: ours(kernel) for kernel in kernels}}
-    print(f"\nhost overhead at {shape}, ms per forward+backward")
-    print("| fn | do_bench | host issue | CUDA graph replay | kernel sum |")
-    print("|---|---|---|---|---|")
-    for name, fn in fns.items():
-        inputs = make(*shape, kernel=next((k for k in kernels if name.startswith(k)), "softmax"))
-        row = {"do_bench": time_fn(fn, inputs, True)}
-        grad_out = torch.randn_like(fn(*inputs))
-        n = 20
-        for _ in range(3):
-            fn_bwd(fn, inputs, grad_out)
-        torch.cuda.synchronize()
-        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time: the host issues n iterations meanwhile
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn_bwd(fn, inputs, grad_out)
-        row["host issue"] = (time.perf_counter() - t0) * 1e3 / n
-        torch.cuda.synchronize()
-        row["CUDA graph replay"] = graph_time(fn, inputs)
-        row["kernel sum"] = sum(kernel_times(fn, inputs).values()) / 1e3
-        results.setdefault("overhead", {})[f"{','.join(map(str, shape))} {name}"] = row
-        print(f"| {name} | " + " | ".join(f"{v:.3f}" for v in row.values()) + " |", flush=True)
-    # where the host time of one forward+backward goes (the GPU held busy meanwhile)
-    import cProfile
-    import pstats
-
-    fn, inputs = fns[kernels[0]], make(*shape, kernel=kernels[0])
-    grad_out = torch.randn_like(inputs[0])
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(20):
-        fn_bwd(fn, inputs, grad_out)
-    prof.disable()
-    print(f"\nhost profile of 20 x {kernels[0]} forward+backward (cProfile, by own time)")
-    pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(22)
-    torch.cuda.synchronize()
-
-
 def selected(names):
     """The VARIANTS entries named in `names` (all if empty)."""
     return [entry for entry in VARIANTS if not names or entry[0] in names]
-
-
-def compile_variants(shapes, kernels, variants):
-    """One forward+backward of each variant: fills Triton's on-disk cache (processes side by side compile
-    different variants before one process times them all)."""
-    for shape in shapes:
-        for kernel in kernels:
-            inputs = make(*shape, kernel=kernel)
-            for _, opts in selected(variants):
-                ours(kernel, **opts)(*inputs).sum().backward()
-                torch.cuda.synchronize()
-
-
-def kernel_profile(shape, kernels, results, variants):
-    """Per-kernel times (us per f+b) of the VARIANTS named in `variants` (all if empty); one table
-    per first-stage kernel."""
-    for kernel in kernels:
-        inputs = make(*shape, kernel=kernel)
-        table = {}
-        for name, opts in selected(variants):
-            try:
-                times = kernel_times(ours(kernel, **opts), inputs)
-                times["(f+b ms, do_bench)"] = 1e3 * time_fn(ours(kernel, **opts), inputs, True)
-                times["(f+b ms, CUDA graph)"] = 1e3 * graph_time(ours(kernel, **opts), inputs)
-                table[name] = times
-            except Exception as e:  # noqa: BLE001
-                print(
-                    f"profile variant {kernel} {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True
-                )
-            print(
-                f"  {kernel} {name}: "
-                + ", ".join(f"{k[:40]} {v:.0f}" for k, v in table.get(name, {}).items() if v >= 5),
-                flush=True,
-            )
-        results.setdefault("kernel_profile", {})[f"{','.join(map(str, shape))} {kernel}"] = table
-        names = sorted(
-            {k for t in table.values() for k in t}, key=lambda k: -table.get("default", {}).get(k, 0)
-        )
-        print(f"\nper-kernel us per f+b, {kernel}, {shape} (columns: variants)")
-        print("| kernel | " + " | ".join(table) + " |")
-        print("|---" * (len(table) + 1) + "|")
-        for k in names:
-            if max(t.get(k, 0) for t in table.values()) < 3:
-                continue
-            print(
-                f"| {k[:60]} | " + " | ".join(f"{t.get(k, float('nan')):.0f}" for t in table.values()) + " |"
-            )
-        print("", flush=True)
 
 
 def graph_variants(shapes, kernels, results, variants):
@@ -331,17 +216,8 @@ def main():
     ap.add_argument("--variant-shapes", default="0,2", help="indices into SHAPES for the variants")
     ap.add_argument("--variant-kernels", default="softmax", help="kernels for --variants, comma-separated")
     ap.add_argument("--no-fla", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="kernel-by-kernel times of one configuration")
     ap.add_argument("--json", default="", help="write all numbers to this file")
-    ap.add_argument(
-        "--kernel-profile",
-        default="",
-        help="first-stage kernels (comma-separated) to profile VARIANTS kernel by kernel, then exit",
-    )
-    ap.add_argument("--profile-shape", type=int, default=0, help="index into SHAPES for --kernel-profile")
-    ap.add_argument("--profile-variants", default="", help="names from VARIANTS (default: all)")
-    ap.add_argument("--compile-only", action="store_true", help="with --kernel-profile: compile, do not time")
-    ap.add_argument("--overhead", default="", help="kernels (comma-sep.): host-overhead table, then exit")
+    ap.add_argument("--profile-variants", default="", help="names from VARIANTS for --graph-variants (all)")
     ap.add_argument(
         "--graph-variants",
         default="",
@@ -357,25 +233,11 @@ def main():
     fla = None if args.no_fla else fla_fn()
     rows, results = [], {"tflops": tflops, "gbs": gbs, "shapes": {}}
     variant_shapes = [SHAPES[int(i)] for i in args.variant_shapes.split(",")]
-    if args.overhead:
-        overhead(SHAPES[args.profile_shape], args.overhead.split(","), results)
-        write_json(args.json, results)
-        return
     if args.graph_variants:
         variants = [v for v in args.profile_variants.split(",") if v]
-        if args.compile_only:
-            return compile_variants(variant_shapes, args.graph_variants.split(","), variants)
         graph_variants(variant_shapes, args.graph_variants.split(","), results, variants)
         write_json(args.json, results)
         return
-    if args.kernel_profile:
-        variants = [v for v in args.profile_variants.split(",") if v]
-        if args.compile_only:
-            return compile_variants([SHAPES[args.profile_shape]], args.kernel_profile.split(","), variants)
-        kernel_profile(SHAPES[args.profile_shape], args.kernel_profile.split(","), results, variants)
-        write_json(args.json, results)
-        return
-
     for B, H, T, D in SHAPES:
         res = {}
         fns = {"sdpa": sdpa, "fla": fla, "softmax": ours("softmax"), "relu": ours("relu")}
@@ -399,22 +261,6 @@ def main():
         results["shapes"][f"{B},{H},{T},{D}"] = res
         rows.append(((B, H, T, D), res))
         write_json(args.json, results)  # after every shape: a run cut short keeps what it measured
-
-    if args.profile:  # where the time of one softmax forward+backward goes, kernel by kernel
-        from torch.profiler import ProfilerActivity, profile
-
-        inputs = make(*SHAPES[0])
-        fn = ours("softmax")
-        grad_out = torch.randn_like(fn(*inputs))
-        for _ in range(3):
-            fn(*inputs).backward(grad_out)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                fn(*inputs).backward(grad_out)
-            torch.cuda.synchronize()
-        print(f"profile of 10 x softmax f+b at {SHAPES[0]}:")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
 
     write_json(args.json, results)
 
@@ -448,7 +294,7 @@ def main():
         print(f"| {','.join(map(str, shape))} | " + " | ".join(cells) + " |")
 
     # the same f+b as CUDA graph replays: the GPU's time alone. At these sizes the host's launch work
-    # (~1.3 ms per f+b for ours, 0.25 for SDPA: --overhead) can exceed it, and do_bench then times the host.
+    # (~1.3 ms per f+b for ours, 0.25 for SDPA) can exceed it, and do_bench then times the host.
     print("\nf+b as CUDA graph replays (GPU time), ms, and the ratios to SDPA's replay")
     cols = ["sdpa f+b graph", "softmax f+b graph", "relu f+b graph"]
     print("| B,H,T,D | " + " | ".join(cols) + " | softmax/SDPA | relu/SDPA |\n|---|---|---|---|---|---|")
