@@ -77,7 +77,9 @@ class GPTConfig:
     attention: str = "softmax"
     deltaformer_w: str = "k"
     deltaformer_kernel: str = "softmax"
-    deltaformer_beta_max: float = 2.0
+    # beta = beta_max sigmoid(.) in (0, beta_max). <= 1 bounds stage 1 for every softmax kappa (rows sum to 1,
+    # so |u| <= T max|v|); up to 2 (reflections) is bounded only for linear kappa with w = k (README)
+    deltaformer_beta_max: float = 1.0
     backend: str = "auto"  # kernels' backend: "auto" | "torch" | "triton" (not an architecture choice)
 
     def __post_init__(self):

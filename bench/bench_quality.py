@@ -2,6 +2,8 @@
 
     python bench/bench_quality.py --setting shakespeare --seeds 1 2 --out DIR        # every row, 8L x 512
     python bench/bench_quality.py --setting corpus --seeds 1 --out DIR --data-dir D   # main rows, GPT-2 small
+    python bench/bench_quality.py --setting stability --seeds 1 2 3 4 --out DIR --data-dir D  # every run
+    python bench/bench_quality.py --setting stability --lr 2e-3 --seeds 1 2 --out DIR --data-dir D
     python bench/bench_quality.py --table DIR [DIR ...] [--plot loss.png]   # the table of finished runs
 
 Each (row, seed) is one `train.py` run in DIR/<setting>/<row>-s<seed> (its log.jsonl, ckpt.pt and console
@@ -14,14 +16,23 @@ Settings (lr 1e-3, AdamW (0.9, 0.95), wd 0.1, clip 1.0, warmup + cosine to 1e-4,
                eager (no compile); data/shakespeare (python data/shakespeare.py).
   corpus:      GPT-2 small (12 x 768, 6 x 128), block 1024, 384 iterations x 64 x 1024 = 25.2M tokens,
                compiled; shards of data/fineweb_edu.py in --data-dir (e.g. from data/package_corpus.py).
+  stability:   GPT-2 small, 480 iterations x 32 x 1024 = 15.7M tokens, compiled, the corpus's shards; the
+               table has a line per run: finished or stopped (where, why), the largest loss spike (train
+               loss minus its running minimum) and the best validation loss. --lr sets the peak learning
+               rate (min_lr = lr / 10); such runs go to DIR/stability-lr<lr>.
+--probe N also records, every N iterations, each Deltaformer layer's stage 1 (max |u| / max |v|, beta, softmax
+kappa's weight on the previous token) and the first non-finite u into the run's probe.jsonl (the table
+summarises it).
 """
 
 import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,6 +54,11 @@ SETTINGS = {
         gradient_accumulation_steps=4, max_iters=384, warmup_iters=40, lr_decay_iters=384,
         eval_interval=128, eval_iters=8, log_interval=32, compile=True,
     ),
+    "stability": dict(
+        dataset="fineweb_edu", n_layer=12, n_embd=768, n_head=6, head_dim=128, block_size=1024, batch_size=16,
+        gradient_accumulation_steps=2, max_iters=480, warmup_iters=48, lr_decay_iters=480,
+        eval_interval=96, eval_iters=8, log_interval=32, compile=True,
+    ),
 }  # fmt: skip
 ROWS = {  # name -> GPTConfig overrides; the README's variant table
     "additive": dict(residual="additive"),
@@ -53,25 +69,84 @@ ROWS = {  # name -> GPTConfig overrides; the README's variant table
     "ddl-cc-bf16-state": dict(residual="ddl-cc", ddl_state_dtype="bfloat16"),
     "ddl-cc-write-only": dict(residual="ddl-cc", ddl_erase=False),
     "deltaformer-softmax": dict(attention="deltaformer", deltaformer_kernel="softmax"),
+    "deltaformer-softmax-beta2": dict(attention="deltaformer", deltaformer_beta_max=2.0),  # not bounded
     "deltaformer-relu": dict(attention="deltaformer", deltaformer_kernel="relu"),
     "deltaformer-linear": dict(attention="deltaformer", deltaformer_kernel="linear"),
     "ddl-cc+deltaformer": dict(residual="ddl-cc", attention="deltaformer"),
 }
-PARALLEL = {"shakespeare": 10, "corpus": 6}  # runs at a time: ~9-11 GB and ~12-20 GB each on the GPU
+PARALLEL = {"shakespeare": 10, "corpus": 6, "stability": 6}  # runs at a time: ~9-11 GB, ~12-20 GB each
 DEFAULT_ROWS = {
-    "shakespeare": [r for r in ROWS if r != "ddl-cc-bf16-state"],
+    "shakespeare": [r for r in ROWS if r not in ("ddl-cc-bf16-state", "deltaformer-softmax-beta2")],
     "corpus": ["additive", "ddl", "ddl-tc", "ddl-cc", "ddl-cc-bf16-state", "deltaformer-softmax"],
+    "stability": ["additive", "ddl", "ddl-cc", "ddl-tc", "deltaformer-softmax", "deltaformer-relu",
+                  "deltaformer-linear"],
 }
 
 
-def run_args(setting, row, seed, out_dir, data_dir=None, max_seconds=0.0, extra=()):
+def run_args(setting, row, seed, out_dir, data_dir=None, max_seconds=0.0, extra=(), lr=None, probe=0):
     keys = {**RECIPE, **SETTINGS[setting], **ROWS[row], "seed": seed, "out_dir": out_dir, "overwrite": True}
+    if lr:
+        keys |= dict(learning_rate=lr, min_lr=lr / 10)
     if data_dir:
         keys["data_dir"] = data_dir
     if max_seconds:
         keys["max_seconds"] = max_seconds
     args = [f"--{k}={v}" for k, v in keys.items()] + [f"--{kv}" for kv in extra]
+    if probe and "deltaformer" in row:
+        return [sys.executable, os.path.abspath(__file__), "--probe-run", str(probe), "--", *args]
     return [sys.executable, os.path.join(REPO, "train.py"), *args]
+
+
+def probe_run(every, train_args):
+    """train.py with train_args, each Deltaformer stage 1 watched (--probe), into out_dir/probe.jsonl."""
+    import runpy
+
+    import torch
+
+    import kernels.deltaformer as df
+
+    keys = dict(a[2:].split("=", 1) for a in train_args if a.startswith("--") and "=" in a)
+    n_layer, micro = int(keys["n_layer"]), int(keys["gradient_accumulation_steps"])
+    path, calls, seen_nonfinite = os.path.join(keys["out_dir"], "probe.jsonl"), [0], [False]
+    os.makedirs(keys["out_dir"], exist_ok=True)
+    open(path, "w").close()
+
+    @torch.compiler.disable
+    def record(k, v, w, beta, u, kernel, scale):
+        if not torch.is_grad_enabled():  # evaluation
+            return
+        call, calls[0] = calls[0], calls[0] + 1
+        it, layer = call // (n_layer * micro), call % n_layer
+        finite = bool(torch.isfinite(u).all())
+        if finite and (it % every or call // n_layer % micro) or not finite and seen_nonfinite[0]:
+            return
+        seen_nonfinite[0] |= not finite
+        u0, v0, b0 = u[0].float(), v[0].float(), beta[0].float()  # batch row 0: [H, T, D], [H, T]
+        rec = dict(iter=it, layer=layer, finite=finite, v_finite=bool(torch.isfinite(v).all()),
+                   u_over_v=(u0.abs().amax() / v0.abs().amax()).item(), beta_mean=b0.mean().item(),
+                   beta_max=b0.max().item(), beta_over_1=(b0 > 1).float().mean().item())  # fmt: skip
+        if kernel == "softmax":  # kappa's weight on token i-1, the weight that makes u_i ~ v_i - beta u_{i-1}
+            T = k.shape[2]
+            scores = scale * (w[0].float() @ k[0].float().transpose(-1, -2))
+            scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool, device=k.device).triu(), -math.inf)
+            prev = torch.softmax(scores[:, 1:], dim=-1).diagonal(dim1=-2, dim2=-1)  # [H, T - 1]
+            rec |= dict(kappa_prev_mean=prev.mean().item(),
+                        kappa_prev_over_09=(prev > 0.9).float().mean().item())
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def watched(stage1):
+        def run(k, v, w, beta, kernel="softmax", scale=None, **kwargs):
+            u = stage1(k, v, w, beta, kernel=kernel, scale=scale, **kwargs)
+            record(k, v, w, beta, u, kernel, scale if scale is not None else k.shape[-1] ** -0.5)
+            return u
+
+        return run
+
+    df.deltaformer_u_torch = watched(df.deltaformer_u_torch)
+    df.deltaformer_u_triton = watched(df.deltaformer_u_triton)
+    sys.argv = [os.path.join(REPO, "train.py"), *train_args]
+    runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def launch_all(jobs, parallel, on_finish=lambda: None):
@@ -82,21 +157,28 @@ def launch_all(jobs, parallel, on_finish=lambda: None):
         while pending and len(running) < parallel:
             cmd, out_dir = pending.pop(0)
             os.makedirs(out_dir, exist_ok=True)
+            # compile caches of its own: two of three runs of one model that compiled into one cache at
+            # once died of SIGSEGV in their first step (none since, with a cache each)
+            cache = tempfile.mkdtemp(prefix="bench_quality-")
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "t"))
             with open(os.path.join(out_dir, "train.out"), "w") as f:
-                running.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO), out_dir))
+                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+                running.append((proc, out_dir, cache))
             print(f"started {out_dir}", flush=True)
         time.sleep(2)
-        for proc, out_dir in list(running):
+        for proc, out_dir, cache in list(running):
             if proc.poll() is not None:
-                running.remove((proc, out_dir))
+                running.remove((proc, out_dir, cache))
+                shutil.rmtree(cache, ignore_errors=True)
                 print(f"finished {out_dir} (exit {proc.returncode})", flush=True)
                 on_finish()
 
 
 def read_run(out_dir):
-    """(val losses by iteration, the last iteration logged, finished?) from out_dir/log.jsonl, train.out."""
+    """dict(vals: val loss by iteration, train: train losses in order, lr: the peak learning rate, last_iter,
+    final: finished?, why: what stopped it) from out_dir/log.jsonl and train.out."""
+    run = dict(vals={}, train=[], lr=0.0, last_iter=-1, final=False, why="")
     path = os.path.join(out_dir, "log.jsonl")
-    vals, last_iter, final = {}, -1, False
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
@@ -104,17 +186,24 @@ def read_run(out_dir):
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     continue
-                last_iter = max(last_iter, rec.get("iter", -1))
+                run["last_iter"] = max(run["last_iter"], rec.get("iter", -1))
                 if "val_loss" in rec:
-                    vals[rec["iter"]] = rec["val_loss"]
+                    run["vals"][rec["iter"]] = rec["val_loss"]
+                if "train_loss" in rec:
+                    run["train"].append(rec["train_loss"])
+                    run["lr"] = max(run["lr"], rec.get("lr", 0.0))
     console = os.path.join(out_dir, "train.out")
     if os.path.exists(console):
         with open(console, errors="replace") as f:
-            final = any(line.startswith("done:") for line in f)
-    return vals, last_iter, final
+            lines = f.read().splitlines()
+        run["final"] = any(line.startswith("done:") for line in lines)
+        errors = [line[:60] for line in lines if "Error" in line]  # the last one names the cause
+        nonfinite = any("stopping before the update" in line for line in lines)  # train.py's divergence stop
+        run["why"] = "non-finite loss" if nonfinite else errors[-1] if errors else ""
+    return run
 
 
-def stat(xs):
+def mean_spread(xs):
     xs = [x for x in xs if math.isfinite(x)]
     if not xs:
         return "—"
@@ -122,57 +211,118 @@ def stat(xs):
     return f"{mean:.4f} ± {(max(xs) - min(xs)) / 2:.4f}" if len(xs) > 1 else f"{mean:.4f}"
 
 
+def largest_spike(losses):
+    """max over steps of the train loss minus its running minimum (0 for a loss that never rises)."""
+    spike, low = 0.0, math.inf
+    for x in losses:
+        if not math.isfinite(x):
+            return math.inf
+        low = min(low, x)
+        spike = max(spike, x - low)
+    return spike
+
+
+def probe_summary(out_dir):
+    """The probe's largest max |u| / max |v| (where, beta and kappa there) and the first non-finite u."""
+    path = os.path.join(out_dir, "probe.jsonl")
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    finite = [r for r in recs if r["finite"]]
+    out = []
+    if finite:
+        r = max(finite, key=lambda r: r["u_over_v"])
+        kappa = f", kappa(i-1) {r['kappa_prev_mean']:.2f}" if "kappa_prev_mean" in r else ""
+        out.append(
+            f"u/v {r['u_over_v']:.3g} (iter {r['iter']}, layer {r['layer']}, beta mean "
+            f"{r['beta_mean']:.2f} max {r['beta_max']:.2f}{kappa})"
+        )
+    out += [f"first non-finite u: iter {r['iter']} layer {r['layer']} (v finite: {r['v_finite']})"
+            for r in recs if not r["finite"]]  # fmt: skip
+    return "; ".join(out)
+
+
+def setting_of(folder):
+    """'corpus' -> 'corpus'; 'stability-lr0.002' (a --lr run's folder) -> 'stability'; else None."""
+    base = folder.split("-lr")[0]
+    return base if base in SETTINGS else None
+
+
 def table(dirs):
-    """Markdown table over every <row>-s<seed> run found under dirs (grouped by setting folder)."""
-    runs = {}  # (setting, row) -> [(seed, best, final, note)]
+    """Markdown tables over every <row>-s<seed> run found under dirs (grouped by setting folder): per row
+    (mean and spread over seeds), or for the stability setting per run."""
+    runs = {}  # (setting folder, row) -> [(seed, run dict, best, final)]
     for top in dirs:
         top = os.path.normpath(top)
-        if os.path.basename(top) in SETTINGS:  # a setting's own folder
-            top, settings = os.path.dirname(top), [os.path.basename(top)]
+        if setting_of(os.path.basename(top)):  # a setting's own folder
+            top, folders = os.path.dirname(top), [os.path.basename(top)]
         else:
-            settings = sorted(os.listdir(top)) if os.path.isdir(top) else []
-        for setting in settings:
-            if setting not in SETTINGS or not os.path.isdir(os.path.join(top, setting)):
+            folders = sorted(os.listdir(top)) if os.path.isdir(top) else []
+        for folder in folders:
+            if not setting_of(folder) or not os.path.isdir(os.path.join(top, folder)):
                 continue
-            for name in sorted(os.listdir(os.path.join(top, setting))):
+            for name in sorted(os.listdir(os.path.join(top, folder))):
                 row, _, seed = name.rpartition("-s")
                 if row not in ROWS:
                     continue
-                vals, last_iter, final = read_run(os.path.join(top, setting, name))
-                finite = [v for v in vals.values() if math.isfinite(v)]
+                run = read_run(os.path.join(top, folder, name))
+                run["probe"] = probe_summary(os.path.join(top, folder, name))
+                finite = [v for v in run["vals"].values() if math.isfinite(v)]
                 best = min(finite) if finite else float("nan")
-                last = vals[max(vals)] if vals else float("nan")
-                note = (
-                    "" if final and all(map(math.isfinite, vals.values())) else f"stopped at iter {last_iter}"
-                )
-                runs.setdefault((setting, row), []).append((seed, best, last, note))
+                last = run["vals"][max(run["vals"])] if run["vals"] else float("nan")
+                runs.setdefault((folder, row), []).append((seed, run, best, last))
     if not runs:
         raise ValueError(f"no runs (<setting>/<row>-s<seed> folders) under {', '.join(dirs)}")
     lines = []
-    for setting in SETTINGS:
-        rows = [r for r in ROWS if (setting, r) in runs]
-        if not rows:
+    for folder in sorted({f for f, _ in runs}, key=lambda f: (list(SETTINGS).index(setting_of(f)), f)):
+        rows = [r for r in ROWS if (folder, r) in runs]
+        setting = setting_of(folder)
+        if setting == "stability":
+            lines += stability_table(folder, rows, runs)
             continue
-        base = runs.get((setting, "additive"))
-        base_best = sum(r[1] for r in base) / len(base) if base else float("nan")
+        base = runs.get((folder, "additive"))
+        base_best = sum(r[2] for r in base) / len(base) if base else float("nan")
         lines += [
-            f"\n**{setting}** ({SETTINGS[setting]['max_iters']} iterations; best and final validation loss, "
+            f"\n**{folder}** ({SETTINGS[setting]['max_iters']} iterations; best and final validation loss, "
             "mean ± half-range over seeds)\n",
             "| row | seeds | best val | final val | best − additive | runs |",
             "|---|---|---|---|---|---|",
         ]
         for r in rows:
-            rs = runs[(setting, r)]
-            bests = [x[1] for x in rs if math.isfinite(x[1])]
+            rs = runs[(folder, r)]
+            bests = [x[2] for x in rs if math.isfinite(x[2])]
             mean_best = sum(bests) / len(bests) if bests else float("nan")
-            notes = "; ".join(f"s{x[0]} {x[3]}" for x in rs if x[3]) or "ok"
-            seeds, best, final = (
-                ",".join(x[0] for x in rs),
-                stat([x[1] for x in rs]),
-                stat([x[2] for x in rs]),
+            notes = "; ".join(f"s{x[0]} stopped at iter {x[1]['last_iter']}" for x in rs if not ok(x)) or "ok"
+            seeds, best, final = ",".join(x[0] for x in rs), mean_spread([x[2] for x in rs]), mean_spread(
+                [x[3] for x in rs]
             )
             lines.append(f"| {r} | {seeds} | {best} | {final} | {mean_best - base_best:+.4f} | {notes} |")
     return "\n".join(lines)
+
+
+def ok(x):
+    """A (seed, run, best, final) that finished with every validation loss finite."""
+    return x[1]["final"] and all(map(math.isfinite, x[1]["vals"].values()))
+
+
+def stability_table(folder, rows, runs):
+    every = [x for r in rows for x in runs[(folder, r)]]
+    lrs = sorted({f"{x[1]['lr']:g}" for x in every})
+    stopped = sum(not ok(x) for x in every)
+    lines = [
+        f"\n**{folder}** ({SETTINGS['stability']['max_iters']} iterations, peak lr {', '.join(lrs)}): "
+        f"{len(every) - stopped} of {len(every)} runs finished, {stopped} stopped\n",
+        "| row | seed | run | largest loss spike | best val | probe: largest u/v = max abs u / max abs v |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for seed, run, best, _ in runs[(folder, r)]:
+            status = "finished" if ok((seed, run)) else f"stopped at iter {run['last_iter'] + 1}"
+            status += f" ({run['why']})" if run["why"] and not ok((seed, run)) else ""
+            spike = largest_spike(run["train"])
+            lines.append(f"| {r} | {seed} | {status} | {spike:.3f} | {best:.4f} | {run['probe']} |")
+    return lines
 
 
 def main(argv=None):
@@ -185,8 +335,13 @@ def main(argv=None):
     p.add_argument("--parallel", type=int, help="runs at a time on the one GPU (default: what fits an H200)")
     p.add_argument("--max-seconds", type=float, default=0.0, help="stop each run after this training time")
     p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more train.py config keys")
+    p.add_argument("--lr", type=float, help="peak learning rate (min_lr = lr / 10); to <setting>-lr<lr>")
+    p.add_argument("--probe", type=int, default=0, metavar="N", help="watch Deltaformer's stage 1 every N")
     p.add_argument("--table", nargs="*", help="only print the table of the runs under these folders")
     p.add_argument("--plot", help="also plot every run's losses (plot_logs.py) into this PNG")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--probe-run"]:  # one run under the probe (--probe's jobs): --probe-run N -- train args
+        return probe_run(int(argv[1]), argv[3:])
     args = p.parse_args(argv)
     dirs = args.table if args.table is not None else [args.out]
     if args.table is None:
@@ -194,16 +349,14 @@ def main(argv=None):
             p.error("--setting is required (or --table DIR ...)")
         rows = args.rows or DEFAULT_ROWS[args.setting]
         jobs = []
+        folder = args.setting + (f"-lr{args.lr:g}" if args.lr else "")
         for seed in args.seeds:
             for row in rows:
-                out_dir = os.path.join(args.out, args.setting, f"{row}-s{seed}")
-                jobs.append(
-                    (
-                        run_args(args.setting, row, seed, out_dir, args.data_dir, args.max_seconds, args.set),
-                        out_dir,
-                    )
-                )
-    command = f"command: `python bench/bench_quality.py {' '.join(sys.argv[1:] if argv is None else argv)}`"
+                out_dir = os.path.join(args.out, folder, f"{row}-s{seed}")
+                extra = (args.data_dir, args.max_seconds, args.set, args.lr, args.probe)
+                cmd = run_args(args.setting, row, seed, out_dir, *extra)
+                jobs.append((cmd, out_dir))
+    command = f"command: `python bench/bench_quality.py {' '.join(argv)}`"
 
     def write_table(show=False):
         try:

@@ -34,6 +34,7 @@ residual = "additive"
 attention = "deltaformer"
 deltaformer_kernel = "softmax"
 deltaformer_w = "k"
+deltaformer_beta_max = 2.0  # reflections (swaps need them); bounded for linear kappa with w = k (README)
 
 # optimisation: constant learning rate after warmup (the run length is set by a time budget)
 batch_size = 64  # linear kappa with w = k passed the curriculum at 64 and stalled at length 32 at 256

@@ -384,6 +384,9 @@ def prepare(
         _write_json_atomic(state_path, state)
 
     start_doc, skip = state["next_doc"], state["next_offset"]
+    # the tokenizer here, once: a worker whose pool initializer raises (no GPT-2 BPE files) is replaced by
+    # another that raises too, for ever, and the run hangs without a word; forked workers inherit it
+    get_encoding()
     pool = make_pool(workers)  # first: before anything starts threads (see make_pool)
     try:
         if inputs is not None:
@@ -471,7 +474,7 @@ def main(argv=None):
             workers=a.workers,
             progress=not a.no_progress,
         )
-    except (InputError, ValueError) as e:
+    except (InputError, ValueError, ImportError) as e:
         sys.exit(f"error: {e}")
 
 

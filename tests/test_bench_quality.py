@@ -5,7 +5,9 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
 
 from bench import bench_quality as bq
 from data import package_corpus
@@ -95,3 +97,95 @@ def test_launch_all_reports_each_finished_run(tmp_path):
     bq.launch_all(jobs, 2, on_finish=lambda: seen.append(len(seen)))
     assert seen == [0, 1, 2]
     assert [open(tmp_path / f"run{i}" / "train.out").read() for i in range(3)] == ["0\n", "1\n", "2\n"]
+
+
+def largest_rise(xs):
+    """max over i <= j of xs[j] - xs[i]: the spike by its definition, over all pairs."""
+    return max(xs[j] - xs[i] for j in range(len(xs)) for i in range(j + 1))
+
+
+def test_largest_spike_is_the_largest_rise_over_a_running_minimum():
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 7, 50):
+        xs = (torch.rand(n, generator=g, dtype=torch.float64) * 5).tolist()
+        assert bq.largest_spike(xs) == pytest.approx(largest_rise(xs), abs=1e-12)
+    assert bq.largest_spike([3.0, 2.0, 1.0]) == 0.0
+    assert bq.largest_spike([3.0, float("nan")]) == float("inf")
+
+
+def write_stability_run(top, folder, name, train, vals, console):
+    d = os.path.join(top, folder, name)
+    os.makedirs(d)
+    with open(os.path.join(d, "log.jsonl"), "w") as f:
+        for it, loss in enumerate(train):
+            f.write(json.dumps({"iter": it, "train_loss": loss, "lr": 2e-3 * min(1, (it + 1) / 3)}) + "\n")
+        for it, v in vals:
+            f.write(json.dumps({"iter": it, "val_loss": v}) + "\n")
+    with open(os.path.join(d, "train.out"), "w") as f:
+        f.write(console)
+    return d
+
+
+def test_stability_table_has_a_line_per_run(tmp_path):
+    top = str(tmp_path)
+    write_stability_run(top, "stability-lr0.002", "additive-s1", [9.0, 7.0, 8.5, 6.0], [(0, 9.5), (4, 6.1)],
+                        "done: 4 iterations\n")  # fmt: skip
+    d = write_stability_run(
+        top, "stability-lr0.002", "deltaformer-softmax-beta2-s3", [9.0, 6.0, 9.9], [(0, 9.4)],
+        "train.py: error: iteration 3: train loss nan, gradient norm nan: stopping before the update.\n",
+    )  # fmt: skip
+    with open(os.path.join(d, "probe.jsonl"), "w") as f:
+        rec = dict(finite=True, v_finite=True, beta_mean=1.2, beta_max=1.9, beta_over_1=0.6)
+        f.write(json.dumps({**rec, "iter": 0, "layer": 1, "u_over_v": 3.0, "kappa_prev_mean": 0.4}) + "\n")
+        f.write(json.dumps({**rec, "iter": 2, "layer": 0, "u_over_v": 40.0, "kappa_prev_mean": 0.5}) + "\n")
+        f.write(json.dumps({**rec, "iter": 3, "layer": 5, "u_over_v": 1.0, "finite": False}) + "\n")
+    text = bq.table([top])
+    assert "**stability-lr0.002** (480 iterations, peak lr 0.002): 1 of 2 runs finished, 1 stopped" in text
+    lines = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert lines["additive"] == "| additive | 1 | finished | 1.500 | 6.1000 |  |"  # 8.5 over 7.0
+    beta2 = lines["deltaformer-softmax-beta2"]
+    assert "| 3 | stopped at iter 3 (non-finite loss) | 3.900 | 9.4000 |" in beta2
+    assert "u/v 40 (iter 2, layer 0, beta mean 1.20 max 1.90, kappa(i-1) 0.50)" in text
+    assert "first non-finite u: iter 3 layer 5 (v finite: True)" in text
+    assert "|u|" not in text  # no bare pipes inside a cell
+
+
+def test_run_args_lr_and_probe():
+    cmd = bq.run_args("stability", "deltaformer-softmax", 1, "o", lr=2e-3, probe=8)
+    assert cmd[1:4] == [os.path.abspath(bq.__file__), "--probe-run", "8"] and cmd[4] == "--"
+    assert "--learning_rate=0.002" in cmd and "--min_lr=0.0002" in cmd
+    assert bq.run_args("stability", "additive", 1, "o", probe=8)[1].endswith("train.py")  # nothing to watch
+
+
+def test_launch_all_gives_each_run_its_own_compile_cache(tmp_path):
+    code = "import os; print(os.environ['TORCHINDUCTOR_CACHE_DIR'], os.environ['TRITON_CACHE_DIR'])"
+    jobs = [([sys.executable, "-c", code], str(tmp_path / f"run{i}")) for i in range(3)]
+    bq.launch_all(jobs, 3)
+    caches = [open(tmp_path / f"run{i}" / "train.out").read().split() for i in range(3)]
+    assert len({c[0] for c in caches}) == 3 and all(c[1].startswith(c[0]) for c in caches)
+    assert not any(os.path.exists(c[0]) for c in caches)  # removed when the run ends
+
+
+def test_probe_records_stage1_of_a_training_run(tmp_path):
+    """A tiny CPU training run under --probe: a record per Deltaformer layer at iterations 0 and 2, with
+    beta inside (0, beta_max) and softmax kappa's weight on the previous token; additive rows run plain."""
+    from data.shards import write_shard
+
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for split, i in (("val", 0), ("train", 1)):
+        tokens = rng.integers(0, 50257, 4000).astype(np.uint16)
+        write_shard(str(data / f"fineweb_edu_{split}_{i:06d}.bin"), tokens)
+    out = str(tmp_path / "run")
+    tiny = ["n_layer=2", "n_embd=64", "n_head=2", "head_dim=32", "block_size=32", "batch_size=2",
+            "max_iters=4", "warmup_iters=1", "lr_decay_iters=4", "eval_interval=4", "eval_iters=1",
+            "compile=False", "device=cpu"]  # fmt: skip
+    cmd = bq.run_args("stability", "deltaformer-softmax-beta2", 1, out, str(data), extra=tiny, probe=2)
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=bq.REPO)
+    assert run.returncode == 0, run.stdout + run.stderr
+    recs = [json.loads(line) for line in open(os.path.join(out, "probe.jsonl"))]
+    assert [(r["iter"], r["layer"]) for r in recs] == [(0, 0), (0, 1), (2, 0), (2, 1)]
+    for r in recs:
+        assert r["finite"] and r["v_finite"] and 0 < r["beta_mean"] <= r["beta_max"] < 2.0
+        assert 0 < r["kappa_prev_mean"] <= 1 and r["u_over_v"] > 0

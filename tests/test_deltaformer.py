@@ -3,6 +3,7 @@ per-token reference (naive.py): values and gradients of every input."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels.deltaformer import (
     KERNELS,
@@ -707,9 +708,12 @@ def unnormalised_u(k, v, w, beta, kernel, scale):
 def model_at_init(kernel, w, backend, device):
     from model import GPT, GPTConfig
 
+    # beta up to 2, the state tracking config's (not the default 1): the widest range the unit vectors of
+    # relu / linear kappa must keep finite
     cfg = GPTConfig(
         n_layer=2, n_head=2, n_embd=128, head_dim=64, block_size=1024, vocab_size=256,
         attention="deltaformer", deltaformer_kernel=kernel, deltaformer_w=w, backend=backend,
+        deltaformer_beta_max=2.0,
     )  # fmt: skip
     torch.manual_seed(0)
     return GPT(cfg).to(device)
@@ -799,3 +803,115 @@ def test_model_at_init_length_1024_finite_gpu(kernel, w, request):
         m = model_at_init(kernel, w, backend, "cuda")
         losses[backend] = loss_and_grads_finite(m, idx, targets, "cuda", autocast=True)
     assert abs(losses["triton"] - losses["torch"]) < 1e-2, losses
+
+
+# ---------------------------------------------------------------------------------------------------
+# Boundedness at the model's default beta_max (README, "Why the default is bounded"): keys that make softmax
+# kappa weigh the previous token (a slow random walk on the sphere, scaled up: the worst case for stage 1,
+# u_i ~ v_i - beta u_{i-1}), beta at the supremum of beta_max sigmoid(.) for every token.
+
+
+def previous_token_keys(T, D, dtype=torch.float64, seed=0):
+    """k [1, 1, T, D]: k_i a slow random walk on the sphere of radius 7 sqrt(D), rounded to dtype, so that
+    softmax kappa (w = k, scale 1/sqrt(D)) puts > 0.9 of each row on token i-1."""
+    g = torch.Generator().manual_seed(seed)
+    steps = torch.randn(T, D, generator=g, dtype=torch.float64) * 0.55 / D**0.5
+    k = torch.empty(T, D, dtype=torch.float64)
+    k[0] = F.normalize(torch.randn(D, generator=g, dtype=torch.float64), dim=0)
+    for i in range(1, T):
+        k[i] = F.normalize(k[i - 1] + steps[i], dim=0)
+    return (7 * D**0.5 * k).to(dtype)[None, None]
+
+
+def softmax_kappa_on_previous(k):
+    """min over rows i >= 1 of softmax kappa's weight on token i-1 (w = k, scale 1/sqrt(D)), in float64."""
+    k = k.double()[0, 0]
+    T, D = k.shape
+    scores = (k @ k.T) / D**0.5
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(), float("-inf"))
+    kappa = torch.softmax(scores[1:], dim=-1)
+    return kappa[torch.arange(T - 1), torch.arange(T - 1)].min().item()
+
+
+def default_beta_max():
+    from model import GPTConfig
+
+    return GPTConfig().deltaformer_beta_max
+
+
+def bounded_inputs(T, D, dtype, seed=0):
+    """(q, k, v, w = k, beta = the default beta_max everywhere), with v's signs alternating along the
+    sequence on top of noise (what u_i ~ v_i - u_{i-1} accumulates most)."""
+    k = previous_token_keys(T, D, dtype, seed)
+    assert softmax_kappa_on_previous(k) > 0.9
+    g = torch.Generator().manual_seed(seed + 1)
+    signs = (-1.0) ** torch.arange(T, dtype=torch.float64)[:, None]
+    v = (signs + 0.3 * torch.randn(T, D, generator=g, dtype=torch.float64)).to(dtype)[None, None]
+    q = torch.randn(1, 1, T, D, generator=g, dtype=torch.float64).to(dtype)
+    beta = torch.full((1, 1, T), default_beta_max(), dtype=torch.float64).to(dtype)
+    return q, k, v, k, beta
+
+
+def assert_linear_growth(o, v):
+    """o finite and max |o_{<t}| <= t max |v| at every prefix length t (the README's bound)."""
+    o, v = o.double().cpu()[0, 0], v.double().cpu()[0, 0]
+    assert torch.isfinite(o).all(), "non-finite output"
+    t = torch.arange(1, o.shape[0] + 1, dtype=torch.float64)
+    grown = o.abs().amax(dim=-1).cummax(0).values / (v.abs().amax() * t)
+    assert grown.max() <= 1.0, f"max |o| / (t max |v|) = {grown.max():.3g} at t = {grown.argmax() + 1}"
+    return o.abs().max().item() / v.abs().max().item()
+
+
+def test_default_beta_bounded_on_previous_token_keys_float64():
+    # T = 1024 in float64 on the PyTorch path (the model's CPU path); the float64 loop agrees with it on a
+    # prefix. At beta_max 2 the same keys grow u like 1.9^T: it overflows float64 (NaN) before T = 1024
+    q, k, v, w, beta = bounded_inputs(1024, 64, torch.float64)
+    o = deltaformer_attention(q, k, v, w, beta, kernel="softmax", backend="torch")
+    growth = assert_linear_growth(o, v)
+    ref = deltaformer_reference(*(x[:, :, :128] for x in (q, k, v, w, beta)))
+    assert rel_err(o[:, :, :128], ref) < 1e-12
+    print(f"softmax kappa, beta_max {default_beta_max()}: max |o| / max |v| = {growth:.2f}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_beta_bounded_on_previous_token_keys_triton(dtype, request):
+    # the same on the Triton path: T = 1024 on a GPU, T = 512 through the interpreter (GPU-like dots for bf16)
+    from kernels.deltaformer import deltaformer_u_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and dtype == torch.bfloat16:
+        request.getfixturevalue("gpu_like_bf16_interpreter")
+    T = 1024 if device == "cuda" else 512
+    q, k, v, w, beta = (x.to(device) for x in bounded_inputs(T, 64, dtype))
+    u = deltaformer_u_triton(k, v, w, beta, kernel="softmax", chunk=64)
+    o = F.scaled_dot_product_attention(q, k, u, is_causal=True)
+    assert_linear_growth(o, v)
+    u_ref = deltaformer_u_torch(*(x.double() for x in (k, v, w, beta)), kernel="softmax")
+    # u reaches ~1000 |v| here; fp32 on a GPU at T = 1024 within test_triton_gpu_reflection_regime's 1e-4
+    assert rel_err(u, u_ref) < ({"cpu": 1e-5, "cuda": 1e-4}[device] if dtype == torch.float32 else 1e-2)
+
+
+def test_linear_kappa_w_is_k_bounded_up_to_beta_2():
+    # DeltaNet's bound (README): |u_i|_2 <= |v_i|_2 + beta sum_{j<i} |v_j|_2 for beta <= 2, on the same keys
+    _, k, v, _, _ = bounded_inputs(1024, 64, torch.float64)
+    beta = torch.full((1, 1, 1024), 2.0, dtype=torch.float64)
+    u = deltaformer_u_torch(k, v, k, beta, kernel="linear")
+    norms = v[0, 0].norm(dim=-1)
+    bound = norms + 2.0 * (norms.cumsum(0) - norms)
+    assert (u[0, 0].norm(dim=-1) <= bound * (1 + 1e-12)).all()
+
+
+def test_softmax_kappa_beta_2_and_relu_kappa_grow_geometrically():
+    # the named options the README says are not bounded: softmax kappa with beta_max 2 on the keys above,
+    # and relu kappa at the default beta_max on keys rotating slowly in a plane (relu rows sum to ~5 here)
+    _, k, v, w, _ = bounded_inputs(256, 64, torch.float64)
+    u = deltaformer_u_torch(k, v, w, torch.full((1, 1, 256), 2.0, dtype=torch.float64), kernel="softmax")
+    assert not torch.isfinite(u).all() or u.abs().max() > 1e50 * v.abs().max()
+    T = 1024
+    angle = 0.3 * torch.arange(T, dtype=torch.float64)
+    k = torch.zeros(1, 1, T, 64, dtype=torch.float64)
+    k[0, 0, :, 0], k[0, 0, :, 1] = angle.cos(), angle.sin()
+    v = torch.randn(1, 1, T, 64, dtype=torch.float64)
+    beta = torch.full((1, 1, T), default_beta_max(), dtype=torch.float64)
+    u = deltaformer_u_torch(k, v, k, beta, kernel="relu")
+    assert u.abs().max() > T * v.abs().max()

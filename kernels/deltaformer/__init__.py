@@ -10,6 +10,10 @@ kappa is the first-stage kernel: "softmax" = softmax over j<i of s w_i.k_j; "rel
 In matrix form stage 1 is a unit lower-triangular solve, U = (I + diag(beta) A)^-1 V with
 A_ij = kappa(w_i, k_j) for j < i and 0 elsewhere. Stage 2 always takes q and k as given, with scale s.
 
+Bounds (the model's beta_max, README): softmax kappa's rows are >= 0 and sum to 1, so for beta <= 1,
+max_{j<=i} |u_j|_inf <= |v_i|_inf + max_{j<i} |u_j|_inf: |u| <= T max|v|, for any keys. For beta in (1, 2]
+keys that make kappa weigh the previous token give u_i ~ v_i - beta u_{i-1}, which grows like beta^T.
+
 Why relu and linear are normalised: with S_i = sum_{j<=i} u_j k^_j^T, u_i = v_i - beta_i S_{i-1} w^_i and
 S_i = S_{i-1} (I - beta_i w^_i k^_i^T) + v_i k^_i^T. For linear kappa and w = k this is DeltaNet; its
 transition I - beta k^ k^^T has eigenvalues 1 and 1 - beta: norm <= 1 for beta in [0, 2], so
