@@ -14,12 +14,11 @@ bf16 matrix rate, and the minimal bytes (inputs read once, outputs written once)
 work, which at these sizes can exceed it. Prints the command, GPU and versions first; --json
 writes every number.
 
---variants / --graph-variants time our kernel's options (VARIANTS: deltaformer_u_triton's
-keyword arguments).
+--variants (softmax) and --graph-variants (those kernels, nothing else) time our kernel's options
+(VARIANTS: deltaformer_u_triton's keyword arguments) at --variant-shapes by CUDA graph replay.
 """
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -29,8 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from common import atomic_write, versions  # noqa: E402  (bench/common.py, this script's folder)
-from triton.testing import do_bench  # noqa: E402
+from common import command, graph_ms, markdown, median_ms, versions, write_json  # noqa: E402
 
 from kernels.deltaformer import deltaformer_u_triton  # noqa: E402
 
@@ -39,15 +37,11 @@ SHAPES = [(8, 12, 1024, 64), (8, 6, 1024, 128), (4, 12, 2048, 64), (2, 12, 4096,
 
 def measure_ceilings():
     """bf16 matmul TFLOP/s on random data and device-to-device copy GB/s (read + write)."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = do_bench(lambda: a @ b, return_mode="median")
-    tflops = 2 * 8192**3 / ms / 1e9
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    tflops = 2 * 8192**3 / median_ms(lambda: a @ b) / 1e9
     x = torch.empty(2 << 30, device="cuda", dtype=torch.uint8)
     y = torch.empty_like(x)
-    ms = do_bench(lambda: y.copy_(x), return_mode="median")
-    gbs = 2 * x.numel() / ms / 1e6
-    return tflops, gbs
+    return tflops, 2 * x.numel() / median_ms(lambda: y.copy_(x)) / 1e6
 
 
 def make(B, H, T, D, kernel="softmax", dtype=torch.bfloat16, seed=0):
@@ -63,19 +57,25 @@ def make(B, H, T, D, kernel="softmax", dtype=torch.bfloat16, seed=0):
 
 
 def time_fn(fn, inputs, backward):
+    """Median ms of the forward alone (no grad) or of the forward + backward of every input (do_bench resets
+    their .grad between calls, outside the timed span)."""
+    return median_ms(call(fn, inputs, backward), grad_to_none=list(inputs))
+
+
+def call(fn, inputs, backward, reset=False):
+    """One call of fn on inputs: the forward under no_grad, or forward + backward (reset: the inputs' .grad
+    set to None first, as do_bench's grad_to_none does, else every call adds one more kernel per input)."""
     grad_out = torch.randn_like(fn(*inputs))
-    if not backward:
 
-        def run():
+    def run():
+        if not backward:
             with torch.no_grad():
-                fn(*inputs)
+                return fn(*inputs)
+        for x in inputs if reset else ():
+            x.grad = None
+        fn(*inputs).backward(grad_out)
 
-    else:
-
-        def run():
-            fn(*inputs).backward(grad_out)
-
-    return do_bench(run, warmup=25, rep=100, grad_to_none=list(inputs), return_mode="median")
+    return run
 
 
 def sdpa(q, k, v, w, beta):
@@ -92,62 +92,21 @@ def ours(kernel, **opts):
 
 # Our kernel's variants, each against the default in the same run: (name, keyword arguments of
 # deltaformer_u_triton), for --variants / --graph-variants (times, and u / gradient differences to the
-# default) and --kernel-profile (kernel-by-kernel times). Few on purpose: every variant compiles its
-# kernels anew (~2 s each).
-VARIANTS = [
-    ("default", {}),
-    ("lowp=False", {"lowp": False}),
-    ("chunk=32", {"chunk": 32}),
-]
-
-
-def fn_bwd(fn, inputs, grad_out):
-    """One forward+backward with the inputs' .grad reset first, as do_bench's grad_to_none does (else every
-    call after the first adds its gradients to the old ones: one more elementwise kernel per input)."""
-    for x in inputs:
-        x.grad = None
-    fn(*inputs).backward(grad_out)
+# default). Few on purpose: every variant compiles its kernels anew (~2 s each).
+VARIANTS = [("default", {}), ("lowp=False", {"lowp": False}), ("chunk=32", {"chunk": 32})]
 
 
 def graph_time(fn, inputs, backward=True):
-    """Median ms of a CUDA graph's replay of one forward(+backward): the GPU's time for the same kernels
-    without the host's launch gaps (what a compiled, GPU-bound training step sees). NaN if capture fails."""
-    grad_out = torch.randn_like(fn(*inputs))
-
-    def run():
-        if backward:
-            fn_bwd(fn, inputs, grad_out)
-        else:
-            with torch.no_grad():
-                fn(*inputs)
-
-    try:  # warm-up on a side stream, then capture, as in PyTorch's whole-network capture example
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        ms = do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
-    except Exception as e:  # noqa: BLE001
-        print(f"CUDA graph failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        ms = math.nan
+    """Median ms of a CUDA graph's replay of one forward(+backward): the GPU's time alone."""
+    ms = graph_ms(call(fn, inputs, backward, reset=True))
     for x in inputs:
         x.grad = None
     return ms
 
 
-def selected(names):
-    """The VARIANTS entries named in `names` (all if empty)."""
-    return [entry for entry in VARIANTS if not names or entry[0] in names]
-
-
-def graph_variants(shapes, kernels, results, variants):
-    """The f+b time of each variant as a CUDA graph's replay (GPU time alone, a few seconds per variant, where
-    the profiler takes ~45 s), and its u and gradients against the default's (relative norms)."""
+def graph_variants(shapes, kernels, results):
+    """The f+b time of each variant as a CUDA graph's replay (GPU time alone, a few seconds per variant), and
+    its u and gradients against the default's (relative norms)."""
     for shape in shapes:
         for kernel in kernels:
             inputs = make(*shape, kernel=kernel)
@@ -155,9 +114,9 @@ def graph_variants(shapes, kernels, results, variants):
             u0, g0 = u_and_grads(inputs, kernel, {}, grad_u)
             sd = graph_time(sdpa, inputs)
             print(f"\n{kernel} at {shape}: f+b ms (CUDA graph replay; SDPA alone: {sd:.3f})")
-            print("| variant | fwd graph | f+b graph | f+b do_bench | u-diff | grad-diff | wall s |")
-            print("|---" * 7 + "|")
-            for name, opts in selected(variants):
+            head = ["variant", "fwd graph", "f+b graph", "f+b do_bench", "u-diff", "grad-diff", "wall s"]
+            print("\n".join(markdown(head, [])), flush=True)
+            for name, opts in VARIANTS:
                 t0 = time.perf_counter()
                 try:
                     u, g = u_and_grads(inputs, kernel, opts, grad_u)
@@ -172,8 +131,7 @@ def graph_variants(shapes, kernels, results, variants):
                 except Exception as e:  # noqa: BLE001  (a variant that fails must not end the run)
                     print(f"variant {kernel} {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     continue
-                key = f"{','.join(map(str, shape))} {kernel} {name}"
-                results.setdefault("graph_variants", {})[key] = row
+                results.setdefault("graph_variants", {})[f"{','.join(map(str, shape))} {kernel} {name}"] = row
                 print(f"| {name} | " + " | ".join(f"{v:.4g}" for v in row.values()) + " |", flush=True)
 
 
@@ -205,108 +163,73 @@ def fla_fn():
     return fn
 
 
-def write_json(path, results):
-    if path:
-        atomic_write(path, json.dumps(results, indent=1))
+def measure_shape(B, H, T, D, fla, tflops, gbs):
+    """fwd and f+b medians of SDPA, FLA, ours (softmax, relu), f+b graph replays, and our floors, ms."""
+    res = {}
+    fns = {"sdpa": sdpa, "fla": fla, "softmax": ours("softmax"), "relu": ours("relu")}
+    for name, fn in fns.items():
+        if fn is None:
+            continue
+        inputs = make(B, H, T, D, kernel="relu" if name == "relu" else "softmax")
+        for mode in ("fwd", "f+b"):
+            res[f"{name} {mode}"] = time_fn(fn, inputs, backward=mode == "f+b")
+        if name != "fla":  # FLA's Python loop over chunks: its host time is its cost
+            res[f"{name} f+b graph"] = graph_time(fn, inputs)
+    print(f"{B},{H},{T},{D}: " + ", ".join(f"{k} {v:.3f}" for k, v in res.items()), flush=True)
+    bh, n = B * H, B * H * T * D
+    bytes_fwd = 2 * (5 * n + bh * T)  # read q k v w beta, write o (bf16)
+    bytes_fb = bytes_fwd + 2 * (6 * n + bh * T)  # + read do, write dq dk dv dw dbeta
+    res["floor fwd"] = max(4 * T * T * D * bh / tflops / 1e9, bytes_fwd / gbs / 1e6)
+    res["floor f+b"] = max(12 * T * T * D * bh / tflops / 1e9, bytes_fb / gbs / 1e6)
+    return res
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", action="store_true", help="after the table: every VARIANTS entry, timed")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", action="store_true", help="after the tables: every VARIANTS entry, timed")
+    ap.add_argument("--graph-variants", default="", help="kernels (comma-sep.): only their VARIANTS, timed")
     ap.add_argument("--variant-shapes", default="0,2", help="indices into SHAPES for the variants")
-    ap.add_argument("--variant-kernels", default="softmax", help="kernels for --variants, comma-separated")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--json", default="", help="write all numbers to this file")
-    ap.add_argument("--profile-variants", default="", help="names from VARIANTS for --graph-variants (all)")
-    ap.add_argument(
-        "--graph-variants",
-        default="",
-        help="kernels (comma-sep.): VARIANTS (--profile-variants) timed by CUDA graph replay at "
-        "--variant-shapes, then exit",
-    )
     args = ap.parse_args()
+    save = lambda: args.json and write_json(args.json, results)
 
-    print("Command: `python " + " ".join(sys.argv) + "`")
-    print(versions())
+    print(f"Command: `{command(__file__)}`", versions(), sep="\n")
     tflops, gbs = measure_ceilings()
     print(f"measured ceilings: bf16 matmul {tflops:.0f} TFLOP/s, device copy {gbs:.0f} GB/s")
-    fla = None if args.no_fla else fla_fn()
-    rows, results = [], {"tflops": tflops, "gbs": gbs, "shapes": {}}
+    results = {"tflops": tflops, "gbs": gbs, "shapes": {}}
     variant_shapes = [SHAPES[int(i)] for i in args.variant_shapes.split(",")]
     if args.graph_variants:
-        variants = [v for v in args.profile_variants.split(",") if v]
-        graph_variants(variant_shapes, args.graph_variants.split(","), results, variants)
-        write_json(args.json, results)
-        return
-    for B, H, T, D in SHAPES:
-        res = {}
-        fns = {"sdpa": sdpa, "fla": fla, "softmax": ours("softmax"), "relu": ours("relu")}
-        for name, fn in fns.items():
-            if fn is None:
-                continue
-            inputs = make(B, H, T, D, kernel="relu" if name == "relu" else "softmax")
-            for mode in ("fwd", "f+b"):
-                res[f"{name} {mode}"] = time_fn(fn, inputs, backward=mode == "f+b")
-            if name != "fla":  # FLA's Python loop over chunks: its host time is its cost
-                res[f"{name} f+b graph"] = graph_time(fn, inputs)
-        print(f"{B},{H},{T},{D}: " + ", ".join(f"{k} {v:.3f}" for k, v in res.items()), flush=True)
-        bh = B * H
-        flop_fwd, flop_fb = 4 * T * T * D * bh, 12 * T * T * D * bh
-        n = bh * T * D
-        bytes_fwd = 2 * (5 * n + bh * T)  # read q k v w beta, write o (bf16)
-        bytes_fb = bytes_fwd + 2 * (6 * n + bh * T)  # + read do, write dq dk dv dw dbeta
-        floor_fwd = max(flop_fwd / tflops / 1e9, bytes_fwd / gbs / 1e6)
-        floor_fb = max(flop_fb / tflops / 1e9, bytes_fb / gbs / 1e6)
-        res.update({"floor fwd": floor_fwd, "floor f+b": floor_fb})
-        results["shapes"][f"{B},{H},{T},{D}"] = res
-        rows.append(((B, H, T, D), res))
-        write_json(args.json, results)  # after every shape: a run cut short keeps what it measured
-
-    write_json(args.json, results)
+        graph_variants(variant_shapes, args.graph_variants.split(","), results)
+        return save()
+    fla = None if args.no_fla else fla_fn()
+    for shape in SHAPES:
+        results["shapes"][",".join(map(str, shape))] = measure_shape(*shape, fla, tflops, gbs)
+        save()  # after every shape: a run cut short keeps what it measured
 
     print("\nmedians in ms, bf16; ours/SDPA = time ratio; FLA/ours = speed-up over FLA 0.6.0")
-    cols = [
-        "sdpa fwd",
-        "sdpa f+b",
-        "fla fwd",
-        "fla f+b",
-        "softmax fwd",
-        "softmax f+b",
-        "relu fwd",
-        "relu f+b",
-    ]
-    head = cols + [
-        "softmax/SDPA f+b",
-        "relu/SDPA f+b",
-        "FLA/softmax f+b",
-        "FLA/relu f+b",
-        "floor fwd",
-        "floor f+b",
-    ]
-    print("| B,H,T,D | " + " | ".join(head) + " |")
-    print("|---" * (len(head) + 1) + "|")
-    for shape, r in rows:
-        vals = [r.get(c, math.nan) for c in cols]
+    cols = [f"{n} {m}" for n in ("sdpa", "fla", "softmax", "relu") for m in ("fwd", "f+b")]
+    head = ["B,H,T,D", *cols, "softmax/SDPA f+b", "relu/SDPA f+b", "FLA/softmax f+b", "FLA/relu f+b"]
+    rows, graph_rows = [], []
+    for shape, r in results["shapes"].items():
         sd, fl, so, re_ = (r.get(c, math.nan) for c in ("sdpa f+b", "fla f+b", "softmax f+b", "relu f+b"))
-        ratios = [so / sd, re_ / sd, fl / so, fl / re_]
-        cells = [f"{x:.3f}" for x in vals] + [f"{x:.2f}x" for x in ratios]
-        cells += [f"{r['floor fwd']:.3f}", f"{r['floor f+b']:.3f}"]
-        print(f"| {','.join(map(str, shape))} | " + " | ".join(cells) + " |")
-
+        cells = [f"{r.get(c, math.nan):.3f}" for c in cols] + [
+            f"{x:.2f}x" for x in (so / sd, re_ / sd, fl / so, fl / re_)
+        ]
+        rows.append([shape, *cells, f"{r['floor fwd']:.3f}", f"{r['floor f+b']:.3f}"])
+        sd, so, re_ = (r.get(f"{n} f+b graph", math.nan) for n in ("sdpa", "softmax", "relu"))
+        graph_rows.append(
+            [shape] + [f"{x:.3f}" for x in (sd, so, re_)] + [f"{so / sd:.2f}x", f"{re_ / sd:.2f}x"]
+        )
+    print("\n".join(markdown(head + ["floor fwd", "floor f+b"], rows)))
     # the same f+b as CUDA graph replays: the GPU's time alone. At these sizes the host's launch work
     # (~1.3 ms per f+b for ours, 0.25 for SDPA) can exceed it, and do_bench then times the host.
     print("\nf+b as CUDA graph replays (GPU time), ms, and the ratios to SDPA's replay")
-    cols = ["sdpa f+b graph", "softmax f+b graph", "relu f+b graph"]
-    print("| B,H,T,D | " + " | ".join(cols) + " | softmax/SDPA | relu/SDPA |\n|---|---|---|---|---|---|")
-    for shape, r in rows:
-        sd, so, re_ = (r.get(c, math.nan) for c in cols)
-        cells = [f"{x:.3f}" for x in (sd, so, re_)] + [f"{so / sd:.2f}x", f"{re_ / sd:.2f}x"]
-        print(f"| {','.join(map(str, shape))} | " + " | ".join(cells) + " |")
-
-    # last, so that a run cut short still has the main table and the profile
-    if args.variants:
-        graph_variants(variant_shapes, args.variant_kernels.split(","), results, [])
-        write_json(args.json, results)
+    head = ["B,H,T,D", "sdpa f+b graph", "softmax f+b graph", "relu f+b graph", "softmax/SDPA", "relu/SDPA"]
+    print("\n".join(markdown(head, graph_rows)))
+    if args.variants:  # last, so that a run cut short still has the tables
+        graph_variants(variant_shapes, ["softmax"], results)
+        save()
 
 
 if __name__ == "__main__":
