@@ -7,24 +7,25 @@ beside them (fp32).
     python bench/bench_ddl.py --quick         # Triton, fp32 only
     python bench/bench_ddl.py --sweeps        # only the update kernels' launch shapes (LAUNCH)
 
-N = --tokens tokens (as [N / 1024, 1024]); times are medians of triton.testing.do_bench. Bytes are the
+N = 32,768 tokens (as [32, 1024]); times are medians of triton.testing.do_bench. Bytes are the
 minimal passes over the state (S = N d d_v elements) and the [N, d] vectors (V): e.g. the update's forward
 reads x and writes x' (2 S + V), its forward + backward also reads dL/dx' and x again and writes dx
-(5 S + 3 V). Forward + backward uses autograd.grad (no accumulation into .grad). The launch-shape rows
-run with entries of the launch table (kernels/ddl/triton.py LAUNCH) replaced (`launch_shapes`). Prints
-the command, GPU and versions, then one line per case; --out also writes bench_ddl.json.
+(5 S + 3 V). Forward + backward uses autograd.grad (no accumulation into .grad). The --sweeps rows run
+with entries of the launch table (kernels/ddl/triton.py LAUNCH) replaced (`launch_shapes`). Prints the
+command, GPU and versions, then one line per case; --out also writes bench_ddl.json.
 """
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from common import atomic_write, versions  # noqa: E402  (bench/common.py, this script's folder)
+from common import command, median_ms, versions, write_json  # noqa: E402  (bench/common.py)
+
+N, D = 32768, 768  # tokens (as [N / 1024, 1024]), width
 
 
 @contextlib.contextmanager
@@ -41,46 +42,54 @@ def launch_shapes(**entries):
         LAUNCH.update(saved)
 
 
+class Cases:
+    """Times each case (median_ms after one call that compiles it), prints its line and keeps its row; a case
+    that fails prints why and the run goes on."""
+
+    def __init__(self):
+        self.rows = []
+
+    def __call__(self, name, fn, nbytes):
+        try:
+            fn()
+            ms = median_ms(fn)
+        except Exception as e:  # noqa: BLE001
+            print(f"{name} FAILED: {type(e).__name__}: {e}"[:300], flush=True)
+            return
+        print(
+            f"{name:60s} {ms * 1e3:9.1f} us  {nbytes / 1e9:7.3f} GB  {nbytes / ms / 1e6:7.0f} GB/s",
+            flush=True,
+        )
+        self.rows.append(dict(name=name, us=ms * 1e3, GB=nbytes / 1e9, GBps=nbytes / ms / 1e6))
+
+
 def bench_kernels(args):
-    from triton.testing import do_bench
-
-    out = []
-
-    def report(name, ms, nbytes):
-        line = f"{name:60s} {ms * 1e3:9.1f} us  {nbytes / 1e9:7.3f} GB  {nbytes / ms / 1e6:7.0f} GB/s"
-        print(line, flush=True)
-        out.append(dict(name=name, us=ms * 1e3, GB=nbytes / 1e9, GBps=nbytes / ms / 1e6))
-
+    case = Cases()
     bufs = [torch.randint(0, 255, (2**30,), dtype=torch.uint8, device="cuda"), None]
     bufs[1] = torch.empty_like(bufs[0])
-    ms = do_bench(lambda: bufs[1].copy_(bufs[0]), return_mode="median")
-    report("copy 1 GiB (read + write)", ms, 2 * 2**30)
+    case("copy 1 GiB (read + write)", lambda: bufs[1].copy_(bufs[0]), 2 * 2**30)
     bufs.clear()
     if args.sweeps:  # only these
-        bench_kernel_sweeps(args, do_bench, report)
-        return out
+        for dtype in (torch.bfloat16, torch.float32):
+            for dv in (4, 1):
+                sweep_update(case, dtype, dv)
+                torch.cuda.empty_cache()
+        return case.rows
     for dtype in (torch.float32,) if args.quick else (torch.float32, torch.bfloat16):
-        bench_kernels_dtype(args, dtype, do_bench, report)
+        bench_kernels_dtype(args, dtype, case)
         torch.cuda.empty_cache()
-    bench_kernels_dv1(args, do_bench, report)
-    return out
+    bench_kernels_dv1(args, case)
+    return case.rows
 
 
-def bench_kernel_sweeps(args, do_bench, report):
-    """Launch choices of the update kernels, bf16 and fp32 state, N tokens, d 768, forward + backward
-    (autograd.grad: no accumulation into .grad). Each line names the LAUNCH entry it sets; the shipped
-    one is marked. Bytes: the minimal passes (update: 5 S + 3 V; fused CC: 5 S + 5 V; S a state pass)."""
-    for dtype in (torch.bfloat16, torch.float32):
-        for dv in (4, 1):
-            sweep_update(args, do_bench, report, dtype, dv)
-            torch.cuda.empty_cache()
-
-
-def sweep_update(args, do_bench, report, dtype, dv):
+def sweep_update(case, dtype, dv):
+    """Launch choices of the update kernels, forward + backward (autograd.grad: no accumulation into .grad).
+    Each line names the LAUNCH entry it sets; the shipped one is marked. Bytes: the minimal passes (update:
+    5 S + 3 V; fused CC: 5 S + 5 V; S a state pass)."""
     from kernels import ddl
     from kernels.ddl.triton import LAUNCH, _cfg
 
-    N, d = args.tokens, 768
+    d = D
     # what ships for this state dtype (an entry's per-dtype shape, else its own, without the sub-entries)
     ship = {key: {n: c for n, c in _cfg(key, dtype).items() if not isinstance(c, dict)} for key in LAUNCH}
     es = torch.finfo(dtype).bits // 8
@@ -94,11 +103,7 @@ def sweep_update(args, do_bench, report, dtype, dv):
     S, V = N * d * dv * es, N * d * es
 
     def timed(name, fn, nbytes):
-        try:
-            fn()
-            report(f"{name} [{tag}]", do_bench(fn, return_mode="median"), nbytes)
-        except Exception as e:
-            print(f"{name} [{tag}] FAILED: {type(e).__name__}: {e}"[:300], flush=True)
+        case(f"{name} [{tag}]", fn, nbytes)
 
     def upd(update=ddl.ddl_update):
         return torch.autograd.grad(update(x, k, v, beta, backend="triton"), (x, k, v, beta), gx)
@@ -192,37 +197,31 @@ def sweep_update(args, do_bench, report, dtype, dv):
             timed(f"update+tc f+b chan_bwd={cfg}{mark}", fused_tc, 6 * S + 6 * V)
 
 
-def bench_kernels_dv1(args, do_bench, report):
+def bench_kernels_dv1(args, case):
     """Scalar DDL (d_v = 1): the state is one d-vector per token, like the additive stream."""
     from kernels import ddl
 
-    N, d = args.tokens, 768
-    x = torch.randn(N // 1024, 1024, d, 1, device="cuda", requires_grad=True)
-    k = torch.randn(N // 1024, 1024, d, device="cuda", requires_grad=True)
+    x = torch.randn(N // 1024, 1024, D, 1, device="cuda", requires_grad=True)
+    k = torch.randn(N // 1024, 1024, D, device="cuda", requires_grad=True)
     v = torch.randn(N // 1024, 1024, 1, device="cuda", requires_grad=True)
     beta = torch.rand(N // 1024, 1024, device="cuda", requires_grad=True)
     gx = torch.randn_like(x)
-    S = N * d * 4
+    S = N * D * 4
     upd_c = torch.compile(ddl.ddl_update_ref)
     cases = [("triton", lambda: ddl.ddl_update(x, k, v, beta, backend="triton"))]
     if not args.quick:
         cases.append(("torch.compile(ref)", lambda: upd_c(x, k, v, beta)))
     for name, fn in cases:
-        fn()
-        report(f"update fwd  {name} [float32, d_v=1, N={N}]", do_bench(fn, return_mode="median"), 3 * S)
-
-        def fb(fn=fn):
-            torch.autograd.grad(fn(), (x, k, v, beta), gx)
-
-        fb()
-        report(f"update f+b  {name} [float32, d_v=1, N={N}]", do_bench(fb, return_mode="median"), 8 * S)
+        case(f"update fwd  {name} [float32, d_v=1, N={N}]", fn, 3 * S)
+        fb = lambda fn=fn: torch.autograd.grad(fn(), (x, k, v, beta), gx)
+        case(f"update f+b  {name} [float32, d_v=1, N={N}]", fb, 8 * S)
 
 
-def bench_kernels_dtype(args, dtype, do_bench, report):
+def bench_kernels_dtype(args, dtype, case):
     from kernels import ddl
 
     dev = "cuda"
-    N, d, dv, K = args.tokens, 768, 4, 4
+    d, dv, K = D, 4, 4
     B, T = N // 1024, 1024
     es = torch.finfo(dtype).bits // 8
     S = N * d * dv * es  # bytes of one pass over the state
@@ -298,51 +297,24 @@ def bench_kernels_dtype(args, dtype, do_bench, report):
     if dtype != torch.float32 or args.quick:  # torch.compile comparisons once, in fp32 (model's dtype)
         cases = [c for c in cases if "torch.compile" not in c[0]]
     for name, fn, nbytes in cases:
-        try:
-            fn()
-            torch.cuda.synchronize()
-            report(f"{name} [{tag}]", do_bench(fn, return_mode="median"), nbytes)
-        except Exception as e:
-            print(f"{name} [{tag}] FAILED: {type(e).__name__}: {e}"[:300], flush=True)
-        for t in leaves:
-            t.grad = None
-    if dtype != torch.float32 or args.quick:
-        return
-    # launch shapes of the update kernels
-    for tok, nw in ((1, 4), (1, 8), (2, 4), (4, 8)):
-        with launch_shapes(update_fwd=dict(TOKENS=tok, num_warps=nw)):
-            ms = do_bench(lambda: ddl.ddl_update(x, k, v, beta, backend="triton"), return_mode="median")
-        report(f"  cfg update_fwd TOKENS={tok} warps={nw} [{tag}]", ms, 2 * S + V)
-    f = fb(lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"), (gx, gh))
-    for tok, nw in ((8, 4), (32, 4), (64, 4), (32, 8)):
-        with launch_shapes(update_bwd=dict(TOKENS=tok, num_warps=nw)):
-            ms = do_bench(f, return_mode="median")
-        report(f"  cfg update_bwd TOKENS={tok} warps={nw} (fused f+b) [{tag}]", ms, 5 * S + 5 * V)
-    f = fb(lambda: ddl.compress_tc(x, cw, read, backend="triton"), (gh,))
-    for tok, bd, nw in ((4, 256, 4), (8, 128, 4), (16, 256, 8), (64, 256, 4)):
-        chan_fwd = dict(TOKENS=min(tok, 8), BLOCK_D=bd, num_warps=nw)
-        with launch_shapes(chan_fwd=chan_fwd, chan_bwd=dict(TOKENS=tok, BLOCK_D=bd, num_warps=nw)):
-            ms = do_bench(f, return_mode="median")
-        report(f"  cfg chan TOKENS={tok} BLOCK_D={bd} warps={nw} (tc f+b) [{tag}]", ms, 3 * S + 2 * V)
+        case(f"{name} [{tag}]", fn, nbytes)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=32768, help="N, a multiple of 1024")
-    p.add_argument("--quick", action="store_true", help="Triton only, fp32 state, no launch shapes")
+    p.add_argument("--quick", action="store_true", help="Triton only, fp32 state")
     p.add_argument("--sweeps", action="store_true", help="only the update kernels' launch shapes")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_ddl.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_ddl.py needs a CUDA GPU")
-    command = "python bench/bench_ddl.py " + " ".join(sys.argv[1:])
-    print(f"Command: `{command}`", versions(), sep="\n")
+    print(f"Command: `{command(__file__)}`", versions(), sep="\n")
     print(f"{'case':60s} {'time':>12s}  {'bytes':>10s}  {'rate':>12s}", flush=True)
     rows = bench_kernels(args)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        run = dict(command=command, versions=versions(), rows=rows)
-        atomic_write(os.path.join(args.out, "bench_ddl.json"), json.dumps(run, indent=1))
+        run = dict(command=command(__file__), versions=versions(), rows=rows)
+        write_json(os.path.join(args.out, "bench_ddl.json"), run)
 
 
 if __name__ == "__main__":
