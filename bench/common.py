@@ -131,47 +131,56 @@ def write_json(path, obj):
 # Jobs
 
 
-def run_commands(jobs, slots, deadline=0.0, on_end=lambda job: None, poll_s=1.0):
-    """Run each job (a dict: name, cmd, log: the file its output goes to; optional cwd, env: more environment)
-    as a process of its own, in order, one per entry of `slots` at a time: a GPU (its CUDA_VISIBLE_DEVICES)
-    or None (the caller's device). A job still running `deadline` s after the first start (0: none) is
-    stopped (SIGTERM, then SIGKILL after 10 s), and none starts after it. Each job gets status ('exit N',
-    'killed at the deadline', 'not started: deadline') and seconds; on_end(job) as it ends."""
+def run_commands(jobs, slots, time_limit=0.0, job_timeout=0.0, min_left=0.0, on_end=None, poll_s=1.0):
+    """Run each job (a dict: name, cmd; optional log: a file for its output, else this console's; cwd; env:
+    more environment variables) as a process of its own, in order, one per entry of `slots` at a time: a GPU
+    (the child's CUDA_VISIBLE_DEVICES, set before it can initialise CUDA) or None (the caller's device).
+    With time_limit (s from the first start; 0: none) a job starts only while min_left s of it remain, and
+    whatever runs when it is up is stopped (SIGTERM, then SIGKILL after 10 s), as is a job that has run
+    job_timeout s (0: no limit). Each job gets status ('exit N', 'killed at the deadline', 'killed after N s'
+    or 'not run: time limit'), seconds and slot; on_end(job) as it ends. Returns the jobs."""
     pending, running, t0 = list(jobs), {}, time.time()
+    on_end = on_end or (lambda job: None)
+    left = lambda: time_limit - (time.time() - t0) if time_limit else math.inf
     while pending or running:
-        late = deadline and time.time() - t0 > deadline
         for i, slot in enumerate(slots):
-            if i in running or not pending or late:
+            if i in running or not pending or left() < min_left:
                 continue
             job = pending.pop(0)
             env = dict(os.environ, **job.get("env", {}))
             if slot is not None:
                 env["CUDA_VISIBLE_DEVICES"] = str(slot)
-            with open(job["log"], "w") as log:  # the child holds its own copy of the descriptor
-                proc = subprocess.Popen(
-                    job["cmd"], stdout=log, stderr=subprocess.STDOUT, cwd=job.get("cwd"), env=env
-                )
+            log = open(job["log"], "w") if job.get("log") else None  # noqa: SIM115 (the child keeps a copy)
+            proc = subprocess.Popen(job["cmd"], stdout=log, stderr=log and subprocess.STDOUT,
+                                    cwd=job.get("cwd"), env=env)  # fmt: skip
+            if log:
+                log.close()
             running[i] = (job, proc, time.time())
+            job["slot"] = slot
             print(f"started {job['name']}" + (f" on GPU(s) {slot}" if slot is not None else ""), flush=True)
-        if late and not running:
+        if not running:  # the time limit leaves no room for another job
             for job in pending:
-                job.update(status="not started: deadline", seconds=0.0)
+                job.update(status="not run: time limit", seconds=0.0)
                 on_end(job)
-            return
+            return jobs
         time.sleep(poll_s)
-        late = deadline and time.time() - t0 > deadline
         for i, (job, proc, start) in list(running.items()):
-            killed = late and proc.poll() is None
-            if killed:
+            late = left() <= 0
+            over = job_timeout and time.time() - start > job_timeout
+            if proc.poll() is None and (late or over):
                 proc.terminate()  # torchrun passes SIGTERM on to its workers
                 try:
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-            if proc.poll() is not None:
-                del running[i]
-                status = "killed at the deadline" if killed else f"exit {proc.returncode}"
-                job.update(status=status, seconds=time.time() - start)
-                print(f"finished {job['name']}: {status} after {job['seconds']:.0f} s", flush=True)
-                on_end(job)
+                status = "killed at the deadline" if late else f"killed after {job_timeout:.0f} s"
+            elif proc.poll() is None:
+                continue
+            else:
+                status = f"exit {proc.returncode}"
+            del running[i]
+            job.update(status=status, seconds=time.time() - start)
+            print(f"finished {job['name']}: {status} after {job['seconds']:.0f} s", flush=True)
+            on_end(job)
+    return jobs

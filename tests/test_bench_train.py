@@ -1,13 +1,11 @@
-"""bench/bench_train.py: the multi-GPU job queue (run_jobs) with a fake worker, the queue and table order,
---batches parsing, and a CPU smoke run of the real worker on two fake "GPUs"."""
+"""bench/bench_train.py: the queue and table order, --batches parsing, and CPU smoke runs of the real
+worker (two fake "GPUs", the nanoGPT row, the profile). The job queue itself: tests/test_bench_common.py."""
 
 import json
 import math
-import multiprocessing as mp
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -17,107 +15,6 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import bench_train  # noqa: E402
 
 from model import GPT, GPTConfig  # noqa: E402
-
-FORK = mp.get_context("fork")  # the fake worker needs no fresh interpreter; fork starts it in ms
-
-
-def fake_worker(job, q):
-    """Logs (job, GPU it sees, start/end time) to job['log'], then does what job['do'] says."""
-    t0 = time.time()
-    gpu = os.environ.get("CUDA_VISIBLE_DEVICES")
-    with open(job["log"], "a") as f:
-        f.write(json.dumps(dict(variant=job["variant"], gpu=gpu, start=t0)) + "\n")
-    if job["do"] == "crash":
-        os._exit(3)
-    time.sleep(job["sleep"])
-    with open(job["log"], "a") as f:
-        f.write(json.dumps(dict(variant=job["variant"], gpu=gpu, end=time.time())) + "\n")
-    q.put(dict(model=job["model"], variant=job["variant"], tok_s=1.0, seen_gpu=gpu))
-
-
-def make_jobs(tmp_path, specs):
-    log = str(tmp_path / "log.jsonl")
-    return log, [dict(model="m", variant=name, do=do, sleep=s, log=log) for name, do, s in specs]
-
-
-def read_log(log):
-    with open(log) as f:
-        return [json.loads(line) for line in f]
-
-
-def test_run_jobs_two_gpus_crash_and_timeout(tmp_path, monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "parent")
-    specs = [
-        ("hang", "ok", 30.0),  # killed after job_timeout
-        ("a", "ok", 0.6),
-        ("crash", "crash", 0.0),
-        ("b", "ok", 0.6),
-        ("c", "ok", 0.6),
-        ("d", "ok", 0.6),
-    ]
-    log, jobs = make_jobs(tmp_path, specs)
-    reported = []
-    t0 = time.time()
-    rows = bench_train.run_jobs(
-        jobs, ["g0", "g1"], fake_worker, time_limit=60, job_timeout=2.5, report=reported.append, ctx=FORK,
-        poll_s=0.05,
-    )  # fmt: skip
-    wall = time.time() - t0
-    assert [r["variant"] for r in rows] == [s[0] for s in specs]  # one row per job, in the jobs' order
-    assert sorted(r["variant"] for r in reported) == sorted(s[0] for s in specs)
-    by = {r["variant"]: r for r in rows}
-    assert "killed" in by["hang"]["error"] and "tok_s" not in by["hang"]
-    assert "exited with code 3" in by["crash"]["error"]
-    for name in "abcd":
-        assert by[name]["tok_s"] == 1.0 and by[name]["seen_gpu"] == by[name]["gpu"]  # the child's GPU
-        assert by[name]["gpu"] in ("g0", "g1")
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == "parent"  # restored after each spawn
-    events = read_log(log)
-    starts = [e["variant"] for e in events if "start" in e]
-    assert sorted(starts) == sorted(s[0] for s in specs)  # every job started exactly once
-    # one job per GPU at a time: a GPU's jobs do not overlap
-    for gpu in ("g0", "g1"):
-        spans = {}
-        for e in events:
-            if e["gpu"] == gpu:
-                spans.setdefault(e["variant"], {}).update(e)
-        spans = sorted((s["start"], s.get("end", s["start"])) for s in spans.values())
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), (gpu, spans)
-    # in parallel: one GPU held the hang (2.5 s), the other ran a, crash, b, c, d meanwhile
-    assert by["hang"]["gpu"] != by["a"]["gpu"]
-    assert wall < 2.5 + 4 * 0.6, wall
-    assert {by[n]["gpu"] for n in "abcd"} == {"g0", "g1"}  # the freed GPU took jobs after the kill
-
-
-def test_run_jobs_time_limit(tmp_path):
-    """A job starts only while min_left s remain; jobs left over get 'not run' rows, and a job still
-    running when the time limit comes is killed."""
-    # g1: short (0.2 s), then x (1.5 s, started with ~2.7 s left); after x < 1.3 s are left: y not run
-    specs = [("long", "ok", 20.0), ("short", "ok", 0.2), ("x", "ok", 1.5), ("y", "ok", 0.1)]
-    log, jobs = make_jobs(tmp_path, specs)
-    t0 = time.time()
-    rows = bench_train.run_jobs(
-        jobs, ["g0", "g1"], fake_worker, time_limit=3.0, job_timeout=100, report=lambda r: None,
-        min_left=1.5, ctx=FORK, poll_s=0.05,
-    )  # fmt: skip
-    assert time.time() - t0 < 3.0 + 3  # killed at the time limit, not at job_timeout
-    assert [r["variant"] for r in rows] == ["long", "short", "x", "y"]
-    by = {r["variant"]: r for r in rows}
-    assert "killed" in by["long"]["error"]
-    assert by["short"]["tok_s"] == 1.0 and by["x"]["tok_s"] == 1.0
-    assert by["y"] == dict(model="m", variant="y", error="not run: --time-limit reached")
-    assert {e["variant"] for e in read_log(log) if "start" in e} == {"long", "short", "x"}
-
-
-def test_run_jobs_one_default_gpu(tmp_path, monkeypatch):
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    log, jobs = make_jobs(tmp_path, [("a", "ok", 0.0), ("b", "crash", 0.0), ("c", "ok", 0.0)])
-    rows = bench_train.run_jobs(
-        jobs, [None], fake_worker, 60, 10, report=lambda r: None, ctx=FORK, poll_s=0.02
-    )
-    assert [r.get("tok_s") for r in rows] == [1.0, None, 1.0]
-    assert all(r["gpu"] is None and r.get("seen_gpu") is None for r in rows)  # the caller's own device
-    assert "CUDA_VISIBLE_DEVICES" not in os.environ
 
 
 def test_job_order_and_table_order():

@@ -32,7 +32,7 @@ from .triton_update import (
 )
 
 # Launch shapes (tokens per program, warps, channel block for the per-channel kernels), tuned on an H200
-# by `python bench/bench_ddl.py` / `--sweeps`. An entry may hold a whole launch shape for one state dtype
+# by `python bench/bench_ddl.py --sweeps`. An entry may hold a whole launch shape for one state dtype
 # under that dtype's name ("bfloat16"), used instead of the entry's own for that dtype (`_cfg`). PIPELINE:
 # the backward's loop over a program's tokens software-pipelined (two stages) or plain. Single-call timings
 # of the small (d_v = 1, bf16) cases include the host's dispatch and vary between runs: compare launch
