@@ -33,11 +33,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import atomic_write, versions  # noqa: E402
+from bench.common import atomic_write, command, run_commands, versions  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = dict(
@@ -78,8 +77,15 @@ PARALLEL = {"shakespeare": 10, "corpus": 6, "stability": 6}  # runs at a time: ~
 DEFAULT_ROWS = {
     "shakespeare": [r for r in ROWS if r not in ("ddl-cc-bf16-state", "deltaformer-softmax-beta2")],
     "corpus": ["additive", "ddl", "ddl-tc", "ddl-cc", "ddl-cc-bf16-state", "deltaformer-softmax"],
-    "stability": ["additive", "ddl", "ddl-cc", "ddl-tc", "deltaformer-softmax", "deltaformer-relu",
-                  "deltaformer-linear"],
+    "stability": [
+        "additive",
+        "ddl",
+        "ddl-cc",
+        "ddl-tc",
+        "deltaformer-softmax",
+        "deltaformer-relu",
+        "deltaformer-linear",
+    ],
 }
 
 
@@ -130,8 +136,9 @@ def probe_run(every, train_args):
             scores = scale * (w[0].float() @ k[0].float().transpose(-1, -2))
             scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool, device=k.device).triu(), -math.inf)
             prev = torch.softmax(scores[:, 1:], dim=-1).diagonal(dim1=-2, dim2=-1)  # [H, T - 1]
-            rec |= dict(kappa_prev_mean=prev.mean().item(),
-                        kappa_prev_over_09=(prev > 0.9).float().mean().item())
+            rec |= dict(
+                kappa_prev_mean=prev.mean().item(), kappa_prev_over_09=(prev > 0.9).float().mean().item()
+            )
         with open(path, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
@@ -152,26 +159,24 @@ def probe_run(every, train_args):
 def launch_all(jobs, parallel, on_finish=lambda: None):
     """Run (cmd, out_dir) jobs, `parallel` at a time; each writes its console output to out_dir/train.out.
     on_finish() runs after each job ends (the table so far, so that a run cut short keeps it)."""
-    pending, running = list(jobs), []
-    while pending or running:
-        while pending and len(running) < parallel:
-            cmd, out_dir = pending.pop(0)
-            os.makedirs(out_dir, exist_ok=True)
-            # compile caches of its own: two of three runs of one model that compiled into one cache at
-            # once died of SIGSEGV in their first step (none since, with a cache each)
-            cache = tempfile.mkdtemp(prefix="bench_quality-")
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "t"))
-            with open(os.path.join(out_dir, "train.out"), "w") as f:
-                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-                running.append((proc, out_dir, cache))
-            print(f"started {out_dir}", flush=True)
-        time.sleep(2)
-        for proc, out_dir, cache in list(running):
-            if proc.poll() is not None:
-                running.remove((proc, out_dir, cache))
-                shutil.rmtree(cache, ignore_errors=True)
-                print(f"finished {out_dir} (exit {proc.returncode})", flush=True)
-                on_finish()
+    specs = []
+    for cmd, out_dir in jobs:
+        os.makedirs(out_dir, exist_ok=True)
+        # compile caches of its own: two of three runs of one model that compiled into one cache at once
+        # died of SIGSEGV in their first step (none since, with a cache each)
+        cache = tempfile.mkdtemp(prefix="bench_quality-")
+        env = dict(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "t"))
+        specs.append(dict(name=out_dir, cmd=cmd, cwd=REPO, log=os.path.join(out_dir, "train.out"), env=env))
+
+    def end(job):
+        shutil.rmtree(job["env"]["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+        on_finish()
+
+    try:
+        run_commands(specs, [None] * parallel, on_end=end, poll_s=2)
+    finally:
+        for job in specs:
+            shutil.rmtree(job["env"]["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 
 def read_run(out_dir):
@@ -294,8 +299,10 @@ def table(dirs):
             bests = [x[2] for x in rs if math.isfinite(x[2])]
             mean_best = sum(bests) / len(bests) if bests else float("nan")
             notes = "; ".join(f"s{x[0]} stopped at iter {x[1]['last_iter']}" for x in rs if not ok(x)) or "ok"
-            seeds, best, final = ",".join(x[0] for x in rs), mean_spread([x[2] for x in rs]), mean_spread(
-                [x[3] for x in rs]
+            seeds, best, final = (
+                ",".join(x[0] for x in rs),
+                mean_spread([x[2] for x in rs]),
+                mean_spread([x[3] for x in rs]),
             )
             lines.append(f"| {r} | {seeds} | {best} | {final} | {mean_best - base_best:+.4f} | {notes} |")
     return "\n".join(lines)
@@ -356,11 +363,11 @@ def main(argv=None):
                 extra = (args.data_dir, args.max_seconds, args.set, args.lr, args.probe)
                 cmd = run_args(args.setting, row, seed, out_dir, *extra)
                 jobs.append((cmd, out_dir))
-    command = f"command: `python bench/bench_quality.py {' '.join(argv)}`"
+    header = f"command: `{command(__file__, argv)}`"
 
     def write_table(show=False):
         try:
-            text = "\n".join([command, versions(), table(dirs)])
+            text = "\n".join([header, versions(), table(dirs)])
         except ValueError as e:
             if show:
                 p.error(str(e))

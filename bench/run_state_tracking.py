@@ -13,14 +13,14 @@ max_seconds), then train.py evaluates per-position accuracy on held-out sequence
 - dag: 32 nodes (30 edges, 61 tokens), a separator, then queries; trained at length 93 (32 queries),
   accuracy over the queries at 93 and 189 (128 queries: positions beyond training).
 
-The models are tiny, so one of them leaves an H200 mostly idle (launch-bound): by default all runs go at
-once, one process each, sharing the GPU; the table says so. --parallel N runs N at a time. A run still
-going --deadline seconds after the first start is killed (its row says so), so the command ends in time.
+The models are tiny, so one of them leaves an H200 mostly idle (launch-bound): all runs go at
+once, one process each, sharing the GPU; the table says so. A run still going --deadline seconds after
+the first start is killed (its row says so), so the command ends in time.
 
 Before training, a subprocess checks the Triton Deltaformer path against the PyTorch path (bf16 inputs
 as under autocast, forward and backward, every first-stage kernel, keys RMS-normed as in the model and
 beta in the reflection regime) and times both; the Deltaformer runs use Triton only if it agrees and is
-faster, else --backend=torch (--backend forces one). The outcome is in the table header.
+faster, else --backend=torch. The outcome is in the table header.
 
 Writes to --out (default $OUT, else out-state-tracking-bench): results.md (the tables, with the command,
 GPU and versions), logs.jsonl (every log.jsonl record, tagged with its run), stdout.txt (every run's
@@ -30,15 +30,13 @@ console output). Checkpoints stay in --work.
 import argparse
 import json
 import os
-import shlex
 import subprocess
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from common import atomic_write, versions  # noqa: E402  (bench/common.py, this script's folder)
+from common import atomic_write, command, run_commands, versions  # noqa: E402  (bench/common.py)
 
 DF = ["--attention=deltaformer", "--n_layer=1"]
 MODELS = [  # (name, overrides of configs/state_tracking.py)
@@ -169,21 +167,10 @@ def select(tasks, only):
     return runs
 
 
-def stop(proc):
-    """Terminate a run that overran the deadline (kill if it ignores that for 10 s)."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tasks", default="swap,dag", help=f"comma-separated, of {list(TASKS)}")
     p.add_argument("--seconds", type=float, default=180.0, help="training time budget per config")
-    p.add_argument("--parallel", type=int, default=0, help="runs at once (0 = all)")
     p.add_argument(
         "--deadline", type=float, default=0.0, help="kill runs after this many s (0: seconds + 300)"
     )
@@ -191,9 +178,6 @@ def main():
     p.add_argument("--extra", default="", help="more train.py overrides for every run, space-separated")
     p.add_argument("--out", default=os.environ.get("OUT") or "out-state-tracking-bench")
     p.add_argument("--work", default="out-state-tracking-runs", help="out_dir parent of the runs")
-    p.add_argument(
-        "--backend", choices=("check", "torch", "triton"), default="check", help="Deltaformer stage 1"
-    )
     p.add_argument("--check-timeout", type=float, default=60.0, help="seconds for the Triton check")
     args = p.parse_args()
 
@@ -207,58 +191,34 @@ def main():
 
     import torch
 
-    command = shlex.join(["python", "bench/run_state_tracking.py", *sys.argv[1:]])
-    header = [f"Command: `{command}`", versions()]
-    backend = [f"--backend={args.backend}"]
+    header = [f"Command: `{command(__file__)}`", versions()]
     deltaformer = lambda overrides: "--attention=deltaformer" in overrides  # noqa: E731
-    if args.backend != "check":
-        header.append(f"Deltaformer stage 1: --backend={args.backend} (forced)")
-    elif not torch.cuda.is_available():
+    backend = []
+    if not torch.cuda.is_available():
         backend = ["--backend=torch"]
         header.append("Deltaformer stage 1: PyTorch path (no CUDA)")
     elif any(deltaformer(overrides) for _, _, overrides in runs):
         use_triton, note = check_triton(timeout=args.check_timeout)
         backend = ["--backend=triton" if use_triton else "--backend=torch"]
         header.append(f"Deltaformer stage 1: {note}")
-    parallel = args.parallel or len(runs)
     header.append(
-        f"{len(runs)} runs, {parallel} at a time on one device, {args.seconds:g} s training budget each, "
+        f"{len(runs)} runs at once on one device, {args.seconds:g} s training budget each, "
         f"killed after {deadline:g} s"
     )
     print("\n".join(header), flush=True)
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    pending, running, done = list(runs), {}, {}
-    first = time.time()
-    while pending or running:
-        while pending and len(running) < parallel:
-            name, task, overrides = pending.pop(0)
-            out_dir = os.path.join(args.work, name)
-            os.makedirs(out_dir, exist_ok=True)
-            cmd = ["python", "train.py", "configs/state_tracking.py", *overrides]
-            cmd += backend if deltaformer(overrides) else []
-            cmd += [f"--max_seconds={args.seconds:g}", *args.extra.split()]
-            log = open(os.path.join(out_dir, "stdout.txt"), "w")  # noqa: SIM115 (closed when it ends)
-            proc = subprocess.Popen(
-                [sys.executable, *cmd[1:], f"--out_dir={out_dir}", "--overwrite=True"],
-                cwd=REPO,
-                stdout=log,
-                stderr=log,
-                env=env,
-            )
-            running[name] = (proc, log, time.time(), " ".join(cmd))
-            print(f"started {name}: {' '.join(cmd)}", flush=True)
-        time.sleep(1.0)
-        for name, (proc, log, t0, cmd) in list(running.items()):
-            killed = proc.poll() is None and time.time() - first > deadline
-            if killed:
-                stop(proc)
-            if proc.poll() is not None:
-                log.close()
-                status = "killed at the deadline" if killed else f"exit {proc.returncode}"
-                done[name] = (status, time.time() - t0, cmd)
-                del running[name]
-                print(f"finished {name}: {status} after {time.time() - t0:.0f} s", flush=True)
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    jobs = []
+    for name, _, overrides in runs:
+        out_dir = os.path.join(args.work, name)
+        os.makedirs(out_dir, exist_ok=True)
+        cmd = ["python", "train.py", "configs/state_tracking.py", *overrides]
+        cmd += backend if deltaformer(overrides) else []
+        cmd += [f"--max_seconds={args.seconds:g}", *args.extra.split()]
+        full = [sys.executable, *cmd[1:], f"--out_dir={out_dir}", "--overwrite=True"]
+        jobs.append(dict(name=name, cmd=full, shown=" ".join(cmd), cwd=REPO, env=env,
+                         log=os.path.join(out_dir, "stdout.txt")))  # fmt: skip
+    done = {job["name"]: job for job in run_commands(jobs, [None] * len(jobs), time_limit=deadline)}
 
     sections, all_records, stdout = [], [], []
     for task in tasks:
@@ -267,7 +227,7 @@ def main():
         for name, run_task, _ in runs:
             if run_task != task:
                 continue
-            status, wall, cmd = done[name]
+            status, wall, cmd = done[name]["status"], done[name]["seconds"], done[name]["shown"]
             out_dir = os.path.join(args.work, name)
             with open(os.path.join(out_dir, "stdout.txt")) as f:
                 stdout.append(f"===== {name} ({status}): {cmd}\n{f.read()}")
