@@ -18,25 +18,17 @@ cores); the best of --repeats interleaved runs is shown. Prints the command and 
 
 import argparse
 import os
-import resource
 import shutil
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import versions  # noqa: E402  (bench/common.py, this script's folder)
+from common import Span, command, versions  # noqa: E402  (bench/common.py, this script's folder)
 
 from data.fineweb_edu import prepare  # noqa: E402
 from data.shakespeare import load_plays  # noqa: E402
 from data.tokenizer import get_encoding  # noqa: E402
-
-
-def cpu_seconds():
-    """User + system CPU time of this process (all threads) and of its children that have exited."""
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def make_corpus(megabytes, doc_bytes=4000):
@@ -80,23 +72,23 @@ def main():
 
         raw, pipe = [], []  # (wall seconds, CPU seconds of this process and its reaped children)
         for _ in range(args.repeats):
-            t0, c0 = time.perf_counter(), cpu_seconds()
-            ids = enc.encode_ordinary_batch(texts, num_threads=args.workers)
-            raw.append((time.perf_counter() - t0, cpu_seconds() - c0))
+            with Span() as span:
+                ids = enc.encode_ordinary_batch(texts, num_threads=args.workers)
+            raw.append((span.seconds, span.cpu_seconds))
             ntokens = sum(len(i) for i in ids)
             del ids
             out = os.path.join(tmp, "out")
             shutil.rmtree(out, ignore_errors=True)
-            t0, c0 = time.perf_counter(), cpu_seconds()
-            prepare(out, inputs=[parquet], shard_tokens=2_000_000, workers=args.workers, progress=False)
-            pipe.append((time.perf_counter() - t0, cpu_seconds() - c0))
+            with Span() as span:
+                prepare(out, inputs=[parquet], shard_tokens=2_000_000, workers=args.workers, progress=False)
+            pipe.append((span.seconds, span.cpu_seconds))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
     pipe_tokens = ntokens + len(texts)  # the pipeline also writes one EOT per document
     import tiktoken
 
-    print("Command: `python bench/bench_data.py " + " ".join(sys.argv[1:]) + "`")
+    print(f"Command: `{command(__file__)}`")
     print(
         f"{versions()}; tiktoken {tiktoken.__version__}; pyarrow {pa.__version__}; {os.cpu_count()} CPU cores"
     )
