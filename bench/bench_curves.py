@@ -18,13 +18,12 @@ import argparse
 import json
 import os
 import runpy
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import atomic_write, versions  # noqa: E402
+from bench.common import atomic_write, command, run_commands, versions  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/shakespeare.py"
@@ -112,20 +111,20 @@ def main(argv=None):
         return
     if not args.ref or not os.path.exists(os.path.join(args.ref, "train.py")):
         p.error(f"--ref must be a checkout holding train.py, got {args.ref!r}")
-    command = "python bench/bench_curves.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    procs = []
+    jobs = []
     for v in variants:
         for run in RUNS:
             run_dir = os.path.abspath(os.path.join(args.out, f"{v}-{run}"))
             os.makedirs(run_dir, exist_ok=True)
-            cwd = os.path.abspath(args.ref) if run == "ref" else REPO
             cmd = [sys.executable, "train.py", CONFIG, f"--out_dir={run_dir}"]
             cmd += run_args(v, run, args.iters, args.data_dir, args.set)
-            with open(os.path.join(run_dir, "train.out"), "w") as f:
-                procs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd), run_dir))
+            cwd = os.path.abspath(args.ref) if run == "ref" else REPO
+            jobs.append(dict(name=run_dir, cmd=cmd, cwd=cwd, log=os.path.join(run_dir, "train.out")))
     t0 = time.time()
-    failed = [d for proc, d in procs if proc.wait() != 0]
-    report = f"Command: `{command}`\n{versions()}\n{len(procs)} runs in {time.time() - t0:.0f} s"
+    failed = [j["name"] for j in run_commands(jobs, [None] * len(jobs)) if j["status"] != "exit 0"]
+    report = (
+        f"Command: `{command(__file__, argv)}`\n{versions()}\n{len(jobs)} runs in {time.time() - t0:.0f} s"
+    )
     report += f"; failed (see train.out): {failed}\n\n" if failed else "\n\n"
     report += table(args.out, variants)
     print(report)
