@@ -4,6 +4,7 @@ import json
 import os
 import sys
 import time
+import types
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import common  # noqa: E402
@@ -23,7 +24,8 @@ with open(log, "a") as f:
 
 
 def make_jobs(tmp_path, specs):
-    """Jobs that log (name, the GPU they see, start and end time) to log.jsonl, then do what specs say."""
+    """Jobs that log (name, the GPU they see, start and end time) to log.jsonl, then do what specs say
+    ("ok", or "crash" at once), then sleep."""
     log = str(tmp_path / "log.jsonl")
     return log, [dict(name=n, cmd=[sys.executable, "-c", FAKE, n, do, str(s), log]) for n, do, s in specs]
 
@@ -42,15 +44,25 @@ def spans(events, gpu):
 
 
 def test_run_commands_two_gpus_crash_and_timeout(tmp_path, monkeypatch):
+    """No assertion rests on timing: run_commands's clock jumps 100 s when "a" ends, so the hang (started
+    before) is then over its 50 s and killed while b, c and d still wait, and the freed g0 takes b."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "parent")
-    specs = [("hang", "ok", 30.0), ("a", "ok", 0.6), ("crash", "crash", 0.0), ("b", "ok", 0.6)]
-    specs += [("c", "ok", 0.6), ("d", "ok", 0.6)]
+    jump = []
+    monkeypatch.setattr(common, "time", types.SimpleNamespace(time=lambda: time.time() + sum(jump),
+                                                              sleep=time.sleep))  # fmt: skip
+    specs = [("hang", "ok", 30.0), ("a", "ok", 0.0), ("crash", "crash", 0.0), ("b", "ok", 0.1)]
+    specs += [("c", "ok", 0.1), ("d", "ok", 0.1)]
     log, jobs = make_jobs(tmp_path, specs)
     ended = []
-    out = common.run_commands(jobs, ["g0", "g1"], job_timeout=1.0, on_end=ended.append, poll_s=0.05)
+
+    def on_end(job):
+        ended.append(job)
+        jump.extend([100.0] if job["name"] == "a" else [])
+
+    out = common.run_commands(jobs, ["g0", "g1"], job_timeout=50.0, on_end=on_end, poll_s=0.05)
     assert out is jobs and sorted(j["name"] for j in ended) == sorted(s[0] for s in specs)
     by = {j["name"]: j for j in jobs}
-    assert by["hang"]["status"] == "killed after 1 s"
+    assert by["hang"]["status"] == "killed after 50 s"
     assert by["crash"]["status"] == "exit 3"
     events = read_log(log)
     for name in "abcd":
@@ -63,22 +75,22 @@ def test_run_commands_two_gpus_crash_and_timeout(tmp_path, monkeypatch):
     for gpu in ("g0", "g1"):  # one job per GPU at a time: a GPU's jobs do not overlap
         s = spans(events, gpu)
         assert all(a[1] <= b[0] for a, b in zip(s, s[1:])), (gpu, s)
-    assert by["hang"]["slot"] != by["a"]["slot"]  # the other GPU went on while one held the hang
-    assert {by[n]["slot"] for n in "bcd"} == {"g0", "g1"}  # the freed GPU took jobs after the kill
+    assert (by["hang"]["slot"], by["a"]["slot"]) == ("g0", "g1")  # in order, one per free GPU
+    assert by["crash"]["slot"] == "g1" and by["b"]["slot"] == "g0"  # the freed GPU took the next job
 
 
 def test_run_commands_time_limit(tmp_path):
     """A job starts only while min_left s remain; the ones left over are 'not run', and a job still running
     when the time limit comes is stopped."""
-    # g1: short (0.2 s), then x (1.5 s: when it ends < 1.5 s of the 3 s are left), so y does not start
-    specs = [("long", "ok", 20.0), ("short", "ok", 0.2), ("x", "ok", 1.5), ("y", "ok", 0.1)]
+    # x runs 1.6 s from after the start, so when it ends < 2.4 s of the 4 s are left: y does not start
+    specs = [("long", "ok", 30.0), ("x", "ok", 1.6), ("y", "ok", 0.1)]
     log, jobs = make_jobs(tmp_path, specs)
-    common.run_commands(jobs, ["g0", "g1"], time_limit=3.0, min_left=1.5, poll_s=0.05)
+    common.run_commands(jobs, ["g0", "g1"], time_limit=4.0, min_left=2.5, poll_s=0.05)
     by = {j["name"]: j for j in jobs}
     assert by["long"]["status"] == "killed at the deadline"
-    assert by["short"]["status"] == by["x"]["status"] == "exit 0"
+    assert by["x"]["status"] == "exit 0"
     assert by["y"]["status"] == "not run: time limit" and "slot" not in by["y"]
-    assert {e["variant"] for e in read_log(log) if "start" in e} == {"long", "short", "x"}
+    assert {e["variant"] for e in read_log(log) if "start" in e} == {"long", "x"}
 
 
 def test_run_commands_one_default_gpu_and_logs(tmp_path, monkeypatch):
