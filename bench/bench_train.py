@@ -1,38 +1,18 @@
 """Training throughput of every residual x attention variant: tokens/s, step time, peak memory and MFU,
 each against additive + softmax attention of the same size measured in the same run.
 
-    python bench/bench_train.py                       # gpt2-small and gpt2-medium, every variant
-    python bench/bench_train.py --models gpt2-small --variants additive,ddl-cc --batches 64
-    python bench/bench_train.py --gpus 0,1 --batches "gpt2-small=64,32;gpt2-medium=32,16"
-                                                      # one job per GPU at a time
-    CUDA_VISIBLE_DEVICES=1 python bench/bench_train.py --models gpt2-small --variants additive --profile
-                                                      # + where one step's GPU and host time go
-    python bench/bench_train.py --models gpt2-small --variants additive --nanogpt ../nanoGPT/model.py
-                                                      # + nanoGPT's own GPT-2 124M, timed the same way
+    python bench/bench_train.py --models gpt2-small --batches 32 --variants additive,ddl-cc
+    python bench/bench_train.py ... --profile        # + where one step's GPU and host time go
+    python bench/bench_train.py ... --nanogpt ../nanoGPT/model.py   # + nanoGPT's GPT, timed the same way
 
-Variants: additive, ddl (d_v = 1), ddl-tc, ddl-cc (EC on), each with softmax attention, and additive /
-ddl-cc with Deltaformer; ddl-cc-bf16 is ddl-cc with the DDL state stored in bf16
-(GPTConfig.ddl_state_dtype="bfloat16"); "+keep1" keeps the DDL state for the backward at every block's
-input (GPTConfig.ddl_keep_state_every). additive is always run (added to --variants when missing): every
-ratio is against it, in the same run. The DDL kernels alone: bench/bench_ddl.py.
-
-For each (model, variant): bf16 autocast, torch.compile, fused AdamW, seq 1024, random tokens, the largest
-micro-batch of --batches that fits (OOM is caught and the next smaller one tried); tokens/s and step time
-(median of the timed steps, each on the GPU's clock: common.Span), compile time (the first step) apart
-from it, peak memory, and MFU = tokens/s * GPT.flops_per_token(seq) / 989 TFLOP/s (H100/H200 dense
-bf16). Ratios to additive: tokens/s, and peak memory where both ran at the same micro-batch (pass
---batches 32 to force one).
-
-Each (model, variant) runs in its own fresh process, compiled with static shapes at the batch it is timed
-at (a smaller batch after an OOM compiles again): one after another on the caller's GPU, or with --gpus one
-process per GPU at a time, from one queue that starts the baselines and the longest jobs first (job_order).
---time-limit bounds the whole run (a job starts only while 30 s are left and is killed when time is up;
-one job gets 420 s at most). Compiling dominates: ~30-50 s per gpt2-small row on an H200.
-
-Prints the command, the GPU and versions, and the table (markdown); with --out also writes
-bench_train.json (every row's numbers) and bench_train.md (the printed text) there, updated after each row.
-Each row also keeps host_ms: the host's median time to issue a timed step's forward, backward and optimizer,
-and then to wait for the GPU (near 0: the host, not the GPU, sets the step time).
+additive is always run (added to --variants when missing): every ratio is against it. For each (model,
+variant), in a fresh process of its own, one after another: bf16 autocast, torch.compile with static
+shapes, fused AdamW, seq 1024, random tokens, the largest micro-batch of --batches that fits (an OOM tries
+the next); tokens/s and step time (median of the timed steps on the GPU's clock), compile time (the first
+step) apart, peak memory (its ratio only at the same micro-batch), MFU = tokens/s * GPT.flops_per_token /
+989 TFLOP/s (H100/H200 dense bf16), and host_ms: the host's median time to issue a step's forward,
+backward and optimizer, then to wait for the GPU (near 0: the host sets the step time). --time-limit
+bounds the whole run (one job 420 s at most). With --out: bench_train.json and .md, after each row.
 """
 
 import argparse
@@ -284,31 +264,15 @@ def worker(job):
     return row
 
 
-def job_order(models, variants):
-    """The queue: medium before small, each model's additive baseline first (every ratio needs it, so a
-    run cut short must not lose it), then the longest jobs (Deltaformer, then the TC/CC read-outs, then
-    the rest), so that the last jobs to start on several GPUs are short ones; the "-bf16" state rows last."""
-
-    def key(job):
-        model, variant = job
-        kind = 2 if "deltaformer" in variant else 1 if ("-tc" in variant or "-cc" in variant) else 0
-        return ("-bf16" in variant, "medium" not in model, variant != "additive", -kind)
-
-    return sorted(((m, v) for m in models for v in variants), key=key)
-
-
 def run_table(args):
     """Every (model, variant) in a fresh process (`--job FILE`: the job pickled, its row back as FILE.json),
-    one after another on the caller's GPU, or with --gpus one at a time on each listed GPU, from one queue
-    (job_order; common.run_commands). Rows come back in the table's order."""
+    one after another, additive first (common.run_commands)."""
     tmp, t0, done = tempfile.mkdtemp(prefix="bench_train-"), time.time(), []
 
     def job(i, m, v):
         path = os.path.join(tmp, f"{i}.pkl")
         with open(path, "wb") as f:
-            pickle.dump(
-                dict(model=m, variant=v, overrides=VARIANTS[v], batches=args.batches[m], args=args), f
-            )
+            pickle.dump(dict(model=m, variant=v, overrides=VARIANTS[v], batches=args.batches, args=args), f)
         return dict(name=f"{m} {v}", model=m, variant=v, cmd=[sys.executable, __file__, "--job", path])
 
     def on_end(job):
@@ -322,25 +286,19 @@ def run_table(args):
             row = dict(error="not run: --time-limit reached")
         else:
             row = dict(error=f"no result: {job['status']}")
-        row.update(model=job["model"], variant=job["variant"], gpu=job.get("slot"))
+        row.update(model=job["model"], variant=job["variant"])
         if "slot" in job:
             row["t_done_s"] = round(time.time() - t0, 1)
             print(json.dumps(row), flush=True)
-        job["row"] = row
         done.append(row)
-        save(args, table_order(done, args))
+        save(args, done)
 
-    jobs = [job(i, m, v) for i, (m, v) in enumerate(job_order(args.models, args.variants))]
+    jobs = [job(i, m, v) for i, (m, v) in enumerate((m, v) for m in args.models for v in args.variants)]
     try:
-        run_commands(jobs, args.gpus, args.time_limit, JOB_TIMEOUT, min_left=30, on_end=on_end, poll_s=0.2)
+        run_commands(jobs, [None], args.time_limit, JOB_TIMEOUT, min_left=30, on_end=on_end, poll_s=0.2)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return table_order([j["row"] for j in jobs], args)
-
-
-def table_order(rows, args):
-    pos = {(m, v): i for i, (m, v) in enumerate((m, v) for m in args.models for v in args.variants)}
-    return sorted(rows, key=lambda r: pos[(r["model"], r["variant"])])
+    return done
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -394,42 +352,11 @@ def save(args, rows):
     atomic_write(os.path.join(args.out, "bench_train.md"), report(args, rows) + "\n")
 
 
-def parse_batches(text, models):
-    """--batches: '64,32' (every model) or 'gpt2-small=64,32;gpt2-medium=32,16' (an entry without a model
-    name serves the models not named) -> {model: sizes, largest first}."""
-    default, per_model = None, {}
-    for part in (p.strip() for p in text.split(";")):
-        if not part:
-            continue
-        model, _, sizes = part.rpartition("=")
-        try:
-            batch = sorted({int(b) for b in sizes.split(",") if b.strip()}, reverse=True)
-        except ValueError:
-            batch = []
-        if not batch or batch[-1] < 1:
-            raise SystemExit(f"--batches: {part!r}: expected positive integers like 64,32 (or model=64,32)")
-        if model:
-            per_model[model.strip()] = batch
-        else:
-            default = batch
-    out = {}
-    for m in models:
-        if m not in per_model and default is None:
-            raise SystemExit(
-                f"--batches {text!r}: no micro-batch sizes for {m} (add {m}=... or a plain list)"
-            )
-        out[m] = per_model.get(m, default)
-    return out
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="gpt2-small,gpt2-medium")
     p.add_argument("--variants", default=",".join(VARIANTS), help="additive is added when missing")
-    p.add_argument("--batches", default="64,32,16,8", help="micro-batch sizes to try, largest first: '64,32' "
-                   "for every model, or per model 'gpt2-small=64,32;gpt2-medium=32,16'")  # fmt: skip
-    p.add_argument("--gpus", default="", help="e.g. 0,1: one job per GPU at a time, from one queue "
-                   "(default: one job at a time on the caller's GPU)")  # fmt: skip
+    p.add_argument("--batches", default="64,32,16,8", help="micro-batch sizes to try, e.g. 64,32")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
@@ -465,10 +392,13 @@ def main():
         args.variants.append("nanogpt")
     if "nanogpt" in args.variants and not os.path.isfile(args.nanogpt):
         raise SystemExit(f"--nanogpt: the row 'nanogpt' needs nanoGPT's model.py, got {args.nanogpt!r}")
-    args.batches = parse_batches(args.batches, args.models)
-    args.gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] or [None]
-    if len(set(args.gpus)) != len(args.gpus):
-        raise SystemExit(f"--gpus: a GPU is listed twice in {args.gpus}")
+    text = args.batches
+    try:
+        args.batches = sorted({int(b) for b in text.split(",") if b.strip()}, reverse=True)
+    except ValueError:
+        args.batches = []
+    if not args.batches or args.batches[-1] < 1:
+        raise SystemExit(f"--batches {text!r}: expected positive integers like 64,32")
     args.model_overrides = {
         key: (int(val) if val.isdigit() else val)
         for key, val in (kv.split("=", 1) for kv in args.model_overrides.split(",") if kv)
