@@ -1,8 +1,6 @@
 """Deltaformer attention speed on one GPU: causal SDPA vs FLA 0.6.0's Deltaformer vs ours (Triton).
 
-    python bench/bench_attention.py                 # five shapes (SHAPES), bf16
-    python bench/bench_attention.py --variants      # also our kernel's variants (VARIANTS below)
-    python bench/bench_attention.py --no-fla --graph-variants softmax --variant-shapes 0,1  # variants alone
+    python bench/bench_attention.py --json bench.json   # five shapes (SHAPES), bf16
 
 Times are medians of triton.testing.do_bench (CUDA events) in ms. "fwd" is the forward alone, "f+b" the
 forward plus the backward of all inputs. FLA's Deltaformer (when `fla` imports) is its u-stage
@@ -13,16 +11,12 @@ bf16 matrix rate, and the minimal bytes (inputs read once, outputs written once)
 "f+b graph" is the same forward+backward as a CUDA graph's replay: the GPU's time without the host's launch
 work, which at these sizes can exceed it. Prints the command, GPU and versions first; --json
 writes every number.
-
---variants (softmax) and --graph-variants (those kernels, nothing else) time our kernel's options
-(VARIANTS: deltaformer_u_triton's keyword arguments) at --variant-shapes by CUDA graph replay.
 """
 
 import argparse
 import math
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -90,61 +84,12 @@ def ours(kernel, **opts):
     return fn
 
 
-# Our kernel's variants, each against the default in the same run: (name, keyword arguments of
-# deltaformer_u_triton), for --variants / --graph-variants (times, and u / gradient differences to the
-# default). Few on purpose: every variant compiles its kernels anew (~2 s each).
-VARIANTS = [("default", {}), ("lowp=False", {"lowp": False}), ("chunk=32", {"chunk": 32})]
-
-
 def graph_time(fn, inputs, backward=True):
     """Median ms of a CUDA graph's replay of one forward(+backward): the GPU's time alone."""
     ms = graph_ms(call(fn, inputs, backward, reset=True))
     for x in inputs:
         x.grad = None
     return ms
-
-
-def graph_variants(shapes, kernels, results):
-    """The f+b time of each variant as a CUDA graph's replay (GPU time alone, a few seconds per variant), and
-    its u and gradients against the default's (relative norms)."""
-    for shape in shapes:
-        for kernel in kernels:
-            inputs = make(*shape, kernel=kernel)
-            grad_u = torch.randn_like(inputs[2])
-            u0, g0 = u_and_grads(inputs, kernel, {}, grad_u)
-            sd = graph_time(sdpa, inputs)
-            print(f"\n{kernel} at {shape}: f+b ms (CUDA graph replay; SDPA alone: {sd:.3f})")
-            head = ["variant", "fwd graph", "f+b graph", "f+b do_bench", "u-diff", "grad-diff", "wall s"]
-            print("\n".join(markdown(head, [])), flush=True)
-            for name, opts in VARIANTS:
-                t0 = time.perf_counter()
-                try:
-                    u, g = u_and_grads(inputs, kernel, opts, grad_u)
-                    row = {
-                        "fwd graph": graph_time(ours(kernel, **opts), inputs, backward=False),
-                        "f+b graph": graph_time(ours(kernel, **opts), inputs),
-                        "f+b do_bench": time_fn(ours(kernel, **opts), inputs, True),
-                        "u-diff": rel(u, u0),
-                        "grad-diff": rel(g, g0),
-                        "wall s": time.perf_counter() - t0,
-                    }
-                except Exception as e:  # noqa: BLE001  (a variant that fails must not end the run)
-                    print(f"variant {kernel} {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                    continue
-                results.setdefault("graph_variants", {})[f"{','.join(map(str, shape))} {kernel} {name}"] = row
-                print(f"| {name} | " + " | ".join(f"{v:.4g}" for v in row.values()) + " |", flush=True)
-
-
-def u_and_grads(inputs, kernel, opts, grad_u):
-    """u and the gradients of <u, grad_u> in k, v, w, beta, flattened into one fp32 vector each."""
-    q, k, v, w, beta = (x.detach().requires_grad_(True) for x in inputs)
-    u = deltaformer_u_triton(k, v, w, beta, kernel=kernel, **opts)
-    grads = torch.autograd.grad(u, (k, v, w, beta), grad_u)
-    return u.detach().float(), torch.cat([g.float().flatten() for g in grads])
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 def fla_fn():
@@ -186,9 +131,6 @@ def measure_shape(B, H, T, D, fla, tflops, gbs):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", action="store_true", help="after the tables: every VARIANTS entry, timed")
-    ap.add_argument("--graph-variants", default="", help="kernels (comma-sep.): only their VARIANTS, timed")
-    ap.add_argument("--variant-shapes", default="0,2", help="indices into SHAPES for the variants")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--json", default="", help="write all numbers to this file")
     args = ap.parse_args()
@@ -198,10 +140,6 @@ def main():
     tflops, gbs = measure_ceilings()
     print(f"measured ceilings: bf16 matmul {tflops:.0f} TFLOP/s, device copy {gbs:.0f} GB/s")
     results = {"tflops": tflops, "gbs": gbs, "shapes": {}}
-    variant_shapes = [SHAPES[int(i)] for i in args.variant_shapes.split(",")]
-    if args.graph_variants:
-        graph_variants(variant_shapes, args.graph_variants.split(","), results)
-        return save()
     fla = None if args.no_fla else fla_fn()
     for shape in SHAPES:
         results["shapes"][",".join(map(str, shape))] = measure_shape(*shape, fla, tflops, gbs)
@@ -227,9 +165,6 @@ def main():
     print("\nf+b as CUDA graph replays (GPU time), ms, and the ratios to SDPA's replay")
     head = ["B,H,T,D", "sdpa f+b graph", "softmax f+b graph", "relu f+b graph", "softmax/SDPA", "relu/SDPA"]
     print("\n".join(markdown(head, graph_rows)))
-    if args.variants:  # last, so that a run cut short still has the tables
-        graph_variants(variant_shapes, ["softmax"], results)
-        save()
 
 
 if __name__ == "__main__":
