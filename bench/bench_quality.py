@@ -4,7 +4,7 @@
     python bench/bench_quality.py --setting corpus --seeds 1 --out DIR --data-dir D   # main rows, GPT-2 small
     python bench/bench_quality.py --setting stability --seeds 1 2 3 4 --out DIR --data-dir D  # every run
     python bench/bench_quality.py --setting stability --lr 2e-3 --seeds 1 2 --out DIR --data-dir D
-    python bench/bench_quality.py --table DIR [DIR ...] [--plot loss.png]   # the table of finished runs
+    python bench/bench_quality.py --table DIR [DIR ...]   # the table of finished runs
 
 Each (row, seed) is one `train.py` run in DIR/<setting>/<row>-s<seed> (its log.jsonl, ckpt.pt and console
 output train.out); --parallel runs share the GPU. The table gives, per row, the mean and spread (max - min)
@@ -30,13 +30,12 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import atomic_write, command, run_commands, versions  # noqa: E402
+from bench.common import atomic_write, command, markdown, run_commands, versions  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = dict(
@@ -89,7 +88,8 @@ DEFAULT_ROWS = {
 }
 
 
-def run_args(setting, row, seed, out_dir, data_dir=None, max_seconds=0.0, extra=(), lr=None, probe=0):
+def run_args(setting, row, seed, out_dir, data_dir=None, max_seconds=0.0, lr=None, probe=0, extra=()):
+    """train.py's command line for one run (extra: more KEY=VALUE config keys)."""
     keys = {**RECIPE, **SETTINGS[setting], **ROWS[row], "seed": seed, "out_dir": out_dir, "overwrite": True}
     if lr:
         keys |= dict(learning_rate=lr, min_lr=lr / 10)
@@ -288,23 +288,19 @@ def table(dirs):
             continue
         base = runs.get((folder, "additive"))
         base_best = sum(r[2] for r in base) / len(base) if base else float("nan")
-        lines += [
-            f"\n**{folder}** ({SETTINGS[setting]['max_iters']} iterations; best and final validation loss, "
-            "mean ± half-range over seeds)\n",
-            "| row | seeds | best val | final val | best − additive | runs |",
-            "|---|---|---|---|---|---|",
-        ]
+        cells = []
         for r in rows:
             rs = runs[(folder, r)]
             bests = [x[2] for x in rs if math.isfinite(x[2])]
             mean_best = sum(bests) / len(bests) if bests else float("nan")
             notes = "; ".join(f"s{x[0]} stopped at iter {x[1]['last_iter']}" for x in rs if not ok(x)) or "ok"
-            seeds, best, final = (
-                ",".join(x[0] for x in rs),
-                mean_spread([x[2] for x in rs]),
-                mean_spread([x[3] for x in rs]),
-            )
-            lines.append(f"| {r} | {seeds} | {best} | {final} | {mean_best - base_best:+.4f} | {notes} |")
+            best, final = mean_spread([x[2] for x in rs]), mean_spread([x[3] for x in rs])
+            cells.append([r, ",".join(x[0] for x in rs), best, final, f"{mean_best - base_best:+.4f}", notes])
+        lines.append(
+            f"\n**{folder}** ({SETTINGS[setting]['max_iters']} iterations; best and final validation loss, "
+            "mean ± half-range over seeds)\n"
+        )
+        lines += markdown(["row", "seeds", "best val", "final val", "best − additive", "runs"], cells)
     return "\n".join(lines)
 
 
@@ -317,19 +313,19 @@ def stability_table(folder, rows, runs):
     every = [x for r in rows for x in runs[(folder, r)]]
     lrs = sorted({f"{x[1]['lr']:g}" for x in every})
     stopped = sum(not ok(x) for x in every)
-    lines = [
-        f"\n**{folder}** ({SETTINGS['stability']['max_iters']} iterations, peak lr {', '.join(lrs)}): "
-        f"{len(every) - stopped} of {len(every)} runs finished, {stopped} stopped\n",
-        "| row | seed | run | largest loss spike | best val | probe: largest u/v = max abs u / max abs v |",
-        "|---|---|---|---|---|---|",
-    ]
+    cells = []
     for r in rows:
         for seed, run, best, _ in runs[(folder, r)]:
             status = "finished" if ok((seed, run)) else f"stopped at iter {run['last_iter'] + 1}"
             status += f" ({run['why']})" if run["why"] and not ok((seed, run)) else ""
-            spike = largest_spike(run["train"])
-            lines.append(f"| {r} | {seed} | {status} | {spike:.3f} | {best:.4f} | {run['probe']} |")
-    return lines
+            cells.append([r, seed, status, f"{largest_spike(run['train']):.3f}", f"{best:.4f}", run["probe"]])
+    head = ["row", "seed", "run", "largest loss spike", "best val"]
+    head.append("probe: largest u/v = max abs u / max abs v")
+    return [
+        f"\n**{folder}** ({SETTINGS['stability']['max_iters']} iterations, peak lr {', '.join(lrs)}): "
+        f"{len(every) - stopped} of {len(every)} runs finished, {stopped} stopped\n",
+        *markdown(head, cells),
+    ]
 
 
 def main(argv=None):
@@ -341,11 +337,9 @@ def main(argv=None):
     p.add_argument("--data-dir", help="corpus: the shard folder (data/fineweb_edu.py --out)")
     p.add_argument("--parallel", type=int, help="runs at a time on the one GPU (default: what fits an H200)")
     p.add_argument("--max-seconds", type=float, default=0.0, help="stop each run after this training time")
-    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more train.py config keys")
     p.add_argument("--lr", type=float, help="peak learning rate (min_lr = lr / 10); to <setting>-lr<lr>")
     p.add_argument("--probe", type=int, default=0, metavar="N", help="watch Deltaformer's stage 1 every N")
     p.add_argument("--table", nargs="*", help="only print the table of the runs under these folders")
-    p.add_argument("--plot", help="also plot every run's losses (plot_logs.py) into this PNG")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--probe-run"]:  # one run under the probe (--probe's jobs): --probe-run N -- train args
         return probe_run(int(argv[1]), argv[3:])
@@ -360,7 +354,7 @@ def main(argv=None):
         for seed in args.seeds:
             for row in rows:
                 out_dir = os.path.join(args.out, folder, f"{row}-s{seed}")
-                extra = (args.data_dir, args.max_seconds, args.set, args.lr, args.probe)
+                extra = (args.data_dir, args.max_seconds, args.lr, args.probe)
                 cmd = run_args(args.setting, row, seed, out_dir, *extra)
                 jobs.append((cmd, out_dir))
     header = f"command: `{command(__file__, argv)}`"
@@ -379,16 +373,6 @@ def main(argv=None):
     if args.table is None:
         launch_all(jobs, args.parallel or PARALLEL[args.setting], on_finish=write_table)
     write_table(show=True)
-    if args.plot:
-        logs = sorted(
-            os.path.join(root, name, "log.jsonl")
-            for top in dirs
-            for root, names, _ in os.walk(top)
-            for name in names
-            if os.path.exists(os.path.join(root, name, "log.jsonl"))
-        )
-        cmd = [sys.executable, os.path.join(REPO, "plot_logs.py"), *logs, "-o", args.plot, "--ymax", "8"]
-        subprocess.run(cmd, check=False)
 
 
 if __name__ == "__main__":
