@@ -1,18 +1,11 @@
-"""DDL kernel micro-benchmarks (kernels/ddl/, one GPU): time per call of the update, the fused update +
-read-out and the compressors, forward and forward + backward, with the bytes each must move and the
-resulting GB/s against the copy bandwidth measured in the same run; torch.compile of the PyTorch reference
-beside them (fp32).
+"""DDL kernel micro-benchmarks (kernels/ddl/, one GPU): time per call (median_ms) of the update, the fused
+update + read-out and the compressors, forward and forward + backward (autograd.grad: no accumulation into
+.grad), with the minimal bytes each must move (S: a pass over the [N, d, d_v] state, V: over [N, d]) and
+the GB/s against the copy bandwidth measured in the same run; torch.compile of the reference beside them.
 
-    python bench/bench_ddl.py                 # fp32 and bf16 state, d 768, d_v 4 and 1, K 4
+    python bench/bench_ddl.py                 # fp32 and bf16 state, d 768, d_v 4 and 1, K 4, N = 32,768
     python bench/bench_ddl.py --quick         # Triton, fp32 only
-    python bench/bench_ddl.py --sweeps        # only the update kernels' launch shapes (LAUNCH)
-
-N = 32,768 tokens (as [32, 1024]); times are medians of triton.testing.do_bench. Bytes are the
-minimal passes over the state (S = N d d_v elements) and the [N, d] vectors (V): e.g. the update's forward
-reads x and writes x' (2 S + V), its forward + backward also reads dL/dx' and x again and writes dx
-(5 S + 3 V). Forward + backward uses autograd.grad (no accumulation into .grad). The --sweeps rows run
-with entries of the launch table (kernels/ddl/triton.py LAUNCH) replaced (`launch_shapes`). Prints the
-command, GPU and versions, then one line per case; --out also writes bench_ddl.json.
+    python bench/bench_ddl.py --sweeps        # only the launch shapes of kernels/ddl/triton.py's LAUNCH
 """
 
 import argparse
@@ -56,11 +49,9 @@ class Cases:
         except Exception as e:  # noqa: BLE001
             print(f"{name} FAILED: {type(e).__name__}: {e}"[:300], flush=True)
             return
-        print(
-            f"{name:60s} {ms * 1e3:9.1f} us  {nbytes / 1e9:7.3f} GB  {nbytes / ms / 1e6:7.0f} GB/s",
-            flush=True,
-        )
-        self.rows.append(dict(name=name, us=ms * 1e3, GB=nbytes / 1e9, GBps=nbytes / ms / 1e6))
+        r = dict(name=name, us=ms * 1e3, GB=nbytes / 1e9, GBps=nbytes / ms / 1e6)
+        print(f"{name:60s} {r['us']:9.1f} us  {r['GB']:7.3f} GB  {r['GBps']:7.0f} GB/s", flush=True)
+        self.rows.append(r)
 
 
 def bench_kernels(args):
@@ -102,8 +93,13 @@ def sweep_update(case, dtype, dv):
     gx, gh = torch.randn_like(x), torch.randn_like(k)
     S, V = N * d * dv * es, N * d * es
 
-    def timed(name, fn, nbytes):
-        case(f"{name} [{tag}]", fn, nbytes)
+    def sweep(key, cfgs, *cases):
+        """Each of cases (label, fn, bytes) with LAUNCH[key] set to each of cfgs in turn."""
+        for cfg in cfgs:
+            mark = " (shipped)" if cfg == ship[key] else ""
+            with launch_shapes(**{key: cfg}):
+                for label, fn, nbytes in cases:
+                    case(f"{label} {key}={cfg}{mark} [{tag}]", fn, nbytes)
 
     def upd(update=ddl.ddl_update):
         return torch.autograd.grad(update(x, k, v, beta, backend="triton"), (x, k, v, beta), gx)
@@ -112,43 +108,17 @@ def sweep_update(case, dtype, dv):
         out = ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton")
         return torch.autograd.grad(out, (x, k, v, beta, w), (gx, gh))
 
-    if dv == 1:  # the compiled reference: what Inductor makes of the same update
+    if dv == 1:  # the compiled reference (what Inductor makes of the same update), then the row kernels
         ref_c = torch.compile(ddl.ddl_update_ref)
-        timed(
-            "d_v=1 update f+b torch.compile(ref)",
-            lambda: torch.autograd.grad(ref_c(x, k, v, beta), (x, k, v, beta), gx),
-            5 * S + 3 * V,
-        )
-    if dv == 1:
-        row_cfgs = [dict(ROWS=0, num_warps=4)]
-        row_cfgs += [
-            dict(ROWS=r, num_warps=nw)
-            for r, nw in ((1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8), (16, 8))
-        ]
-        for cfg in row_cfgs:
-            mark = " (shipped)" if cfg == ship["update_row"] else ""
-            with launch_shapes(update_row=cfg):
-                timed(f"d_v=1 update f+b update_row={cfg}{mark}", upd, 5 * S + 3 * V)
-        return
-    bwd_cfgs = [
-        dict(TOKENS=32, PIPELINE=False, num_warps=4),
-        dict(TOKENS=8, PIPELINE=False, num_warps=4),
-        dict(TOKENS=16, PIPELINE=True, num_warps=4),
-        dict(TOKENS=32, PIPELINE=True, num_warps=4),
-        dict(TOKENS=32, PIPELINE=False, num_warps=8),  # 4 warps spill (bench/compile_check.py)
-        dict(TOKENS=8, PIPELINE=False, num_warps=8),
-        dict(TOKENS=32, PIPELINE=False, num_warps=16),
-        dict(TOKENS=16, PIPELINE=True, num_warps=8),
-    ]
-    for tok, nw in ((1, 4), (1, 2), (2, 4), (4, 4)):  # forward: 1 token/program looked latency-bound in bf16
-        cfg = dict(TOKENS=tok, num_warps=nw)
-        mark = " (shipped)" if cfg == ship["update_fwd"] else ""
-        with launch_shapes(update_fwd=cfg):
-            timed(
-                f"update+cc fwd update_fwd={cfg}{mark}",
-                lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"),
-                2 * S + 2 * V,
-            )
+        ref = lambda: torch.autograd.grad(ref_c(x, k, v, beta), (x, k, v, beta), gx)  # noqa: E731
+        case(f"d_v=1 update f+b torch.compile(ref) [{tag}]", ref, 5 * S + 3 * V)
+        rows = ((1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8), (16, 8))
+        cfgs = [dict(ROWS=0, num_warps=4)] + [dict(ROWS=r, num_warps=nw) for r, nw in rows]
+        return sweep("update_row", cfgs, ("d_v=1 update f+b", upd, 5 * S + 3 * V))
+    # forward: 1 token/program looked latency-bound in bf16
+    cfgs = [dict(TOKENS=tok, num_warps=nw) for tok, nw in ((1, 4), (1, 2), (2, 4), (4, 4))]
+    fwd = lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton")  # noqa: E731
+    sweep("update_fwd", cfgs, ("update+cc fwd", fwd, 2 * S + 2 * V))
 
     def fused_run(rebuild, n=4):  # n fused CC updates in a row; rebuild: keep only x, as the model does
         X, hs, chain = x, [], None
@@ -160,41 +130,27 @@ def sweep_update(case, dtype, dv):
             X, hs = out[0], hs + [out[1]]
         return torch.autograd.grad([X, *hs], (x, k, v, beta, w), [gx] + [gh] * n)
 
-    for cfg in bwd_cfgs:
-        mark = " (shipped)" if cfg == ship["update_bwd"] else ""
-        with launch_shapes(update_bwd=cfg):
-            timed(f"update f+b update_bwd={cfg}{mark}", upd, 5 * S + 3 * V)
-            timed(f"update+cc f+b update_bwd={cfg}{mark}", fused, 5 * S + 5 * V)
-            for rebuild in (False, True):  # bytes as without the rebuild, whose reads of k come on top
-                name = f"4 x update+cc f+b, {'rebuilt from the first' if rebuild else 'each input kept'}"
-                timed(f"{name} update_bwd={cfg}{mark}", lambda r=rebuild: fused_run(r), 4 * (5 * S + 5 * V))
+    # (tokens, pipelined, warps); 32 tokens at 4 warps spill (bench/compile_check.py)
+    bwd = ((32, 0, 4), (8, 0, 4), (16, 1, 4), (32, 1, 4), (32, 0, 8), (8, 0, 8), (32, 0, 16), (16, 1, 8))
+    cfgs = [dict(TOKENS=t, PIPELINE=bool(p), num_warps=nw) for t, p, nw in bwd]
+    sweep(  # the rebuilt runs' bytes as without the rebuild, whose reads of k come on top
+        "update_bwd", cfgs, ("update f+b", upd, 5 * S + 3 * V), ("update+cc f+b", fused, 5 * S + 5 * V),
+        ("4 x update+cc f+b, each input kept", lambda: fused_run(False), 4 * (5 * S + 5 * V)),
+        ("4 x update+cc f+b, rebuilt from the first", lambda: fused_run(True), 4 * (5 * S + 5 * V)),
+    )  # fmt: skip
     cw = torch.randn(d, dv, 4, device="cuda", requires_grad=True)  # TC: K = 4
     read = torch.randn(dv, device="cuda", requires_grad=True)
-
-    def fused_tc():
-        out = ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton")
-        return torch.autograd.grad(out, (x, k, v, beta, cw, read), (gx, gh))
-
+    tc = lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton")  # noqa: E731
+    fused_tc = lambda: torch.autograd.grad(tc(), (x, k, v, beta, cw, read), (gx, gh))  # noqa: E731
     tc_cfgs = ((64, 128, 2, 4), (64, 128, 1, 4), (128, 128, 3, 4), (64, 256, 2, 8), (32, 64, 2, 2))
-    for tok, bd, stages, nw in tc_cfgs:  # the TC read-out's forward (one pass in token order)
-        cfg = dict(TOKENS=tok, BLOCK_D=bd, STAGES=stages, num_warps=nw)
-        mark = " (shipped)" if cfg == ship["tc_fwd"] else ""
-        with launch_shapes(tc_fwd=cfg):
-            timed(
-                f"update+tc fwd tc_fwd={cfg}{mark}",
-                lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton"),
-                2 * S + 2 * V,
-            )
-    for tok, nw in ((1, 4), (1, 8), (1, 16), (4, 4), (4, 8), (16, 8)):  # tokens per program share the taps
-        cfg = dict(TOKENS=tok, num_warps=nw)
-        mark = " (shipped)" if cfg == ship["tc_bwd"] else ""
-        with launch_shapes(tc_bwd=cfg):
-            timed(f"update+tc f+b tc_bwd={cfg}{mark}", fused_tc, 6 * S + 6 * V)
-    for tok, bd, nw in ((64, 256, 4), (32, 128, 4), (128, 128, 4), (64, 128, 8), (64, 64, 4)):
-        cfg = dict(TOKENS=tok, BLOCK_D=bd, num_warps=nw)  # per-channel backwards (TC's weight gradient)
-        mark = " (shipped)" if cfg == ship["chan_bwd"] else ""
-        with launch_shapes(chan_bwd=cfg):
-            timed(f"update+tc f+b chan_bwd={cfg}{mark}", fused_tc, 6 * S + 6 * V)
+    cfgs = [dict(TOKENS=t, BLOCK_D=bd, STAGES=st, num_warps=nw) for t, bd, st, nw in tc_cfgs]
+    sweep("tc_fwd", cfgs, ("update+tc fwd", tc, 2 * S + 2 * V))  # the TC read-out's one-pass forward
+    # tokens per program share the taps
+    cfgs = [dict(TOKENS=t, num_warps=nw) for t, nw in ((1, 4), (1, 8), (1, 16), (4, 4), (4, 8), (16, 8))]
+    sweep("tc_bwd", cfgs, ("update+tc f+b", fused_tc, 6 * S + 6 * V))
+    chan = ((64, 256, 4), (32, 128, 4), (128, 128, 4), (64, 128, 8), (64, 64, 4))  # TC's weight gradient
+    cfgs = [dict(TOKENS=t, BLOCK_D=bd, num_warps=nw) for t, bd, nw in chan]
+    sweep("chan_bwd", cfgs, ("update+tc f+b", fused_tc, 6 * S + 6 * V))
 
 
 def bench_kernels_dv1(args, case):
@@ -220,12 +176,9 @@ def bench_kernels_dv1(args, case):
 def bench_kernels_dtype(args, dtype, case):
     from kernels import ddl
 
-    dev = "cuda"
-    d, dv, K = D, 4, 4
-    B, T = N // 1024, 1024
+    dev, d, dv, K, B, T = "cuda", D, 4, 4, N // 1024, 1024
     es = torch.finfo(dtype).bits // 8
-    S = N * d * dv * es  # bytes of one pass over the state
-    V = N * d * es  # bytes of one pass over a [N, d] vector
+    S, V = N * d * dv * es, N * d * es  # bytes of one pass over the state, over a [N, d] vector
     tag = f"{str(dtype).replace('torch.', '')}, N={N}"
     x = torch.randn(B, T, d, dv, device=dev, dtype=dtype, requires_grad=True)
     k = torch.randn(B, T, d, device=dev, dtype=dtype, requires_grad=True)
@@ -242,10 +195,7 @@ def bench_kernels_dtype(args, dtype, case):
     updcc_c = torch.compile(ddl.ddl_update_compress_cc_ref)
     tc_c = torch.compile(ddl.compress_tc_ref)
 
-    def fb(fn, grads):
-        """forward + backward; autograd.grad returns fresh gradients (no accumulation into .grad,
-        which would add a read-modify-write of the state to every timing)"""
-
+    def fb(fn, grads):  # forward + backward; autograd.grad: no read-modify-write of .grad in the timing
         def run():
             outs = fn()
             outs = outs if isinstance(outs, tuple) else (outs,)
@@ -258,37 +208,20 @@ def bench_kernels_dtype(args, dtype, case):
         xn = ddl.ddl_update(x, k, v, beta, backend="triton")
         return xn, ddl.compress_cc(xn, w, backend="triton")
 
+    upd = lambda: ddl.ddl_update(x, k, v, beta, backend="triton")  # noqa: E731
+    updcc = lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton")  # noqa: E731
+    updtc = lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton")  # noqa: E731
     cases = [
-        ("update fwd  triton", lambda: ddl.ddl_update(x, k, v, beta, backend="triton"), 2 * S + V),
+        ("update fwd  triton", upd, 2 * S + V),
         ("update fwd  torch.compile(ref)", lambda: upd_c(x, k, v, beta), 2 * S + V),
-        (
-            "update f+b  triton",
-            fb(lambda: ddl.ddl_update(x, k, v, beta, backend="triton"), (gx,)),
-            5 * S + 3 * V,
-        ),
+        ("update f+b  triton", fb(upd, (gx,)), 5 * S + 3 * V),
         ("update f+b  torch.compile(ref)", fb(lambda: upd_c(x, k, v, beta), (gx,)), 5 * S + 3 * V),
-        (
-            "update+cc f+b  fused triton",
-            fb(lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"), (gx, gh)),
-            5 * S + 5 * V,
-        ),
-        (
-            "update+cc fwd  fused triton",
-            lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"),
-            2 * S + 2 * V,
-        ),
+        ("update+cc f+b  fused triton", fb(updcc, (gx, gh)), 5 * S + 5 * V),
+        ("update+cc fwd  fused triton", updcc, 2 * S + 2 * V),
         ("update+cc f+b  triton, unfused", fb(unfused, (gx, gh)), 5 * S + 5 * V),
         ("update+cc f+b  torch.compile(ref)", fb(lambda: updcc_c(x, k, v, beta, w), (gx, gh)), 5 * S + 5 * V),
-        (
-            "update+tc f+b  fused triton",
-            fb(lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton"), (gx, gh)),
-            6 * S + 6 * V,
-        ),
-        (
-            "update+tc fwd  fused triton",
-            lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton"),
-            2 * S + 2 * V,
-        ),
+        ("update+tc f+b  fused triton", fb(updtc, (gx, gh)), 6 * S + 6 * V),
+        ("update+tc fwd  fused triton", updtc, 2 * S + 2 * V),
         ("cc f+b  triton", fb(lambda: ddl.compress_cc(x, w, backend="triton"), (gh,)), 3 * S + 2 * V),
         ("tc f+b  triton", fb(lambda: ddl.compress_tc(x, cw, read, backend="triton"), (gh,)), 3 * S + 2 * V),
         ("tc f+b  torch.compile(ref)", fb(lambda: tc_c(x, cw, read), (gh,)), 3 * S + 2 * V),
