@@ -12,11 +12,8 @@ same global batch among the ranks, so both see the same data). The yardstick run
 twice as large (half as many): the same math, another summation order, so its loss difference to the
 1-GPU run is the scale of bf16 noise that the N-GPU difference is judged against.
 
-Loss: train.py's train_loss (the mean over the global batch, all ranks). Tokens/s: median over iterations
---skip.. of the logged per-iteration rate (iteration 0 compiles). Peak memory: train.py's last line, rank 0.
-The single-GPU stages spread their runs over --gpus, one run per GPU at a time; the multi stage runs one
-torchrun over all of them. Runs are kept in --work (one out_dir each, with stdout.txt), so a stage can be
-rerun alone.
+Loss: train.py's train_loss (mean over the global batch and ranks). Tokens/s: median over iterations
+--skip.. (iteration 0 compiles). Peak memory: rank 0's. Runs stay in --work, so a stage can be rerun alone.
 """
 
 import argparse
@@ -25,7 +22,7 @@ import os
 import re
 import sys
 
-from common import atomic_write, run_commands, versions  # bench/common.py (this script's folder)
+from common import atomic_write, markdown, run_commands, versions  # bench/common.py (this script's folder)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/gpt2_small.py"
@@ -43,32 +40,18 @@ def train_command(args, variant, stage):
         if accum % 2:
             sys.exit(f"bench_ddp: --grad-accum must be even for the yardstick, got {accum}")
         batch, accum = 2 * batch, accum // 2
+    # evaluate at iteration 0 and at the end only; overwrite: a stage can be rerun into its folder
     overrides = [
-        f"--residual={variant}",
-        "--dataset=shakespeare",
-        f"--batch_size={batch}",
-        f"--gradient_accumulation_steps={accum}",
-        f"--max_iters={args.iters}",
-        f"--warmup_iters={args.warmup}",
-        f"--lr_decay_iters={10 * args.iters}",
-        "--eval_interval=1000000",  # evaluate at iteration 0 and at the end only
-        "--eval_iters=1",
-        "--log_interval=10",
+        f"--residual={variant}", "--dataset=shakespeare", f"--batch_size={batch}",
+        f"--gradient_accumulation_steps={accum}", f"--max_iters={args.iters}",
+        f"--warmup_iters={args.warmup}", f"--lr_decay_iters={10 * args.iters}", "--eval_interval=1000000",
+        "--eval_iters=1", "--log_interval=10", "--overwrite=True",
         f"--out_dir={os.path.join(args.work, run_name(variant, stage))}",
-        "--overwrite=True",  # a stage can be rerun into its folder
-    ]
+    ]  # fmt: skip
     train = [os.path.join(REPO, "train.py"), os.path.join(REPO, CONFIG), *overrides]
-    if stage == "multi":
-        nproc = len(args.gpus.split(","))
-        return [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            *train,
-        ]
-    return [sys.executable, *train]
+    nproc = len(args.gpus.split(","))
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [sys.executable, *(torchrun if stage == "multi" else []), *train]
 
 
 def shown(arg):
@@ -132,24 +115,16 @@ def max_difference(a, b, n):
 
 
 def report(args):
-    lines = [
-        f"Global batch {args.batch_size * args.grad_accum} rows of 1024 tokens, {args.iters} iterations of "
-        f"{CONFIG} on Shakespeare (warmup {args.warmup}, lr 1e-3), bf16 autocast, compiled, "
-        f"fused AdamW on GPU. tokens/s: median over iterations {args.skip}..{args.iters - 1}.",
-        f"{versions()}",
-        "",
-        "| variant | run | ranks x micro-batch x micro-steps | tokens/s | scaling vs 1 GPU "
-        f"| peak GiB (rank 0) | max abs loss diff to 1 GPU, first {args.iters} iters (at iter) |",
-        "|---|---|---|---:|---:|---:|---|",
-    ]
-    summary, commands = {}, []
+    head = ["variant", "run", "ranks x micro-batch x micro-steps", "tokens/s", "scaling vs 1 GPU"]
+    head += ["peak GiB (rank 0)", f"max abs loss diff to 1 GPU, first {args.iters} iters (at iter)"]
+    summary, commands, rows = {}, [], []
     every = {(v, s): read_run(args, v, s) for v in args.variants for s in STAGES}
     for variant in args.variants:
         runs = {s: every[variant, s] for s in STAGES}
         base = runs["single"]
         for stage, r in runs.items():
             if r is None:
-                lines.append(f"| {variant} | {stage} | not run | | | | |")
+                rows.append([variant, stage, "not run", "", "", "", ""])
                 continue
             commands.append(f"- {variant} {stage}: `{r['command']}`")
             ranks = r["ranks"] or 1
@@ -169,11 +144,14 @@ def report(args):
                     diff = str(e)
             tok = f"{r['tok_s']:,.0f}" if r["tok_s"] else "-"
             peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] else "-"
-            lines.append(
-                f"| {variant} | {stage} | {ranks} x {batch} x {steps} | {tok} | {scaling} | {peak} | {diff} |"
-            )
-    lines += ["", "Commands:", "", *commands]
-    text = "\n".join(lines)
+            rows.append([variant, stage, f"{ranks} x {batch} x {steps}", tok, scaling, peak, diff])
+    text = "\n".join([
+        f"Global batch {args.batch_size * args.grad_accum} rows of 1024 tokens, {args.iters} iterations of "
+        f"{CONFIG} on Shakespeare (warmup {args.warmup}, lr 1e-3), bf16 autocast, compiled, "
+        f"fused AdamW on GPU. tokens/s: median over iterations {args.skip}..{args.iters - 1}.",
+        versions(), "", *markdown(head, rows, ["---"] * 3 + ["---:"] * 3 + ["---"]),
+        "", "Commands:", "", *commands,
+    ])  # fmt: skip
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -187,9 +165,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stage", required=True, choices=(*STAGES, "report"))
     p.add_argument("--variants", default="additive,ddl-cc", help="residual variants (softmax attention)")
-    p.add_argument(
-        "--gpus", default="0", help="single/yardstick: one run per GPU at a time; multi: all of them"
-    )
+    p.add_argument("--gpus", default="0", help="single/yardstick: one run per GPU at a time; multi: all")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--skip", type=int, default=10, help="iterations left out of the tokens/s median")
     p.add_argument("--warmup", type=int, default=10)
@@ -205,11 +181,9 @@ def main():
     if args.stage == "report":
         report(args)
         return
-    failed = run_stage(args, args.stage)
+    failed, stage = run_stage(args, args.stage), args.stage
     if failed:
-        sys.exit(
-            f"bench_ddp: {args.stage} failed for {failed}: see {args.work}/<variant>-{args.stage}/stdout.txt"
-        )
+        sys.exit(f"bench_ddp: {stage} failed for {failed}: see {args.work}/<variant>-{stage}/stdout.txt")
 
 
 if __name__ == "__main__":
