@@ -3,28 +3,14 @@
     python bench/run_state_tracking.py --seconds 210                 # on the GPU: every task and config
     python bench/run_state_tracking.py --tasks swap --only df-linear-k,tf-1 --seconds 20 --extra=--device=cpu
 
-Configs: configs/state_tracking.py plus, per task, the overrides in TASKS, and per model those in MODELS:
-1-layer Deltaformers over the first-stage kernels {softmax, relu, linear} x w in {k, q, proj}; softmax
-Transformers with 1, 2, 4 layers; same width. A run is named <task>/<model>; --only takes model names (for
-every selected task) or run names. Every run gets the same training time budget (train.py's
-max_seconds), then train.py evaluates per-position accuracy on held-out sequences:
-- swap: curriculum from length 32 (doubled at 99% held-out accuracy) up to 256; accuracy at 256 and 512
-  (512: beyond the curriculum, extrapolation);
-- dag: 32 nodes (30 edges, 61 tokens), a separator, then queries; trained at length 93 (32 queries),
-  accuracy over the queries at 93 and 189 (128 queries: positions beyond training).
-
-The models are tiny, so one of them leaves an H200 mostly idle (launch-bound): all runs go at
-once, one process each, sharing the GPU; the table says so. A run still going --deadline seconds after
-the first start is killed (its row says so), so the command ends in time.
-
-Before training, a subprocess checks the Triton Deltaformer path against the PyTorch path (bf16 inputs
-as under autocast, forward and backward, every first-stage kernel, keys RMS-normed as in the model and
-beta in the reflection regime) and times both; the Deltaformer runs use Triton only if it agrees and is
-faster, else --backend=torch. The outcome is in the table header.
-
-Writes to --out (default $OUT, else out-state-tracking-bench): results.md (the tables, with the command,
-GPU and versions), logs.jsonl (every log.jsonl record, tagged with its run), stdout.txt (every run's
-console output). Checkpoints stay in --work.
+Runs <task>/<model>: configs/state_tracking.py with the task's overrides (TASKS) and the model's (MODELS:
+1-layer Deltaformers over the first-stage kernels x w in {k, q, proj}; softmax Transformers of 1, 2, 4
+layers); --only takes model or run names. Each run trains for --seconds (train.py's max_seconds), then
+train.py evaluates held-out per-position accuracy. The models are tiny, so all runs go at once, one
+process each, sharing the GPU; one still going --deadline s after the start is killed. First a subprocess
+(CHECK_TRITON) checks the Triton Deltaformer path against the PyTorch one; the runs use Triton only if it
+agrees and is faster. Writes to --out results.md (the tables), logs.jsonl (every run's log records) and
+stdout.txt; checkpoints stay in --work. Setup and results: bench/STATE_TRACKING.md.
 """
 
 import argparse
@@ -36,7 +22,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from common import atomic_write, command, run_commands, versions  # noqa: E402  (bench/common.py)
+from common import atomic_write, command, markdown, run_commands, versions  # noqa: E402  (bench/common.py)
 
 DF = ["--attention=deltaformer", "--n_layer=1"]
 MODELS = [  # (name, overrides of configs/state_tracking.py)
@@ -144,8 +130,7 @@ def table(rows, target):
     columns += [
         c for L in lengths for c in ((f"acc@{L}", f"acc@{L} %"), (f"acc_last@{L}", f"last-pos acc@{L} %"))
     ]
-    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(str(r.get(k, "-")) for k, _ in columns) + " |" for r in rows]
+    lines = markdown([h for _, h in columns], [[r.get(k, "-") for k, _ in columns] for r in rows])
     lines += ["", "Commands (from the repository root; the bench adds --out_dir):", ""]
     lines += [f"- {r['config']}: `{r['command']}`" for r in rows]
     return "\n".join(lines)
@@ -171,9 +156,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tasks", default="swap,dag", help=f"comma-separated, of {list(TASKS)}")
     p.add_argument("--seconds", type=float, default=180.0, help="training time budget per config")
-    p.add_argument(
-        "--deadline", type=float, default=0.0, help="kill runs after this many s (0: seconds + 300)"
-    )
+    p.add_argument("--deadline", type=float, default=0.0, help="kill runs after this (0: seconds + 300)")
     p.add_argument("--only", default="", help="comma-separated model or run names (default: all)")
     p.add_argument("--extra", default="", help="more train.py overrides for every run, space-separated")
     p.add_argument("--out", default=os.environ.get("OUT") or "out-state-tracking-bench")
