@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import atomic_write, command, run_commands, versions  # noqa: E402
+from bench.common import atomic_write, command, markdown, run_commands, versions  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/shakespeare.py"
@@ -66,27 +66,17 @@ def diffs(a, b):
 
 
 def table(out, variants):
-    fmt = lambda d: "n/a | n/a" if d is None else f"{d[0]:.2e} | {d[1]:.2e}"  # noqa: E731
-    head = [
-        "variant",
-        "iters",
-        "ref - this: max",
-        "mean",
-        "split - this (yardstick): max",
-        "mean",
-        "final this / ref",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|---|---:|---:|---:|---:|---:|---|"]
+    fmt = lambda d: ["n/a", "n/a"] if d is None else [f"{d[0]:.2e}", f"{d[1]:.2e}"]  # noqa: E731
+    head = ["variant", "iters", "ref - this: max", "mean", "split - this (yardstick): max", "mean"]
+    rows = []
     for v in variants:
         losses = {run: train_losses(os.path.join(out, f"{v}-{run}")) for run in RUNS}
         this = losses["this"]
         last = max(this) if this else None
         final = f"{this[last]:.4f} / {losses['ref'].get(last, float('nan')):.4f}" if this else "n/a"
-        lines.append(
-            f"| {v} | {len(this)} | {fmt(diffs(losses['ref'], this))} | {fmt(diffs(losses['split'], this))} "
-            f"| {final} |"
-        )
-    return "\n".join(lines)
+        ref, split = diffs(losses["ref"], this), diffs(losses["split"], this)
+        rows.append([v, len(this), *fmt(ref), *fmt(split), final])
+    return "\n".join(markdown(head + ["final this / ref"], rows, ["---"] + ["---:"] * 5 + ["---"]))
 
 
 def main(argv=None):
@@ -122,9 +112,8 @@ def main(argv=None):
             jobs.append(dict(name=run_dir, cmd=cmd, cwd=cwd, log=os.path.join(run_dir, "train.out")))
     t0 = time.time()
     failed = [j["name"] for j in run_commands(jobs, [None] * len(jobs)) if j["status"] != "exit 0"]
-    report = (
-        f"Command: `{command(__file__, argv)}`\n{versions()}\n{len(jobs)} runs in {time.time() - t0:.0f} s"
-    )
+    took = time.time() - t0
+    report = f"Command: `{command(__file__, argv)}`\n{versions()}\n{len(jobs)} runs in {took:.0f} s"
     report += f"; failed (see train.out): {failed}\n\n" if failed else "\n\n"
     report += table(args.out, variants)
     print(report)
