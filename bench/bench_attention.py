@@ -2,15 +2,12 @@
 
     python bench/bench_attention.py --json bench.json   # five shapes (SHAPES), bf16
 
-Times are medians of triton.testing.do_bench (CUDA events) in ms. "fwd" is the forward alone, "f+b" the
-forward plus the backward of all inputs. FLA's Deltaformer (when `fla` imports) is its u-stage
-(ParallelDeltaformerFunction, [B, T, H, D] layout) followed by causal SDPA, as in deltaformer_attn
-without flash-attn. The floors for our kernel are the larger of two numbers: the minimal matrix FLOPs
-(forward 4 T^2 D per head: two causal products per stage; forward+backward 12 T^2 D) over the measured
-bf16 matrix rate, and the minimal bytes (inputs read once, outputs written once) over the copy bandwidth.
-"f+b graph" is the same forward+backward as a CUDA graph's replay: the GPU's time without the host's launch
-work, which at these sizes can exceed it. Prints the command, GPU and versions first; --json
-writes every number.
+ms, medians of do_bench (common.median_ms); "fwd": the forward alone, "f+b": forward + backward of all
+inputs; "f+b graph": the same as a CUDA graph's replay (the GPU's time without the host's launch work,
+which at these sizes can exceed it). FLA's Deltaformer (when `fla` imports): its u-stage
+(ParallelDeltaformerFunction) then causal SDPA. Our floors: the larger of the minimal matrix FLOPs
+(forward 4 T^2 D per head, f+b 12 T^2 D) over the measured bf16 matmul rate and the minimal bytes over the
+copy bandwidth. --json writes every number.
 """
 
 import argparse

@@ -2,18 +2,11 @@
 
     python bench/bench_data.py [--workers N] [--mb 100] [--repeats 2]
 
-Corpus: the 38 Shakespeare plays (data/shakespeare.py's plain text) cut into ~4 KB documents (~1,000
-tokens, about FineWeb-Edu's average) and repeated up to --mb megabytes of UTF-8, written to a temporary
-parquet file in FineWeb-Edu's column layout with 1,000-row row groups.
-
-  raw       enc.encode_ordinary_batch(texts, num_threads=N) on the texts already in memory
-  pipeline  data/fineweb_edu.py's prepare(--input that.parquet, --workers N): N processes read the parquet
-            row groups and tokenize, the main process writes shards (2M tokens each) and the state file;
-            end to end, pool start included
-
-Both report MB/s of UTF-8 text and tokens/s (wall clock), and MB per CPU-second (user + system time of
-all threads and processes involved: a measure of efficiency that holds up when other jobs share the
-cores); the best of --repeats interleaved runs is shown. Prints the command and versions with the table.
+Corpus: the Shakespeare plays cut into ~4 KB documents (FineWeb-Edu's average), repeated up to --mb MB,
+in a temporary parquet file of FineWeb-Edu's layout. raw: enc.encode_ordinary_batch(texts, num_threads=N)
+on texts in memory; pipeline: data/fineweb_edu.py's prepare(workers=N) end to end (read, tokenize, write
+2M-token shards). MB/s and tokens/s on the wall clock, and MB per CPU-second (all threads and processes:
+holds up when other jobs share the cores); the best of --repeats interleaved runs.
 """
 
 import argparse

@@ -6,10 +6,9 @@
     python bench/bench_quality.py --setting stability --lr 2e-3 --seeds 1 2 --out DIR --data-dir D
     python bench/bench_quality.py --table DIR [DIR ...]   # the table of finished runs
 
-Each (row, seed) is one `train.py` run in DIR/<setting>/<row>-s<seed> (its log.jsonl, ckpt.pt and console
-output train.out); --parallel runs share the GPU. The table gives, per row, the mean and spread (max - min)
-over seeds of the best and of the final validation loss, and the best's difference from the additive
-baseline of the same table; a run that stopped early (non-finite loss, crash, --max-seconds) is marked.
+Each (row, seed) is one `train.py` run in DIR/<setting>/<row>-s<seed> (log.jsonl, ckpt.pt, train.out);
+--parallel runs share the GPU. The table: per row, the mean and half-range over seeds of the best and final
+validation loss and the best's difference from additive; a run that stopped early is marked.
 
 Settings (lr 1e-3, AdamW (0.9, 0.95), wd 0.1, clip 1.0, warmup + cosine to 1e-4, as the papers):
   shakespeare: 8 layers x d 512 (4 heads x 128), block 512, 800 iterations x 16 x 512 = 8K tokens,
@@ -76,15 +75,8 @@ PARALLEL = {"shakespeare": 10, "corpus": 6, "stability": 6}  # runs at a time: ~
 DEFAULT_ROWS = {
     "shakespeare": [r for r in ROWS if r not in ("ddl-cc-bf16-state", "deltaformer-softmax-beta2")],
     "corpus": ["additive", "ddl", "ddl-tc", "ddl-cc", "ddl-cc-bf16-state", "deltaformer-softmax"],
-    "stability": [
-        "additive",
-        "ddl",
-        "ddl-cc",
-        "ddl-tc",
-        "deltaformer-softmax",
-        "deltaformer-relu",
-        "deltaformer-linear",
-    ],
+    "stability": ["additive", "ddl", "ddl-cc", "ddl-tc", "deltaformer-softmax", "deltaformer-relu"]
+    + ["deltaformer-linear"],
 }
 
 

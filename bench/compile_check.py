@@ -1,20 +1,14 @@
-"""Compile every Triton launch of this repo's kernels for an H100/H200 (sm_90) on a machine without a GPU,
-with whatever Triton is importable: frontend errors of another Triton version (3.6 rejects code that 3.9's
-interpreter and compiler accept, e.g. a constexpr re-assigned inside tl.static_range) show up here, before
-a GPU run.
+"""Compile every Triton launch of this repo's kernels for sm_90 (H100/H200) on a machine without a GPU, with
+whatever Triton is importable, so that another version's frontend errors show up before a GPU run.
 
     PYTHONPATH=/path/to/triton-3.6 python bench/compile_check.py
 
-How: every `kernel[grid](...)` launch is intercepted and compiled for sm_90 with the argument types and
-constexprs it was launched with, instead of run (outputs stay uninitialised: values mean nothing here).
-What launches: a forward and backward of every model variant at the gpt2-small width, four blocks (the
-states of blocks 2-4 rebuilt in the backward from the first's input by 1-7 updates, as the default keeps
-every 4th block's), on a few tokens (the shipped launch shapes,
-fp32 and bf16 DDL state; ddl-tc runs the fused update + TC read-out), and of the Deltaformer u-stage for every
-kernel, head dim 64 and 128, each dtype and both `lowp`. Prints each distinct compile
-(ok with its shared memory, registers per thread and the stack its spills take, from cuobjdump; or the error);
-exit 1 if any failed. ptxas and cuobjdump come with the triton wheel (a 3.6 wheel unzipped anywhere works). A
-few minutes on 2 cores the first time (Triton caches compiles)."""
+Every `kernel[grid](...)` launch is compiled, not run, with the argument types and constexprs it was
+launched with (outputs stay uninitialised). What launches: a forward and backward of every model variant
+at the gpt2-small width, four blocks (states rebuilt in the backward by 1-7 updates), fp32 and bf16 DDL
+state, and the Deltaformer u-stage for every kernel, head dim 64 and 128, each dtype and both `lowp`.
+Prints each distinct compile (its shared memory, registers and spill stack from cuobjdump, or the error);
+exit 1 if any failed. ptxas and cuobjdump come with the triton wheel."""
 
 import os
 import re
