@@ -10,18 +10,13 @@ Each (row, seed) is one `train.py` run in DIR/<setting>/<row>-s<seed> (log.jsonl
 --parallel runs share the GPU. The table: per row, the mean and half-range over seeds of the best and final
 validation loss and the best's difference from additive; a run that stopped early is marked.
 
-Settings (lr 1e-3, AdamW (0.9, 0.95), wd 0.1, clip 1.0, warmup + cosine to 1e-4, as the papers):
-  shakespeare: 8 layers x d 512 (4 heads x 128), block 512, 800 iterations x 16 x 512 = 8K tokens,
-               eager (no compile); data/shakespeare (python data/shakespeare.py).
-  corpus:      GPT-2 small (12 x 768, 6 x 128), block 1024, 384 iterations x 64 x 1024 = 25.2M tokens,
-               compiled; shards of data/fineweb_edu.py in --data-dir (e.g. from data/package_corpus.py).
-  stability:   GPT-2 small, 480 iterations x 32 x 1024 = 15.7M tokens, compiled, the corpus's shards; the
-               table has a line per run: finished or stopped (where, why), the largest loss spike (train
-               loss minus its running minimum) and the best validation loss. --lr sets the peak learning
-               rate (min_lr = lr / 10); such runs go to DIR/stability-lr<lr>.
---probe N also records, every N iterations, each Deltaformer layer's stage 1 (max |u| / max |v|, beta, softmax
-kappa's weight on the previous token) and the first non-finite u into the run's probe.jsonl (the table
-summarises it).
+Settings (SETTINGS; RECIPE: lr 1e-3, AdamW (0.9, 0.95), wd 0.1, clip 1.0, warmup + cosine to 1e-4):
+shakespeare (8 x 512, eager, data/shakespeare), corpus (GPT-2 small, 25.2M tokens, compiled, shards of
+data/fineweb_edu.py in --data-dir), stability (GPT-2 small, 15.7M tokens; the table has a line per run:
+finished or stopped, the largest loss spike over the running minimum, the best validation loss). --lr sets
+the peak lr (min_lr = lr / 10; runs to DIR/<setting>-lr<lr>). --probe N records every N iterations each
+Deltaformer layer's stage 1 (max |u| / max |v|, beta, softmax kappa's weight on the previous token) and the
+first non-finite u into probe.jsonl, summarised in the table.
 """
 
 import argparse

@@ -91,9 +91,7 @@ def measure(model, compiled, cfg, B, args, row):
         train_steps(compiled, opt, B, args.seq, 1, cfg.vocab_size, device)
     row["compile_s"] = round(first.seconds, 1)  # the first step: compile (forward and backward) + 1 step
     # a row prints nothing until it ends: say where a slow one is
-    print(
-        f"{row['model']} {row['variant']} micro-batch {B}: first step {row['compile_s']} s", file=sys.stderr
-    )
+    print(row["model"], row["variant"], f"micro-batch {B}: first step {row['compile_s']} s", file=sys.stderr)
     with Span() as warm:
         train_steps(compiled, opt, B, args.seq, max(args.warmup - 1, 0), cfg.vocab_size, device)
     row["warmup_s"] = round(warm.seconds, 1)
@@ -103,15 +101,9 @@ def measure(model, compiled, cfg, B, args, row):
     # the host's median seconds to issue the forward, the backward and the optimizer, and to wait for the GPU
     row["host_ms"] = [round(statistics.median(part) * 1e3, 2) for part in zip(*host)]
     tok_s = B * args.seq / step
-    row.update(
-        batch=B,
-        step_ms=step * 1e3,
-        tok_s=tok_s,
-        peak_GB=torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan"),
-        mfu=tok_s * model.flops_per_token(args.seq) / (PEAK_TFLOPS * 1e12),
-        step_ms_min=min(times) * 1e3,
-        step_ms_max=max(times) * 1e3,
-    )
+    row.update(batch=B, step_ms=step * 1e3, tok_s=tok_s, step_ms_min=min(times) * 1e3,
+               step_ms_max=max(times) * 1e3, mfu=tok_s * model.flops_per_token(args.seq) / PEAK_TFLOPS / 1e12,
+               peak_GB=torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan"))  # fmt: skip
     if args.profile:
         profile_step(compiled, opt, B, cfg, args, row)
 
