@@ -15,7 +15,6 @@ split against this (the yardstick), and the final train losses.
 """
 
 import argparse
-import json
 import os
 import runpy
 import sys
@@ -23,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import atomic_write, command, markdown, run_commands, versions  # noqa: E402
+from bench.common import atomic_write, command, markdown, read_jsonl, run_commands, versions  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/shakespeare.py"
@@ -48,11 +47,7 @@ def run_args(variant, run, iters, data_dir, extra=()):
 
 def train_losses(run_dir):
     """{iteration: train loss} from a run's log.jsonl ({} if it has none)."""
-    path = os.path.join(run_dir, "log.jsonl")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records = read_jsonl(os.path.join(run_dir, "log.jsonl"))
     return {r["iter"]: r["train_loss"] for r in records if "train_loss" in r}
 
 

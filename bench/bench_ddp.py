@@ -22,7 +22,13 @@ import os
 import re
 import sys
 
-from common import atomic_write, markdown, run_commands, versions  # bench/common.py (this script's folder)
+from common import (  # bench/common.py (this script's folder)
+    atomic_write,
+    markdown,
+    read_jsonl,
+    run_commands,
+    versions,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/gpt2_small.py"
@@ -83,11 +89,9 @@ def run_stage(args, stage):
 def read_run(args, variant, stage):
     """{losses, tok_s (median), peak_gib, ranks, command} of a finished run, or None."""
     out_dir = os.path.join(args.work, run_name(variant, stage))
-    path = os.path.join(out_dir, "log.jsonl")
-    if not os.path.exists(path):
+    if not os.path.exists(os.path.join(out_dir, "log.jsonl")):
         return None
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records = read_jsonl(os.path.join(out_dir, "log.jsonl"))
     train = sorted((r for r in records if "train_loss" in r), key=lambda r: r["iter"])
     rates = sorted(r["tok_per_s"] for r in train if r["iter"] >= args.skip)
     with open(os.path.join(out_dir, "stdout.txt")) as f:

@@ -29,7 +29,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import atomic_write, command, markdown, run_commands, versions  # noqa: E402
+from bench.common import atomic_write, command, markdown, read_jsonl, run_commands, versions  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = dict(
@@ -170,20 +170,13 @@ def read_run(out_dir):
     """dict(vals: val loss by iteration, train: train losses in order, lr: the peak learning rate, last_iter,
     final: finished?, why: what stopped it) from out_dir/log.jsonl and train.out."""
     run = dict(vals={}, train=[], lr=0.0, last_iter=-1, final=False, why="")
-    path = os.path.join(out_dir, "log.jsonl")
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                run["last_iter"] = max(run["last_iter"], rec.get("iter", -1))
-                if "val_loss" in rec:
-                    run["vals"][rec["iter"]] = rec["val_loss"]
-                if "train_loss" in rec:
-                    run["train"].append(rec["train_loss"])
-                    run["lr"] = max(run["lr"], rec.get("lr", 0.0))
+    for rec in read_jsonl(os.path.join(out_dir, "log.jsonl")):
+        run["last_iter"] = max(run["last_iter"], rec.get("iter", -1))
+        if "val_loss" in rec:
+            run["vals"][rec["iter"]] = rec["val_loss"]
+        if "train_loss" in rec:
+            run["train"].append(rec["train_loss"])
+            run["lr"] = max(run["lr"], rec.get("lr", 0.0))
     console = os.path.join(out_dir, "train.out")
     if os.path.exists(console):
         with open(console, errors="replace") as f:
@@ -216,11 +209,7 @@ def largest_spike(losses):
 
 def probe_summary(out_dir):
     """The probe's largest max |u| / max |v| (where, beta and kappa there) and the first non-finite u."""
-    path = os.path.join(out_dir, "probe.jsonl")
-    if not os.path.exists(path):
-        return ""
-    with open(path) as f:
-        recs = [json.loads(line) for line in f if line.strip()]
+    recs = read_jsonl(os.path.join(out_dir, "probe.jsonl"))
     finite = [r for r in recs if r["finite"]]
     out = []
     if finite:

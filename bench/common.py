@@ -127,6 +127,21 @@ def write_json(path, obj):
     atomic_write(path, json.dumps(obj, indent=1))
 
 
+def read_jsonl(path):
+    """The records of a JSON-lines file such as train.py's log.jsonl: [] if it is missing; a line that does
+    not parse (cut short by a crash) is skipped."""
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Jobs
 

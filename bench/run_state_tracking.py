@@ -22,7 +22,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from common import atomic_write, command, markdown, run_commands, versions  # noqa: E402  (bench/common.py)
+from common import atomic_write, command, markdown, read_jsonl, run_commands, versions  # noqa: E402  (bench/common.py)
 
 DF = ["--attention=deltaformer", "--n_layer=1"]
 MODELS = [  # (name, overrides of configs/state_tracking.py)
@@ -94,11 +94,6 @@ def check_triton(timeout):
     if r.returncode == 0 and out and out[-1] == "TRITON_OK":
         return True, "Triton stage 1 (agrees with the PyTorch path and is faster)"
     return False, f"PyTorch stage 1 (Triton check failed: {out[-1] if out else 'no output'})"
-
-
-def read_log(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def summarise(name, command, records, wall, target):
@@ -214,8 +209,7 @@ def main():
             out_dir = os.path.join(args.work, name)
             with open(os.path.join(out_dir, "stdout.txt")) as f:
                 stdout.append(f"===== {name} ({status}): {cmd}\n{f.read()}")
-            log_path = os.path.join(out_dir, "log.jsonl")
-            records = read_log(log_path) if os.path.exists(log_path) else []
+            records = read_jsonl(os.path.join(out_dir, "log.jsonl"))
             all_records += [json.dumps({"config": name, **r}) for r in records]
             row = summarise(name, cmd, records, wall, target)
             if status != "exit 0":
