@@ -98,7 +98,10 @@ def intercepted(self, grid):
     return lambda *args, **kwargs: compile_launch(self, args, kwargs)
 
 
-def run_model_variants(variants=None):
+RESIDUALS = ("ddl", "ddl-cc", "ddl-tc")
+
+
+def run_model_variants():
     from kernels.common import set_auto_backend
     from model import GPT, GPTConfig
 
@@ -106,15 +109,9 @@ def run_model_variants(variants=None):
     # kernels/common.py accepts CPU tensors for backend="triton" only under the interpreter; its kernels were
     # decorated (compiled, not interpreted) at import, so this only passes that check
     os.environ["TRITON_INTERPRET"] = "1"
-    variants = variants or [
-        dict(residual="additive", attention="deltaformer"),
-        dict(residual="ddl"),
-        dict(residual="ddl-cc"),
-        dict(residual="ddl-tc"),
-        dict(residual="ddl-cc", ddl_ec=False),
-        dict(residual="ddl", ddl_erase=False),  # the write-only control
-        dict(residual="ddl-tc", ddl_erase=False),
-    ]
+    variants = [dict(residual="additive", attention="deltaformer")] + [dict(residual=r) for r in RESIDUALS]
+    variants += [dict(residual="ddl-cc", ddl_ec=False)]
+    variants += [dict(residual=r, ddl_erase=False) for r in ("ddl", "ddl-tc")]  # the write-only control
     for overrides in variants:
         for state in ("float32", "bfloat16"):
             if overrides["residual"] == "additive" and state == "bfloat16":
