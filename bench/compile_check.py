@@ -98,9 +98,6 @@ def intercepted(self, grid):
     return lambda *args, **kwargs: compile_launch(self, args, kwargs)
 
 
-RESIDUALS = ("ddl", "ddl-cc", "ddl-tc")
-
-
 def run_model_variants():
     from kernels.common import set_auto_backend
     from model import GPT, GPTConfig
@@ -109,7 +106,8 @@ def run_model_variants():
     # kernels/common.py accepts CPU tensors for backend="triton" only under the interpreter; its kernels were
     # decorated (compiled, not interpreted) at import, so this only passes that check
     os.environ["TRITON_INTERPRET"] = "1"
-    variants = [dict(residual="additive", attention="deltaformer")] + [dict(residual=r) for r in RESIDUALS]
+    variants = [dict(residual="additive", attention="deltaformer")]
+    variants += [dict(residual=r) for r in ("ddl", "ddl-cc", "ddl-tc")]
     variants += [dict(residual="ddl-cc", ddl_ec=False)]
     variants += [dict(residual=r, ddl_erase=False) for r in ("ddl", "ddl-tc")]  # the write-only control
     for overrides in variants:
