@@ -137,29 +137,24 @@ def profile_step(compiled, opt, B, cfg, args, row):
     host = sorted((e for e in events if not on_gpu(e) and e.self_cpu_time_total > 0),
                   key=lambda e: -e.self_cpu_time_total)  # fmt: skip
     fwd, bwd, optim, wait = row["host_ms"]
+    per = lambda us: us / 1e3 / n  # noqa: E731  (ms per step)
     lines = [
         f"profile {row['model']} {row['variant']} micro-batch {B}: {n} step(s), kernels busy "
-        f"{total / 1e3 / n:.1f} ms/step (timed step {row['step_ms']:.1f} ms); the timed steps' host issued "
+        f"{per(total):.1f} ms/step (timed step {row['step_ms']:.1f} ms); the timed steps' host issued "
         f"the forward, backward and optimizer in {fwd:.1f} + {bwd:.1f} + {optim:.1f} ms, then waited "
-        f"{wait:.1f} ms for the GPU (medians)"
-    ]
-    lines += [f"  {k:40s} {us / 1e3 / n:8.2f} ms/step  {100 * us / total:5.1f}%"
-              for k, us in sorted(kinds.items(), key=lambda kv: -kv[1])]  # fmt: skip
-    lines.append(f"  top {top} kernels (ms/step, share, calls/step, name):")
-    lines += [
-        f"  {us / 1e3 / n:8.3f} {100 * us / total:5.1f}% {c // n:4d}  {k[:150]}" for k, us, c in kernels[:top]
-    ]
-    host_total = sum(e.self_cpu_time_total for e in host)
-    lines.append(
-        f"  host: {host_total / 1e3 / n:.1f} ms/step of CPU time in ops (profiled); the top by self time:"
-    )
-    lines += [
-        f"  {e.self_cpu_time_total / 1e3 / n:8.3f} {e.count // n:5d}  {e.key[:150]}" for e in host[:top]
-    ]
+        f"{wait:.1f} ms for the GPU (medians)",
+        *(f"  {k:40s} {per(us):8.2f} ms/step  {100 * us / total:5.1f}%"
+          for k, us in sorted(kinds.items(), key=lambda kv: -kv[1])),
+        f"  top {top} kernels (ms/step, share, calls/step, name):",
+        *(f"  {per(us):8.3f} {100 * us / total:5.1f}% {c // n:4d}  {k[:150]}" for k, us, c in kernels[:top]),
+        f"  host: {per(sum(e.self_cpu_time_total for e in host)):.1f} ms/step of CPU time in ops (profiled); "
+        "the top by self time:",
+        *(f"  {per(e.self_cpu_time_total):8.3f} {e.count // n:5d}  {e.key[:150]}" for e in host[:top]),
+    ]  # fmt: skip
     print("\n".join(lines), flush=True)
-    row["profile_kinds_ms"] = {k: round(us / 1e3 / n, 3) for k, us in kinds.items()}
-    row["profile_top"] = [[k[:200], round(us / 1e3 / n, 3), c // n] for k, us, c in kernels[:top]]
-    row["profile_host_top"] = [[e.key[:200], round(e.self_cpu_time_total / 1e3 / n, 3), e.count // n]
+    row["profile_kinds_ms"] = {k: round(per(us), 3) for k, us in kinds.items()}
+    row["profile_top"] = [[k[:200], round(per(us), 3), c // n] for k, us, c in kernels[:top]]
+    row["profile_host_top"] = [[e.key[:200], round(per(e.self_cpu_time_total), 3), e.count // n]
                                for e in host[:top]]  # fmt: skip
 
 
