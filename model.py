@@ -1,8 +1,8 @@
 """GPT with switchable residual (additive | Deep Delta Learning) and attention (softmax | Deltaformer).
 The defaults build the model of the DDL authors' released code (arXiv 2601.00417); where the paper's text
-differs, the text is a named option. Read top to bottom: config, small pieces, the residual interface (the
-only variant-specific code), Block, GPT. The stream is a vector x [B, T, d] (additive) or, for DDL, a state
-X [B, T, d, d_v] per token. A sublayer F:
+differs, the text is a named option. Read top to bottom: config, small pieces, the residual rules (the only
+variant-specific code: a module per sublayer, rule(stream, F) -> stream), Block, GPT. The stream is a vector
+x [B, T, d] (additive) or, for DDL, a state X [B, T, d, d_v] per token in a DDLStream. A sublayer F:
 
     additive:  x <- x + F(RMSNorm(x))
     DDL:       x_in = compress(X);  c = RMSNorm(x_in);  h = F(c);  khat = h / sqrt(|h|^2 + eps^2)
@@ -10,9 +10,8 @@ X [B, T, d, d_v] per token. A sublayer F:
                beta = 2 sigmoid(W_beta c + b_beta)  (in (0, 2): identity .. reflection)
                X <- X + beta khat (v^T - khat^T X)  (ddl_erase=False: X <- X + beta khat v^T)
 
-compress (a Compressor per block, one before the final norm): "ddl" takes X[..., 0]; "ddl-cc" a depthwise
-conv along d_v, "ddl-tc" a causal depthwise conv over tokens, then a read over d_v. X0: the embedding d_v
-times, or with EC a causal conv of it. Norms, gates and updates compute in fp32, X is in `ddl_state_dtype`.
+compress: a Compressor per block and one before the final norm. X0: the embedding d_v times, or with EC a
+causal conv of it. Norms, gates and updates compute in fp32; X is stored in `ddl_state_dtype`.
 """
 
 import math
@@ -27,14 +26,13 @@ from kernels.ddl import (
     cc_read_weight,
     compress_cc,
     compress_tc,
-    ddl_update,
-    ddl_update_compress_cc,
-    ddl_update_compress_tc,
     expand_ec,
 )
+from kernels.ddl.stream import DDLStream, with_history
 from kernels.deltaformer import deltaformer_attention, deltaformer_decode
 
-RESIDUALS = ("additive", "ddl", "ddl-tc", "ddl-cc")
+RESIDUALS = {}  # residual name -> its rule, a module class per sublayer (filled below, after the rules)
+DDL_RESIDUALS = ("ddl", "ddl-tc", "ddl-cc")
 ATTENTIONS = ("softmax", "deltaformer")
 CHOICES = {  # GPTConfig fields with a fixed set of values
     "residual": RESIDUALS, "attention": ATTENTIONS, "deltaformer_w": ("q", "k", "proj"),
@@ -73,9 +71,8 @@ class GPTConfig:
     ddl_v: str = "sigmoid"  # "sigmoid": 4 sigmoid(W_v x_in + b_v) (the code) | "linear": W_v c (the text)
     ddl_conv_size: int = 4  # K of the TC compressor and of EC
     ddl_state_dtype: str = "float32"  # dtype X is stored in: "float32" (= parameter dtype) | "bfloat16"
-    # autograd keeps the state entering every Nth block; the backward rebuilds the states in between from it
-    # and the updates since (less memory, more backward work). 0: every sublayer's state kept. None -> 0 at
-    # d_v = 1 (the state is the sublayer's input, which autograd keeps anyway), else 4
+    # autograd keeps the state entering every Nth block, the backward rebuilds the others from it (less
+    # memory, more backward work). 0: every sublayer's. None: 0 at d_v = 1 (kept anyway as input), else 4
     ddl_keep_state_every: int | None = None  # DDL state kept every Nth block, rebuilt between (0: all)
     attention: str = "softmax"  # "softmax" (causal attention) | "deltaformer"
     deltaformer_w: str = "k"  # w of kappa(w_i, k_j): "k" | "q" | "proj" (its own projection)
@@ -90,17 +87,15 @@ class GPTConfig:
             if not ok(getattr(self, name)):
                 raise ValueError(f"GPTConfig.{name} must be {what}, got {getattr(self, name)!r}")
 
-        def is_int(x):
-            return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+        def number(ok, kind=(int, float)):
+            return lambda x: isinstance(x, kind) and not isinstance(x, bool) and ok(x)
 
-        def number(ok):
-            return lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and ok(x)
-
+        positive_int = number(lambda x: x >= 1, int)
         for name, allowed in CHOICES.items():
-            check(name, lambda x, allowed=allowed: x in allowed, f"one of {allowed}")
+            check(name, lambda x, allowed=allowed: x in allowed, f"one of {tuple(allowed)}")
         for name in ("n_layer", "n_head", "n_embd", "head_dim", "block_size", "vocab_size", "ddl_conv_size"):
-            check(name, is_int, "a positive int")
-        check("mlp_hidden", lambda x: x is None or is_int(x), "a positive int or None")
+            check(name, positive_int, "a positive int")
+        check("mlp_hidden", lambda x: x is None or positive_int(x), "a positive int or None")
         for name in ("ddl_ec", "ddl_erase"):
             check(name, lambda x: isinstance(x, bool), "True or False")
         check("head_dim", lambda x: x % 2 == 0, "even (RoPE rotates pairs)")
@@ -109,16 +104,15 @@ class GPTConfig:
             check(name, number(lambda x: x > 0), "a number > 0")
         check("ddl_beta_init", number(lambda x: 0 < x < 2), "a number in (0, 2) (beta = 2 sigmoid(.))")
         # d_v: resolved here so that asdict() -> GPTConfig(**) round-trips to the same model.
-        allowed_dv = {"additive": (None,), "ddl": (None, 1)}.get(self.residual)
+        allowed_dv = {"ddl": (None, 1), "ddl-tc": None, "ddl-cc": None}.get(self.residual, (None,))
         if allowed_dv is not None:
             check("ddl_dv", lambda x: x in allowed_dv, f"one of {allowed_dv} for residual={self.residual!r}")
         if self.is_ddl and self.ddl_dv is None:
             self.ddl_dv = 1 if self.residual == "ddl" else 4
-        check("ddl_dv", lambda x: not self.is_ddl or is_int(x), "a positive int")
+        check("ddl_dv", lambda x: not self.is_ddl or positive_int(x), "a positive int")
         if self.ddl_keep_state_every is None:
             self.ddl_keep_state_every = 0 if self.ddl_dv in (None, 1) else 4
-        check("ddl_keep_state_every", lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0,
-              "an int >= 0")  # fmt: skip
+        check("ddl_keep_state_every", number(lambda x: x >= 0, int), "an int >= 0")
 
     @classmethod
     def preset(cls, name, **overrides):
@@ -132,11 +126,7 @@ class GPTConfig:
 
     @property
     def is_ddl(self):
-        return self.residual != "additive"
-
-    @property
-    def uses_ec(self):
-        return self.ddl_ec and self.residual in ("ddl-tc", "ddl-cc")
+        return self.residual in DDL_RESIDUALS
 
     @property
     def hidden(self):
@@ -144,27 +134,9 @@ class GPTConfig:
 
 
 @dataclass
-class Cache:
-    """Decoding: `pos` tokens seen so far, and per-module tensors (keyed by module or (module, slot))."""
-
+class Cache:  # decoding: `pos` tokens seen so far, and per-module tensors (keyed by module or (module, slot))
     pos: int = 0
     store: dict = field(default_factory=dict)
-
-
-def with_history(cache, key, x, n):
-    """x [B, T, ...] with the last n steps cached under key in front (zeros at the start of the sequence,
-    i.e. the same zero padding a causal conv uses at t < 0); remembers the last n steps for next time."""
-    if n == 0:
-        return x
-    past = cache.store.get(key)
-    if past is None:  # the first call only: no zeros allocated on every decoding step
-        past = x.new_zeros((x.shape[0], n) + tuple(x.shape[2:]))
-    full = torch.cat([past, x], dim=1)
-    cache.store[key] = full[:, -n:]
-    return full
-
-
-# ---- Small pieces ----------------------------------------------------------------------------------------
 
 
 class RMSNorm(nn.Module):
@@ -228,14 +200,13 @@ class Attention(nn.Module):
         n_proj = 4 if (self.deltaformer and cfg.deltaformer_w == "proj") else 3  # q, k, v (, w)
         self.c_attn = nn.Linear(cfg.n_embd, n_proj * width, bias=False)
         self.c_proj = nn.Linear(width, cfg.n_embd, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps), RMSNorm(cfg.head_dim, cfg.norm_eps)
         if n_proj == 4:
             self.w_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         if self.deltaformer:
             self.beta = nn.Linear(cfg.n_embd, cfg.n_head, bias=True)  # per-head gate
-        # RoPE angles of positions 0..block_size-1, computed once (recomputing the sines inside the compiled
-        # q/k kernels cost 12% of a GPT-2 small training step, measured). Not saved in checkpoints.
+        # RoPE angles of positions < block_size, once (recomputed in the compiled q/k kernels they cost 12% of
+        # a GPT-2 small training step, measured). Not saved in checkpoints.
         cos, sin = rope_tables(cfg.block_size, cfg.head_dim, cfg.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -247,31 +218,29 @@ class Attention(nn.Module):
         cos, sin = self.rope_cos[pos : pos + T], self.rope_sin[pos : pos + T]  # pos + T <= block_size
         q = self.q_norm(apply_rope(heads[0], cos, sin))
         k = self.k_norm(apply_rope(heads[1], cos, sin))
-        v = heads[2]
         if self.deltaformer:
-            y = self._deltaformer(c, q, k, v, heads, (cos, sin), cache)
+            w = {"q": q, "k": k}.get(self.cfg.deltaformer_w)
+            if w is None:  # "proj": its own projection, roped and normed like k
+                w = self.w_norm(apply_rope(heads[3], cos, sin))
+            y = self._deltaformer(c, q, k, heads[2], w, cache)
         else:
-            y = self._softmax(q, k, v, cache)
+            y = self._softmax(q, k, heads[2], cache)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
     def _softmax(self, q, k, v, cache):
         if cache is not None:  # append to the key/value cache; the T new queries see all of it
             if self in cache.store:
-                k_past, v_past = cache.store[self]
-                k, v = torch.cat([k_past, k], dim=2), torch.cat([v_past, v], dim=2)
+                k, v = (torch.cat([past, new], dim=2) for past, new in zip(cache.store[self], (k, v)))
             cache.store[self] = (k, v)
         T, S = q.shape[2], k.shape[2]
         dropout = self.cfg.dropout if self.training else 0.0
-        if S == T:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # query t sits at S - T + t
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        mask = (
+            None if S == T else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        )  # t at S-T+t
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=S == T)
 
-    def _deltaformer(self, c, q, k, v, heads, rope, cache):
+    def _deltaformer(self, c, q, k, v, w, cache):
         cfg = self.cfg
-        w = {"q": q, "k": k}.get(cfg.deltaformer_w)
-        if w is None:  # "proj": its own projection, roped and normed like k
-            w = self.w_norm(apply_rope(heads[3], *rope))
         beta = cfg.deltaformer_beta_max * torch.sigmoid(fp32_linear(c, self.beta.weight, self.beta.bias))
         beta = beta.transpose(1, 2)  # [B, H, T], fp32
         if cache is None:
@@ -282,82 +251,37 @@ class Attention(nn.Module):
         return y
 
 
-# ---- The residual interface: how a sublayer reads from and writes to the stream (the variants differ here)
+# ---- The residual rules: a module per sublayer, rule(stream, F) -> the stream after F read and wrote it.
+# The stream is what the rule chooses: a tensor x [B, T, d] (additive), or a DDLStream around X (DDL).
 
 
-class Compressor(nn.Module):
-    """DDL: reads the d-vector a sublayer (or the LM head) sees out of the state X [B, T, d, d_v]."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.kind, self.backend, d, dv = cfg.residual, cfg.backend, cfg.n_embd, cfg.ddl_dv
-        if self.kind == "ddl-cc":  # depthwise conv along d_v (kernel d_v, centred), then the read
-            self.conv = nn.Parameter(identity_conv(d, 1, dv, tap=(dv - 1) // 2)[:, 0])
-        elif self.kind == "ddl-tc":  # causal depthwise conv over tokens (tap K-1 = now), then the read
-            self.conv = nn.Parameter(identity_conv(d, dv, cfg.ddl_conv_size))
-        if self.kind != "ddl":
-            self.read = nn.Parameter(torch.full((dv,), 1.0 / dv))
-
-    def cc_weight(self):  # DDL-CC's conv and read as the one linear map [d, d_v] they are
-        return cc_read_weight(self.conv, self.read)
-
-    def forward(self, X, cache=None, slot=None):
-        if self.kind == "ddl":
-            return X[..., 0]
-        if self.kind == "ddl-cc":
-            return compress_cc(X, self.cc_weight(), backend=self.backend)
-        T, K = X.shape[1], self.conv.shape[-1]
-        if cache is not None:  # the conv needs the K-1 states before the new ones (one history per slot)
-            X = with_history(cache, (self, slot), X, K - 1)
-        return compress_tc(X, self.conv, self.read, backend=self.backend)[:, X.shape[1] - T :]
-
-
-def identity_conv(d, dv, K, tap=None):
-    """[d, d_v, K] depthwise conv weight that passes its input through: tap `tap` (default K-1) is 1."""
-    w = torch.zeros(d, dv, K)
-    w[:, :, K - 1 if tap is None else tap] = 1.0
-    return w
-
-
-class Residual(nn.Module):
-    """One sublayer's residual connection: pre-norm, run F, write the result into the stream."""
+class Additive(nn.Module):
+    """x <- x + F(RMSNorm(x))."""
 
     def __init__(self, cfg):
         super().__init__()
-        self.cfg = cfg
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.drop = nn.Dropout(cfg.dropout)
-        if cfg.is_ddl:
-            self.v_proj = nn.Linear(cfg.n_embd, cfg.ddl_dv, bias=cfg.ddl_v == "sigmoid")  # W_v (, b_v)
-            self.beta = nn.Linear(cfg.n_embd, 1, bias=True)  # W_beta, b_beta
 
-    def forward(
-        self, X, sublayer, read=None, x_in=None, next_read=None, cache=None, slot=None, rebuild_from=None,
-        return_step=False,
-    ):  # fmt: skip
-        """-> (new stream, the next sublayer's input if the write computed it (a fused CC/TC read of
-        next_read) else None, with return_step (X, this DDL update's step) else None). rebuild_from: (X0,
-        the steps of the updates that made X from X0); the backward rebuilds X from them instead of keeping
-        it (kernels/ddl: return_step, rebuild_from)."""
-        if not self.cfg.is_ddl:
-            return X + self.drop(sublayer(self.norm(X))), None, None
-        if x_in is None:
-            x_in = read(X, cache, slot)
-        x_in = x_in.to(self.norm.weight.dtype)  # a bf16 state's read joins the parameter dtype
+    def forward(self, x, sublayer):
+        return x + self.drop(sublayer(self.norm(x)))
+
+
+class Residual(Additive):
+    """DDL: x_in = compress(X); c = RMSNorm(x_in); h = F(c); X <- X + beta khat (v^T - khat^T X)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)  # the norm and the dropout
+        self.cfg = cfg
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.ddl_dv, bias=cfg.ddl_v == "sigmoid")  # W_v (, b_v)
+        self.beta = nn.Linear(cfg.n_embd, 1, bias=True)  # W_beta, b_beta
+
+    def forward(self, stream, sublayer):
+        x_in = stream.read().to(self.norm.weight.dtype)  # a bf16 state's read joins the parameter dtype
         c = self.norm(x_in)
         h = self.drop(sublayer(c))
         v, beta = self.value_and_gate(x_in, c)
-        kw = dict(eps=DDL_EPS, erase=self.cfg.ddl_erase, backend=self.cfg.backend, rebuild_from=rebuild_from)
-        kind = next_read.kind if next_read is not None else None
-        if kind == "ddl-cc":
-            out = ddl_update_compress_cc(X, h, v, beta, next_read.cc_weight(), **kw, return_step=return_step)
-        elif kind == "ddl-tc" and cache is None:  # decoding reads through the Compressor's history instead
-            read_tc = (next_read.conv, next_read.read)
-            out = ddl_update_compress_tc(X, h, v, beta, *read_tc, **kw, return_step=return_step)
-        else:
-            out = ddl_update(X, h, v, beta, **kw, return_step=return_step)
-            out = (out[0], None, out[1]) if return_step else (out, None)
-        return out[0], out[1], ((X, out[2]) if return_step else None)
+        return stream.write(h, v, beta)  # khat = h / sqrt(|h|^2 + eps^2), in the update
 
     def value_and_gate(self, x_in, c):
         """(v [B, T, d_v], beta [B, T]) in fp32, as in the module docstring."""
@@ -367,42 +291,49 @@ class Residual(nn.Module):
         return DDL_V_SCALE * torch.sigmoid(fp32_linear(x_in, self.v_proj.weight, self.v_proj.bias)), beta
 
 
+RESIDUALS.update({"additive": Additive, "ddl": Residual, "ddl-tc": Residual, "ddl-cc": Residual})
+
+
+class Compressor(nn.Module):
+    """DDL: reads the d-vector a sublayer (or the LM head) sees out of the state X [B, T, d, d_v]."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.kind, self.backend, d, dv = cfg.residual, cfg.backend, cfg.n_embd, cfg.ddl_dv
+        if self.kind == "ddl-cc":  # depthwise conv along d_v (kernel d_v, centred), then the read
+            self.conv = nn.Parameter(identity_conv(d, dv, tap=(dv - 1) // 2))
+        elif self.kind == "ddl-tc":  # causal depthwise conv over tokens (tap K-1 = now), then the read
+            self.conv = nn.Parameter(identity_conv(d, dv, cfg.ddl_conv_size))
+        if self.kind != "ddl":
+            self.read = nn.Parameter(torch.full((dv,), 1.0 / dv))
+
+    def cc_weight(self):  # DDL-CC's conv and read as the one linear map [d, d_v] they are
+        return cc_read_weight(self.conv, self.read)
+
+    def forward(self, X):
+        if self.kind == "ddl":
+            return X[..., 0]
+        if self.kind == "ddl-cc":
+            return compress_cc(X, self.cc_weight(), backend=self.backend)
+        return compress_tc(X, self.conv, self.read, backend=self.backend)
+
+
+def identity_conv(*shape, tap=None):
+    """A depthwise conv weight [..., K] that passes its input through: tap `tap` (default K-1) is 1."""
+    return torch.zeros(shape).index_fill_(-1, torch.tensor([shape[-1] - 1 if tap is None else tap]), 1.0)
+
+
 class Block(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         if cfg.is_ddl:  # one compressor per block: it reads the stream before attention and before the MLP
             self.compress = Compressor(cfg)
-        self.res_attn = Residual(cfg)
-        self.attn = Attention(cfg)
-        self.res_mlp = Residual(cfg)
-        self.mlp = MLP(cfg)
+        self.res_attn, self.attn = RESIDUALS[cfg.residual](cfg), Attention(cfg)
+        self.res_mlp, self.mlp = RESIDUALS[cfg.residual](cfg), MLP(cfg)
 
-    def forward(self, X, x_in=None, pos=0, cache=None, next_read=None, rebuild_from=None, rebuild=False):
-        """(stream, precomputed input or None) -> the same after attention and MLP (see Residual), and
-        with rebuild, rebuild_from (X0, the updates since; None: X) extended by this block's updates."""
-        read = getattr(self, "compress", None)
-        attn = lambda c: self.attn(c, pos, cache)
-        kw = dict(cache=cache, return_step=rebuild)
-        X, x_in, update = self.res_attn(
-            X, attn, read, x_in, next_read=read, slot="attn", rebuild_from=rebuild_from, **kw
-        )
-        rebuild_from = extend_chain(rebuild_from, update)
-        X, x_in, update = self.res_mlp(
-            X, self.mlp, read, x_in, next_read=next_read, slot="mlp", rebuild_from=rebuild_from, **kw
-        )
-        return X, x_in, extend_chain(rebuild_from, update)
-
-
-def extend_chain(chain, update):
-    """(X0, steps) after one more DDL update (X, step); None (no update, or its step not asked for) stays
-    None."""
-    if update is None:
-        return None
-    X, step = update
-    return (X, (step,)) if chain is None else (chain[0], chain[1] + (step,))
-
-
-# ---- The model -------------------------------------------------------------------------------------------
+    def forward(self, x, pos=0, cache=None):
+        x = self.res_attn(x, lambda c: self.attn(c, pos, cache))
+        return self.res_mlp(x, self.mlp)
 
 
 class GPT(nn.Module):
@@ -413,7 +344,7 @@ class GPT(nn.Module):
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        if cfg.uses_ec:
+        if cfg.ddl_ec and cfg.residual in ("ddl-tc", "ddl-cc"):  # EC
             self.ec_conv = nn.Parameter(identity_conv(cfg.n_embd, cfg.ddl_dv, cfg.ddl_conv_size))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         if cfg.is_ddl:
@@ -461,7 +392,7 @@ class GPT(nn.Module):
         if not cfg.is_ddl:
             return emb
         emb = emb.to(torch.bfloat16 if cfg.ddl_state_dtype == "bfloat16" else emb.dtype)  # X's dtype
-        if not cfg.uses_ec:
+        if not hasattr(self, "ec_conv"):
             return emb[..., None].expand(*emb.shape, cfg.ddl_dv).contiguous()
         T = emb.shape[1]
         if cache is not None:
@@ -475,40 +406,30 @@ class GPT(nn.Module):
         pos = 0 if cache is None else cache.pos
         if pos + T > cfg.block_size:
             raise ValueError(f"sequence of {pos + T} tokens exceeds block_size {cfg.block_size}")
-        X, x_in = self.embed(idx, cache), None
-        if cfg.is_ddl:  # the first read here, so every Block gets an x_in (one compiled Block serves all)
-            x_in = self.blocks[0].compress(X, cache, "attn")
-        # the Compressor that reads the state after each block, whose read the block's last write fuses
-        readers = [getattr(b, "compress", None) for b in self.blocks[1:]] + [getattr(self, "readout", None)]
-        every = cfg.ddl_keep_state_every if cfg.is_ddl and torch.is_grad_enabled() else 0
-        chain = None  # (the last state kept for the backward, the updates since)
-        for i, (block, next_read) in enumerate(zip(self.blocks, readers)):
-            if every and i % every == 0:
-                chain = None
-            X, x_in, chain = block(X, x_in, pos, cache, next_read, rebuild_from=chain, rebuild=every > 0)
-        if cfg.is_ddl:  # the last write fused the readout's read unless it could not (d_v = 1, TC decoding)
-            X = (x_in if x_in is not None else self.readout(X, cache)).to(self.ln_f.weight.dtype)
+        x = self.embed(idx, cache)  # [B, T, d], or X0 [B, T, d, d_v] for the stream that runs the DDL ops
+        if cfg.is_ddl:
+            x = DDLStream(x, DDL_EPS, cfg.ddl_erase, cfg.backend, cfg.ddl_keep_state_every, cache)
+        for block in self.blocks:
+            x = block(x.enter(block.compress) if cfg.is_ddl else x, pos, cache)
+        x = (x.enter(self.readout).read() if cfg.is_ddl else x).to(self.ln_f.weight.dtype)
         if cache is not None:
             cache.pos += T
-        return self.ln_f(X)
+        return self.ln_f(x)
 
     def forward(self, idx, targets=None):
         if idx.dim() != 2 or idx.dtype != torch.long:
             raise ValueError(f"idx must be int64 [B, T], got {idx.dtype} {tuple(idx.shape)}")
         if targets is not None and (targets.shape != idx.shape or targets.dtype != torch.long):
-            raise ValueError(
-                f"targets must be int64 {tuple(idx.shape)}, got {targets.dtype} {tuple(targets.shape)}"
-            )
+            raise ValueError(f"targets must be int64 {tuple(idx.shape)}, got {targets.dtype} {targets.shape}")
         x = self.hidden_states(idx)
         if targets is None:  # inference: only the last position (nanoGPT convention)
             return self.lm_head(x[:, -1:]), None
         return self.logits_and_loss(x, targets)
 
     def logits_and_loss(self, x, targets):
-        """LM head and mean cross-entropy (-1 ignored) of final-normed features x [B, T, d]. A method of
-        its own so that a regional compile (bench_train.py --compile-scope blocks) can compile it too."""
-        logits = self.lm_head(x)
-        # (autocast runs cross_entropy in fp32)
+        """LM head and mean cross-entropy (-1 ignored) of final-normed x [B, T, d] (a method: a regional
+        compile, bench_train.py --compile-scope blocks, compiles it too)."""
+        logits = self.lm_head(x)  # (autocast runs cross_entropy in fp32)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
@@ -522,9 +443,8 @@ class GPT(nn.Module):
         the weights + 12 L H D T for attention (Deltaformer's stage 1 doubles it) + the DDL updates,
         ~4 d d_v + 3 d per sublayer forward, x3 with the backward."""
         cfg = self.config
-        flops = 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
-        if cfg.attention == "deltaformer":
-            flops += 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+        stages = 2 if cfg.attention == "deltaformer" else 1
+        flops = 6 * self.num_params() + stages * 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
         if cfg.is_ddl:
             flops += 3 * 2 * cfg.n_layer * (4 * cfg.n_embd * cfg.ddl_dv + 3 * cfg.n_embd)
         return flops

@@ -1,36 +1,25 @@
 """Deltaformer attention speed on one GPU: causal SDPA vs FLA 0.6.0's Deltaformer vs ours (Triton).
 
-    python bench/bench_attention.py                 # five shapes (SHAPES), bf16
-    python bench/bench_attention.py --variants      # also our kernel's variants (VARIANTS below)
-    python bench/bench_attention.py --no-fla --graph-variants softmax --variant-shapes 0,1  # variants alone
+    python bench/bench_attention.py --json bench.json   # five shapes (SHAPES), bf16
 
-Times are medians of triton.testing.do_bench (CUDA events) in ms. "fwd" is the forward alone, "f+b" the
-forward plus the backward of all inputs. FLA's Deltaformer (when `fla` imports) is its u-stage
-(ParallelDeltaformerFunction, [B, T, H, D] layout) followed by causal SDPA, as in deltaformer_attn
-without flash-attn. The floors for our kernel are the larger of two numbers: the minimal matrix FLOPs
-(forward 4 T^2 D per head: two causal products per stage; forward+backward 12 T^2 D) over the measured
-bf16 matrix rate, and the minimal bytes (inputs read once, outputs written once) over the copy bandwidth.
-"f+b graph" is the same forward+backward as a CUDA graph's replay: the GPU's time without the host's launch
-work, which at these sizes can exceed it (--overhead). Prints the command, GPU and versions first; --json
-writes every number.
-
---variants / --graph-variants / --kernel-profile time our kernel's options (VARIANTS: deltaformer_u_triton's
-keyword arguments).
+ms, medians of do_bench (common.median_ms); "fwd": the forward alone, "f+b": forward + backward of all
+inputs; "f+b graph": the same as a CUDA graph's replay (the GPU's time without the host's launch work,
+which at these sizes can exceed it). FLA's Deltaformer (when `fla` imports): its u-stage
+(ParallelDeltaformerFunction) then causal SDPA. Our floors: the larger of the minimal matrix FLOPs
+(forward 4 T^2 D per head, f+b 12 T^2 D) over the measured bf16 matmul rate and the minimal bytes over the
+copy bandwidth. --json writes every number.
 """
 
 import argparse
-import json
 import math
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from common import atomic_write, versions  # noqa: E402  (bench/common.py, this script's folder)
-from triton.testing import do_bench  # noqa: E402
+from common import command, graph_ms, markdown, median_ms, versions, write_json  # noqa: E402
 
 from kernels.deltaformer import deltaformer_u_triton  # noqa: E402
 
@@ -39,15 +28,11 @@ SHAPES = [(8, 12, 1024, 64), (8, 6, 1024, 128), (4, 12, 2048, 64), (2, 12, 4096,
 
 def measure_ceilings():
     """bf16 matmul TFLOP/s on random data and device-to-device copy GB/s (read + write)."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = do_bench(lambda: a @ b, return_mode="median")
-    tflops = 2 * 8192**3 / ms / 1e9
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    tflops = 2 * 8192**3 / median_ms(lambda: a @ b) / 1e9
     x = torch.empty(2 << 30, device="cuda", dtype=torch.uint8)
     y = torch.empty_like(x)
-    ms = do_bench(lambda: y.copy_(x), return_mode="median")
-    gbs = 2 * x.numel() / ms / 1e6
-    return tflops, gbs
+    return tflops, 2 * x.numel() / median_ms(lambda: y.copy_(x)) / 1e6
 
 
 def make(B, H, T, D, kernel="softmax", dtype=torch.bfloat16, seed=0):
@@ -63,19 +48,25 @@ def make(B, H, T, D, kernel="softmax", dtype=torch.bfloat16, seed=0):
 
 
 def time_fn(fn, inputs, backward):
+    """Median ms of the forward alone (no grad) or of the forward + backward of every input (do_bench resets
+    their .grad between calls, outside the timed span)."""
+    return median_ms(call(fn, inputs, backward), grad_to_none=list(inputs))
+
+
+def call(fn, inputs, backward, reset=False):
+    """One call of fn on inputs: the forward under no_grad, or forward + backward (reset: the inputs' .grad
+    set to None first, as do_bench's grad_to_none does, else every call adds one more kernel per input)."""
     grad_out = torch.randn_like(fn(*inputs))
-    if not backward:
 
-        def run():
+    def run():
+        if not backward:
             with torch.no_grad():
-                fn(*inputs)
+                return fn(*inputs)
+        for x in inputs if reset else ():
+            x.grad = None
+        fn(*inputs).backward(grad_out)
 
-    else:
-
-        def run():
-            fn(*inputs).backward(grad_out)
-
-    return do_bench(run, warmup=25, rep=100, grad_to_none=list(inputs), return_mode="median")
+    return run
 
 
 def sdpa(q, k, v, w, beta):
@@ -90,218 +81,12 @@ def ours(kernel, **opts):
     return fn
 
 
-# Our kernel's variants, each against the default in the same run: (name, keyword arguments of
-# deltaformer_u_triton), for --variants / --graph-variants (times, and u / gradient differences to the
-# default) and --kernel-profile (kernel-by-kernel times). Few on purpose: every variant compiles its
-# kernels anew (~2 s each).
-VARIANTS = [
-    ("default", {}),
-    ("lowp=False", {"lowp": False}),
-    ("chunk=32", {"chunk": 32}),
-]
-
-
-def fn_bwd(fn, inputs, grad_out):
-    """One forward+backward with the inputs' .grad reset first, as do_bench's grad_to_none does (else every
-    call after the first adds its gradients to the old ones: one more elementwise kernel per input)."""
-    for x in inputs:
-        x.grad = None
-    fn(*inputs).backward(grad_out)
-
-
 def graph_time(fn, inputs, backward=True):
-    """Median ms of a CUDA graph's replay of one forward(+backward): the GPU's time for the same kernels
-    without the host's launch gaps (what a compiled, GPU-bound training step sees). NaN if capture fails."""
-    grad_out = torch.randn_like(fn(*inputs))
-
-    def run():
-        if backward:
-            fn_bwd(fn, inputs, grad_out)
-        else:
-            with torch.no_grad():
-                fn(*inputs)
-
-    try:  # warm-up on a side stream, then capture, as in PyTorch's whole-network capture example
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        ms = do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
-    except Exception as e:  # noqa: BLE001
-        print(f"CUDA graph failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        ms = math.nan
+    """Median ms of a CUDA graph's replay of one forward(+backward): the GPU's time alone."""
+    ms = graph_ms(call(fn, inputs, backward, reset=True))
     for x in inputs:
         x.grad = None
     return ms
-
-
-def kernel_times(fn, inputs, iters=10):
-    """{kernel name: GPU microseconds per call} over `iters` forward+backward calls (torch.profiler)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    grad_out = torch.randn_like(fn(*inputs))
-    for _ in range(3):
-        fn_bwd(fn, inputs, grad_out)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn_bwd(fn, inputs, grad_out)
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        if getattr(e, "device_type", None) != DeviceType.CUDA:
-            continue
-        us = getattr(e, "self_device_time_total", None)
-        us = getattr(e, "self_cuda_time_total", 0.0) if us is None else us
-        out[e.key] = out.get(e.key, 0.0) + us / iters
-    return out
-
-
-def overhead(shape, kernels, results):
-    """Is a forward+backward bound by the host? Per f+b, ms: do_bench's median (what the table reports);
-    the host's issue time alone (the GPU held busy by a sleep kernel meanwhile, so the host never waits
-    for it); a CUDA graph's replay (the same kernels without host gaps); the sum of GPU kernel times."""
-    fns = {"sdpa": sdpa, **{kernel: ours(kernel) for kernel in kernels}}
-    print(f"\nhost overhead at {shape}, ms per forward+backward")
-    print("| fn | do_bench | host issue | CUDA graph replay | kernel sum |")
-    print("|---|---|---|---|---|")
-    for name, fn in fns.items():
-        inputs = make(*shape, kernel=next((k for k in kernels if name.startswith(k)), "softmax"))
-        row = {"do_bench": time_fn(fn, inputs, True)}
-        grad_out = torch.randn_like(fn(*inputs))
-        n = 20
-        for _ in range(3):
-            fn_bwd(fn, inputs, grad_out)
-        torch.cuda.synchronize()
-        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time: the host issues n iterations meanwhile
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn_bwd(fn, inputs, grad_out)
-        row["host issue"] = (time.perf_counter() - t0) * 1e3 / n
-        torch.cuda.synchronize()
-        row["CUDA graph replay"] = graph_time(fn, inputs)
-        row["kernel sum"] = sum(kernel_times(fn, inputs).values()) / 1e3
-        results.setdefault("overhead", {})[f"{','.join(map(str, shape))} {name}"] = row
-        print(f"| {name} | " + " | ".join(f"{v:.3f}" for v in row.values()) + " |", flush=True)
-    # where the host time of one forward+backward goes (the GPU held busy meanwhile)
-    import cProfile
-    import pstats
-
-    fn, inputs = fns[kernels[0]], make(*shape, kernel=kernels[0])
-    grad_out = torch.randn_like(inputs[0])
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(20):
-        fn_bwd(fn, inputs, grad_out)
-    prof.disable()
-    print(f"\nhost profile of 20 x {kernels[0]} forward+backward (cProfile, by own time)")
-    pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(22)
-    torch.cuda.synchronize()
-
-
-def selected(names):
-    """The VARIANTS entries named in `names` (all if empty)."""
-    return [entry for entry in VARIANTS if not names or entry[0] in names]
-
-
-def compile_variants(shapes, kernels, variants):
-    """One forward+backward of each variant: fills Triton's on-disk cache (processes side by side compile
-    different variants before one process times them all)."""
-    for shape in shapes:
-        for kernel in kernels:
-            inputs = make(*shape, kernel=kernel)
-            for _, opts in selected(variants):
-                ours(kernel, **opts)(*inputs).sum().backward()
-                torch.cuda.synchronize()
-
-
-def kernel_profile(shape, kernels, results, variants):
-    """Per-kernel times (us per f+b) of the VARIANTS named in `variants` (all if empty); one table
-    per first-stage kernel."""
-    for kernel in kernels:
-        inputs = make(*shape, kernel=kernel)
-        table = {}
-        for name, opts in selected(variants):
-            try:
-                times = kernel_times(ours(kernel, **opts), inputs)
-                times["(f+b ms, do_bench)"] = 1e3 * time_fn(ours(kernel, **opts), inputs, True)
-                times["(f+b ms, CUDA graph)"] = 1e3 * graph_time(ours(kernel, **opts), inputs)
-                table[name] = times
-            except Exception as e:  # noqa: BLE001
-                print(
-                    f"profile variant {kernel} {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True
-                )
-            print(
-                f"  {kernel} {name}: "
-                + ", ".join(f"{k[:40]} {v:.0f}" for k, v in table.get(name, {}).items() if v >= 5),
-                flush=True,
-            )
-        results.setdefault("kernel_profile", {})[f"{','.join(map(str, shape))} {kernel}"] = table
-        names = sorted(
-            {k for t in table.values() for k in t}, key=lambda k: -table.get("default", {}).get(k, 0)
-        )
-        print(f"\nper-kernel us per f+b, {kernel}, {shape} (columns: variants)")
-        print("| kernel | " + " | ".join(table) + " |")
-        print("|---" * (len(table) + 1) + "|")
-        for k in names:
-            if max(t.get(k, 0) for t in table.values()) < 3:
-                continue
-            print(
-                f"| {k[:60]} | " + " | ".join(f"{t.get(k, float('nan')):.0f}" for t in table.values()) + " |"
-            )
-        print("", flush=True)
-
-
-def graph_variants(shapes, kernels, results, variants):
-    """The f+b time of each variant as a CUDA graph's replay (GPU time alone, a few seconds per variant, where
-    the profiler takes ~45 s), and its u and gradients against the default's (relative norms)."""
-    for shape in shapes:
-        for kernel in kernels:
-            inputs = make(*shape, kernel=kernel)
-            grad_u = torch.randn_like(inputs[2])
-            u0, g0 = u_and_grads(inputs, kernel, {}, grad_u)
-            sd = graph_time(sdpa, inputs)
-            print(f"\n{kernel} at {shape}: f+b ms (CUDA graph replay; SDPA alone: {sd:.3f})")
-            print("| variant | fwd graph | f+b graph | f+b do_bench | u-diff | grad-diff | wall s |")
-            print("|---" * 7 + "|")
-            for name, opts in selected(variants):
-                t0 = time.perf_counter()
-                try:
-                    u, g = u_and_grads(inputs, kernel, opts, grad_u)
-                    row = {
-                        "fwd graph": graph_time(ours(kernel, **opts), inputs, backward=False),
-                        "f+b graph": graph_time(ours(kernel, **opts), inputs),
-                        "f+b do_bench": time_fn(ours(kernel, **opts), inputs, True),
-                        "u-diff": rel(u, u0),
-                        "grad-diff": rel(g, g0),
-                        "wall s": time.perf_counter() - t0,
-                    }
-                except Exception as e:  # noqa: BLE001  (a variant that fails must not end the run)
-                    print(f"variant {kernel} {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                    continue
-                key = f"{','.join(map(str, shape))} {kernel} {name}"
-                results.setdefault("graph_variants", {})[key] = row
-                print(f"| {name} | " + " | ".join(f"{v:.4g}" for v in row.values()) + " |", flush=True)
-
-
-def u_and_grads(inputs, kernel, opts, grad_u):
-    """u and the gradients of <u, grad_u> in k, v, w, beta, flattened into one fp32 vector each."""
-    q, k, v, w, beta = (x.detach().requires_grad_(True) for x in inputs)
-    u = deltaformer_u_triton(k, v, w, beta, kernel=kernel, **opts)
-    grads = torch.autograd.grad(u, (k, v, w, beta), grad_u)
-    return u.detach().float(), torch.cat([g.float().flatten() for g in grads])
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 def fla_fn():
@@ -320,147 +105,63 @@ def fla_fn():
     return fn
 
 
-def write_json(path, results):
-    if path:
-        atomic_write(path, json.dumps(results, indent=1))
+def measure_shape(B, H, T, D, fla, tflops, gbs):
+    """fwd and f+b medians of SDPA, FLA, ours (softmax, relu), f+b graph replays, and our floors, ms."""
+    res = {}
+    fns = {"sdpa": sdpa, "fla": fla, "softmax": ours("softmax"), "relu": ours("relu")}
+    for name, fn in fns.items():
+        if fn is None:
+            continue
+        inputs = make(B, H, T, D, kernel="relu" if name == "relu" else "softmax")
+        for mode in ("fwd", "f+b"):
+            res[f"{name} {mode}"] = time_fn(fn, inputs, backward=mode == "f+b")
+        if name != "fla":  # FLA's Python loop over chunks: its host time is its cost
+            res[f"{name} f+b graph"] = graph_time(fn, inputs)
+    print(f"{B},{H},{T},{D}: " + ", ".join(f"{k} {v:.3f}" for k, v in res.items()), flush=True)
+    bh, n = B * H, B * H * T * D
+    bytes_fwd = 2 * (5 * n + bh * T)  # read q k v w beta, write o (bf16)
+    bytes_fb = bytes_fwd + 2 * (6 * n + bh * T)  # + read do, write dq dk dv dw dbeta
+    res["floor fwd"] = max(4 * T * T * D * bh / tflops / 1e9, bytes_fwd / gbs / 1e6)
+    res["floor f+b"] = max(12 * T * T * D * bh / tflops / 1e9, bytes_fb / gbs / 1e6)
+    return res
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", action="store_true", help="after the table: every VARIANTS entry, timed")
-    ap.add_argument("--variant-shapes", default="0,2", help="indices into SHAPES for the variants")
-    ap.add_argument("--variant-kernels", default="softmax", help="kernels for --variants, comma-separated")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--no-fla", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="kernel-by-kernel times of one configuration")
     ap.add_argument("--json", default="", help="write all numbers to this file")
-    ap.add_argument(
-        "--kernel-profile",
-        default="",
-        help="first-stage kernels (comma-separated) to profile VARIANTS kernel by kernel, then exit",
-    )
-    ap.add_argument("--profile-shape", type=int, default=0, help="index into SHAPES for --kernel-profile")
-    ap.add_argument("--profile-variants", default="", help="names from VARIANTS (default: all)")
-    ap.add_argument("--compile-only", action="store_true", help="with --kernel-profile: compile, do not time")
-    ap.add_argument("--overhead", default="", help="kernels (comma-sep.): host-overhead table, then exit")
-    ap.add_argument(
-        "--graph-variants",
-        default="",
-        help="kernels (comma-sep.): VARIANTS (--profile-variants) timed by CUDA graph replay at "
-        "--variant-shapes, then exit",
-    )
     args = ap.parse_args()
+    save = lambda: args.json and write_json(args.json, results)
 
-    print("Command: `python " + " ".join(sys.argv) + "`")
-    print(versions())
+    print(f"Command: `{command(__file__)}`", versions(), sep="\n")
     tflops, gbs = measure_ceilings()
     print(f"measured ceilings: bf16 matmul {tflops:.0f} TFLOP/s, device copy {gbs:.0f} GB/s")
+    results = {"tflops": tflops, "gbs": gbs, "shapes": {}}
     fla = None if args.no_fla else fla_fn()
-    rows, results = [], {"tflops": tflops, "gbs": gbs, "shapes": {}}
-    variant_shapes = [SHAPES[int(i)] for i in args.variant_shapes.split(",")]
-    if args.overhead:
-        overhead(SHAPES[args.profile_shape], args.overhead.split(","), results)
-        write_json(args.json, results)
-        return
-    if args.graph_variants:
-        variants = [v for v in args.profile_variants.split(",") if v]
-        if args.compile_only:
-            return compile_variants(variant_shapes, args.graph_variants.split(","), variants)
-        graph_variants(variant_shapes, args.graph_variants.split(","), results, variants)
-        write_json(args.json, results)
-        return
-    if args.kernel_profile:
-        variants = [v for v in args.profile_variants.split(",") if v]
-        if args.compile_only:
-            return compile_variants([SHAPES[args.profile_shape]], args.kernel_profile.split(","), variants)
-        kernel_profile(SHAPES[args.profile_shape], args.kernel_profile.split(","), results, variants)
-        write_json(args.json, results)
-        return
-
-    for B, H, T, D in SHAPES:
-        res = {}
-        fns = {"sdpa": sdpa, "fla": fla, "softmax": ours("softmax"), "relu": ours("relu")}
-        for name, fn in fns.items():
-            if fn is None:
-                continue
-            inputs = make(B, H, T, D, kernel="relu" if name == "relu" else "softmax")
-            for mode in ("fwd", "f+b"):
-                res[f"{name} {mode}"] = time_fn(fn, inputs, backward=mode == "f+b")
-            if name != "fla":  # FLA's Python loop over chunks: its host time is its cost
-                res[f"{name} f+b graph"] = graph_time(fn, inputs)
-        print(f"{B},{H},{T},{D}: " + ", ".join(f"{k} {v:.3f}" for k, v in res.items()), flush=True)
-        bh = B * H
-        flop_fwd, flop_fb = 4 * T * T * D * bh, 12 * T * T * D * bh
-        n = bh * T * D
-        bytes_fwd = 2 * (5 * n + bh * T)  # read q k v w beta, write o (bf16)
-        bytes_fb = bytes_fwd + 2 * (6 * n + bh * T)  # + read do, write dq dk dv dw dbeta
-        floor_fwd = max(flop_fwd / tflops / 1e9, bytes_fwd / gbs / 1e6)
-        floor_fb = max(flop_fb / tflops / 1e9, bytes_fb / gbs / 1e6)
-        res.update({"floor fwd": floor_fwd, "floor f+b": floor_fb})
-        results["shapes"][f"{B},{H},{T},{D}"] = res
-        rows.append(((B, H, T, D), res))
-        write_json(args.json, results)  # after every shape: a run cut short keeps what it measured
-
-    if args.profile:  # where the time of one softmax forward+backward goes, kernel by kernel
-        from torch.profiler import ProfilerActivity, profile
-
-        inputs = make(*SHAPES[0])
-        fn = ours("softmax")
-        grad_out = torch.randn_like(fn(*inputs))
-        for _ in range(3):
-            fn(*inputs).backward(grad_out)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                fn(*inputs).backward(grad_out)
-            torch.cuda.synchronize()
-        print(f"profile of 10 x softmax f+b at {SHAPES[0]}:")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
-
-    write_json(args.json, results)
+    for shape in SHAPES:
+        results["shapes"][",".join(map(str, shape))] = measure_shape(*shape, fla, tflops, gbs)
+        save()  # after every shape: a run cut short keeps what it measured
 
     print("\nmedians in ms, bf16; ours/SDPA = time ratio; FLA/ours = speed-up over FLA 0.6.0")
-    cols = [
-        "sdpa fwd",
-        "sdpa f+b",
-        "fla fwd",
-        "fla f+b",
-        "softmax fwd",
-        "softmax f+b",
-        "relu fwd",
-        "relu f+b",
-    ]
-    head = cols + [
-        "softmax/SDPA f+b",
-        "relu/SDPA f+b",
-        "FLA/softmax f+b",
-        "FLA/relu f+b",
-        "floor fwd",
-        "floor f+b",
-    ]
-    print("| B,H,T,D | " + " | ".join(head) + " |")
-    print("|---" * (len(head) + 1) + "|")
-    for shape, r in rows:
-        vals = [r.get(c, math.nan) for c in cols]
+    cols = [f"{n} {m}" for n in ("sdpa", "fla", "softmax", "relu") for m in ("fwd", "f+b")]
+    head = ["B,H,T,D", *cols, "softmax/SDPA f+b", "relu/SDPA f+b", "FLA/softmax f+b", "FLA/relu f+b"]
+    rows, graph_rows = [], []
+    for shape, r in results["shapes"].items():
         sd, fl, so, re_ = (r.get(c, math.nan) for c in ("sdpa f+b", "fla f+b", "softmax f+b", "relu f+b"))
-        ratios = [so / sd, re_ / sd, fl / so, fl / re_]
-        cells = [f"{x:.3f}" for x in vals] + [f"{x:.2f}x" for x in ratios]
-        cells += [f"{r['floor fwd']:.3f}", f"{r['floor f+b']:.3f}"]
-        print(f"| {','.join(map(str, shape))} | " + " | ".join(cells) + " |")
-
+        cells = [f"{r.get(c, math.nan):.3f}" for c in cols] + [
+            f"{x:.2f}x" for x in (so / sd, re_ / sd, fl / so, fl / re_)
+        ]
+        rows.append([shape, *cells, f"{r['floor fwd']:.3f}", f"{r['floor f+b']:.3f}"])
+        sd, so, re_ = (r.get(f"{n} f+b graph", math.nan) for n in ("sdpa", "softmax", "relu"))
+        graph_rows.append(
+            [shape] + [f"{x:.3f}" for x in (sd, so, re_)] + [f"{so / sd:.2f}x", f"{re_ / sd:.2f}x"]
+        )
+    print("\n".join(markdown(head + ["floor fwd", "floor f+b"], rows)))
     # the same f+b as CUDA graph replays: the GPU's time alone. At these sizes the host's launch work
-    # (~1.3 ms per f+b for ours, 0.25 for SDPA: --overhead) can exceed it, and do_bench then times the host.
+    # (~1.3 ms per f+b for ours, 0.25 for SDPA) can exceed it, and do_bench then times the host.
     print("\nf+b as CUDA graph replays (GPU time), ms, and the ratios to SDPA's replay")
-    cols = ["sdpa f+b graph", "softmax f+b graph", "relu f+b graph"]
-    print("| B,H,T,D | " + " | ".join(cols) + " | softmax/SDPA | relu/SDPA |\n|---|---|---|---|---|---|")
-    for shape, r in rows:
-        sd, so, re_ = (r.get(c, math.nan) for c in cols)
-        cells = [f"{x:.3f}" for x in (sd, so, re_)] + [f"{so / sd:.2f}x", f"{re_ / sd:.2f}x"]
-        print(f"| {','.join(map(str, shape))} | " + " | ".join(cells) + " |")
-
-    # last, so that a run cut short still has the main table and the profile
-    if args.variants:
-        graph_variants(variant_shapes, args.variant_kernels.split(","), results, [])
-        write_json(args.json, results)
+    head = ["B,H,T,D", "sdpa f+b graph", "softmax f+b graph", "relu f+b graph", "softmax/SDPA", "relu/SDPA"]
+    print("\n".join(markdown(head, graph_rows)))
 
 
 if __name__ == "__main__":

@@ -15,16 +15,14 @@ split against this (the yardstick), and the final train losses.
 """
 
 import argparse
-import json
 import os
 import runpy
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import atomic_write, versions  # noqa: E402
+from bench.common import atomic_write, command, markdown, read_jsonl, run_commands, versions  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/shakespeare.py"
@@ -49,11 +47,7 @@ def run_args(variant, run, iters, data_dir, extra=()):
 
 def train_losses(run_dir):
     """{iteration: train loss} from a run's log.jsonl ({} if it has none)."""
-    path = os.path.join(run_dir, "log.jsonl")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records = read_jsonl(os.path.join(run_dir, "log.jsonl"))
     return {r["iter"]: r["train_loss"] for r in records if "train_loss" in r}
 
 
@@ -67,27 +61,17 @@ def diffs(a, b):
 
 
 def table(out, variants):
-    fmt = lambda d: "n/a | n/a" if d is None else f"{d[0]:.2e} | {d[1]:.2e}"  # noqa: E731
-    head = [
-        "variant",
-        "iters",
-        "ref - this: max",
-        "mean",
-        "split - this (yardstick): max",
-        "mean",
-        "final this / ref",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|---|---:|---:|---:|---:|---:|---|"]
+    fmt = lambda d: ["n/a", "n/a"] if d is None else [f"{d[0]:.2e}", f"{d[1]:.2e}"]  # noqa: E731
+    head = ["variant", "iters", "ref - this: max", "mean", "split - this (yardstick): max", "mean"]
+    rows = []
     for v in variants:
         losses = {run: train_losses(os.path.join(out, f"{v}-{run}")) for run in RUNS}
         this = losses["this"]
         last = max(this) if this else None
         final = f"{this[last]:.4f} / {losses['ref'].get(last, float('nan')):.4f}" if this else "n/a"
-        lines.append(
-            f"| {v} | {len(this)} | {fmt(diffs(losses['ref'], this))} | {fmt(diffs(losses['split'], this))} "
-            f"| {final} |"
-        )
-    return "\n".join(lines)
+        ref, split = diffs(losses["ref"], this), diffs(losses["split"], this)
+        rows.append([v, len(this), *fmt(ref), *fmt(split), final])
+    return "\n".join(markdown(head + ["final this / ref"], rows, ["---"] + ["---:"] * 5 + ["---"]))
 
 
 def main(argv=None):
@@ -112,20 +96,19 @@ def main(argv=None):
         return
     if not args.ref or not os.path.exists(os.path.join(args.ref, "train.py")):
         p.error(f"--ref must be a checkout holding train.py, got {args.ref!r}")
-    command = "python bench/bench_curves.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    procs = []
+    jobs = []
     for v in variants:
         for run in RUNS:
             run_dir = os.path.abspath(os.path.join(args.out, f"{v}-{run}"))
             os.makedirs(run_dir, exist_ok=True)
-            cwd = os.path.abspath(args.ref) if run == "ref" else REPO
             cmd = [sys.executable, "train.py", CONFIG, f"--out_dir={run_dir}"]
             cmd += run_args(v, run, args.iters, args.data_dir, args.set)
-            with open(os.path.join(run_dir, "train.out"), "w") as f:
-                procs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd), run_dir))
+            cwd = os.path.abspath(args.ref) if run == "ref" else REPO
+            jobs.append(dict(name=run_dir, cmd=cmd, cwd=cwd, log=os.path.join(run_dir, "train.out")))
     t0 = time.time()
-    failed = [d for proc, d in procs if proc.wait() != 0]
-    report = f"Command: `{command}`\n{versions()}\n{len(procs)} runs in {time.time() - t0:.0f} s"
+    failed = [j["name"] for j in run_commands(jobs, [None] * len(jobs)) if j["status"] != "exit 0"]
+    took = time.time() - t0
+    report = f"Command: `{command(__file__, argv)}`\n{versions()}\n{len(jobs)} runs in {took:.0f} s"
     report += f"; failed (see train.out): {failed}\n\n" if failed else "\n\n"
     report += table(args.out, variants)
     print(report)

@@ -2,41 +2,26 @@
 
     python bench/bench_data.py [--workers N] [--mb 100] [--repeats 2]
 
-Corpus: the 38 Shakespeare plays (data/shakespeare.py's plain text) cut into ~4 KB documents (~1,000
-tokens, about FineWeb-Edu's average) and repeated up to --mb megabytes of UTF-8, written to a temporary
-parquet file in FineWeb-Edu's column layout with 1,000-row row groups.
-
-  raw       enc.encode_ordinary_batch(texts, num_threads=N) on the texts already in memory
-  pipeline  data/fineweb_edu.py's prepare(--input that.parquet, --workers N): N processes read the parquet
-            row groups and tokenize, the main process writes shards (2M tokens each) and the state file;
-            end to end, pool start included
-
-Both report MB/s of UTF-8 text and tokens/s (wall clock), and MB per CPU-second (user + system time of
-all threads and processes involved: a measure of efficiency that holds up when other jobs share the
-cores); the best of --repeats interleaved runs is shown. Prints the command and versions with the table.
+Corpus: the Shakespeare plays cut into ~4 KB documents (FineWeb-Edu's average), repeated up to --mb MB,
+in a temporary parquet file of FineWeb-Edu's layout. raw: enc.encode_ordinary_batch(texts, num_threads=N)
+on texts in memory; pipeline: data/fineweb_edu.py's prepare(workers=N) end to end (read, tokenize, write
+2M-token shards). MB/s and tokens/s on the wall clock, and MB per CPU-second (all threads and processes:
+holds up when other jobs share the cores); the best of --repeats interleaved runs.
 """
 
 import argparse
 import os
-import resource
 import shutil
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import versions  # noqa: E402  (bench/common.py, this script's folder)
+from common import Span, command, versions  # noqa: E402  (bench/common.py, this script's folder)
 
 from data.fineweb_edu import prepare  # noqa: E402
 from data.shakespeare import load_plays  # noqa: E402
 from data.tokenizer import get_encoding  # noqa: E402
-
-
-def cpu_seconds():
-    """User + system CPU time of this process (all threads) and of its children that have exited."""
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def make_corpus(megabytes, doc_bytes=4000):
@@ -80,23 +65,23 @@ def main():
 
         raw, pipe = [], []  # (wall seconds, CPU seconds of this process and its reaped children)
         for _ in range(args.repeats):
-            t0, c0 = time.perf_counter(), cpu_seconds()
-            ids = enc.encode_ordinary_batch(texts, num_threads=args.workers)
-            raw.append((time.perf_counter() - t0, cpu_seconds() - c0))
+            with Span() as span:
+                ids = enc.encode_ordinary_batch(texts, num_threads=args.workers)
+            raw.append((span.seconds, span.cpu_seconds))
             ntokens = sum(len(i) for i in ids)
             del ids
             out = os.path.join(tmp, "out")
             shutil.rmtree(out, ignore_errors=True)
-            t0, c0 = time.perf_counter(), cpu_seconds()
-            prepare(out, inputs=[parquet], shard_tokens=2_000_000, workers=args.workers, progress=False)
-            pipe.append((time.perf_counter() - t0, cpu_seconds() - c0))
+            with Span() as span:
+                prepare(out, inputs=[parquet], shard_tokens=2_000_000, workers=args.workers, progress=False)
+            pipe.append((span.seconds, span.cpu_seconds))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
     pipe_tokens = ntokens + len(texts)  # the pipeline also writes one EOT per document
     import tiktoken
 
-    print("Command: `python bench/bench_data.py " + " ".join(sys.argv[1:]) + "`")
+    print(f"Command: `{command(__file__)}`")
     print(
         f"{versions()}; tiktoken {tiktoken.__version__}; pyarrow {pa.__version__}; {os.cpu_count()} CPU cores"
     )

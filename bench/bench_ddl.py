@@ -1,30 +1,24 @@
-"""DDL kernel micro-benchmarks (kernels/ddl/, one GPU): time per call of the update, the fused update +
-read-out and the compressors, forward and forward + backward, with the bytes each must move and the
-resulting GB/s against the copy bandwidth measured in the same run; torch.compile of the PyTorch reference
-beside them (fp32).
+"""DDL kernel micro-benchmarks (kernels/ddl/, one GPU): time per call (median_ms) of the update, the fused
+update + read-out and the compressors, forward and forward + backward (autograd.grad: no accumulation into
+.grad), with the minimal bytes each must move (S: a pass over the [N, d, d_v] state, V: over [N, d]) and
+the GB/s against the copy bandwidth measured in the same run; torch.compile of the reference beside them.
 
-    python bench/bench_ddl.py                 # fp32 and bf16 state, d 768, d_v 4 and 1, K 4
+    python bench/bench_ddl.py                 # fp32 and bf16 state, d 768, d_v 4 and 1, K 4, N = 32,768
     python bench/bench_ddl.py --quick         # Triton, fp32 only
-    python bench/bench_ddl.py --sweeps        # only the update kernels' launch shapes (LAUNCH)
-
-N = --tokens tokens (as [N / 1024, 1024]); times are medians of triton.testing.do_bench. Bytes are the
-minimal passes over the state (S = N d d_v elements) and the [N, d] vectors (V): e.g. the update's forward
-reads x and writes x' (2 S + V), its forward + backward also reads dL/dx' and x again and writes dx
-(5 S + 3 V). Forward + backward uses autograd.grad (no accumulation into .grad). The launch-shape rows
-run with entries of the launch table (kernels/ddl/triton.py LAUNCH) replaced (`launch_shapes`). Prints
-the command, GPU and versions, then one line per case; --out also writes bench_ddl.json.
+    python bench/bench_ddl.py --sweeps        # only the launch shapes of kernels/ddl/triton.py's LAUNCH
 """
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from common import atomic_write, versions  # noqa: E402  (bench/common.py, this script's folder)
+from common import command, median_ms, versions, write_json  # noqa: E402  (bench/common.py)
+
+N, D = 32768, 768  # tokens (as [N / 1024, 1024]), width
 
 
 @contextlib.contextmanager
@@ -41,46 +35,52 @@ def launch_shapes(**entries):
         LAUNCH.update(saved)
 
 
+class Cases:
+    """Times each case (median_ms after one call that compiles it), prints its line and keeps its row; a case
+    that fails prints why and the run goes on."""
+
+    def __init__(self):
+        self.rows = []
+
+    def __call__(self, name, fn, nbytes):
+        try:
+            fn()
+            ms = median_ms(fn)
+        except Exception as e:  # noqa: BLE001
+            print(f"{name} FAILED: {type(e).__name__}: {e}"[:300], flush=True)
+            return
+        r = dict(name=name, us=ms * 1e3, GB=nbytes / 1e9, GBps=nbytes / ms / 1e6)
+        print(f"{name:60s} {r['us']:9.1f} us  {r['GB']:7.3f} GB  {r['GBps']:7.0f} GB/s", flush=True)
+        self.rows.append(r)
+
+
 def bench_kernels(args):
-    from triton.testing import do_bench
-
-    out = []
-
-    def report(name, ms, nbytes):
-        line = f"{name:60s} {ms * 1e3:9.1f} us  {nbytes / 1e9:7.3f} GB  {nbytes / ms / 1e6:7.0f} GB/s"
-        print(line, flush=True)
-        out.append(dict(name=name, us=ms * 1e3, GB=nbytes / 1e9, GBps=nbytes / ms / 1e6))
-
+    case = Cases()
     bufs = [torch.randint(0, 255, (2**30,), dtype=torch.uint8, device="cuda"), None]
     bufs[1] = torch.empty_like(bufs[0])
-    ms = do_bench(lambda: bufs[1].copy_(bufs[0]), return_mode="median")
-    report("copy 1 GiB (read + write)", ms, 2 * 2**30)
+    case("copy 1 GiB (read + write)", lambda: bufs[1].copy_(bufs[0]), 2 * 2**30)
     bufs.clear()
     if args.sweeps:  # only these
-        bench_kernel_sweeps(args, do_bench, report)
-        return out
+        for dtype in (torch.bfloat16, torch.float32):
+            for dv in (4, 1):
+                sweep_update(case, dtype, dv)
+                torch.cuda.empty_cache()
+        return case.rows
     for dtype in (torch.float32,) if args.quick else (torch.float32, torch.bfloat16):
-        bench_kernels_dtype(args, dtype, do_bench, report)
+        bench_kernels_dtype(args, dtype, case)
         torch.cuda.empty_cache()
-    bench_kernels_dv1(args, do_bench, report)
-    return out
+    bench_kernels_dv1(args, case)
+    return case.rows
 
 
-def bench_kernel_sweeps(args, do_bench, report):
-    """Launch choices of the update kernels, bf16 and fp32 state, N tokens, d 768, forward + backward
-    (autograd.grad: no accumulation into .grad). Each line names the LAUNCH entry it sets; the shipped
-    one is marked. Bytes: the minimal passes (update: 5 S + 3 V; fused CC: 5 S + 5 V; S a state pass)."""
-    for dtype in (torch.bfloat16, torch.float32):
-        for dv in (4, 1):
-            sweep_update(args, do_bench, report, dtype, dv)
-            torch.cuda.empty_cache()
-
-
-def sweep_update(args, do_bench, report, dtype, dv):
+def sweep_update(case, dtype, dv):
+    """Launch choices of the update kernels, forward + backward (autograd.grad: no accumulation into .grad).
+    Each line names the LAUNCH entry it sets; the shipped one is marked. Bytes: the minimal passes (update:
+    5 S + 3 V; fused CC: 5 S + 5 V; S a state pass)."""
     from kernels import ddl
     from kernels.ddl.triton import LAUNCH, _cfg
 
-    N, d = args.tokens, 768
+    d = D
     # what ships for this state dtype (an entry's per-dtype shape, else its own, without the sub-entries)
     ship = {key: {n: c for n, c in _cfg(key, dtype).items() if not isinstance(c, dict)} for key in LAUNCH}
     es = torch.finfo(dtype).bits // 8
@@ -93,12 +93,13 @@ def sweep_update(args, do_bench, report, dtype, dv):
     gx, gh = torch.randn_like(x), torch.randn_like(k)
     S, V = N * d * dv * es, N * d * es
 
-    def timed(name, fn, nbytes):
-        try:
-            fn()
-            report(f"{name} [{tag}]", do_bench(fn, return_mode="median"), nbytes)
-        except Exception as e:
-            print(f"{name} [{tag}] FAILED: {type(e).__name__}: {e}"[:300], flush=True)
+    def sweep(key, cfgs, *cases):
+        """Each of cases (label, fn, bytes) with LAUNCH[key] set to each of cfgs in turn."""
+        for cfg in cfgs:
+            mark = " (shipped)" if cfg == ship[key] else ""
+            with launch_shapes(**{key: cfg}):
+                for label, fn, nbytes in cases:
+                    case(f"{label} {key}={cfg}{mark} [{tag}]", fn, nbytes)
 
     def upd(update=ddl.ddl_update):
         return torch.autograd.grad(update(x, k, v, beta, backend="triton"), (x, k, v, beta), gx)
@@ -107,43 +108,17 @@ def sweep_update(args, do_bench, report, dtype, dv):
         out = ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton")
         return torch.autograd.grad(out, (x, k, v, beta, w), (gx, gh))
 
-    if dv == 1:  # the compiled reference: what Inductor makes of the same update
+    if dv == 1:  # the compiled reference (what Inductor makes of the same update), then the row kernels
         ref_c = torch.compile(ddl.ddl_update_ref)
-        timed(
-            "d_v=1 update f+b torch.compile(ref)",
-            lambda: torch.autograd.grad(ref_c(x, k, v, beta), (x, k, v, beta), gx),
-            5 * S + 3 * V,
-        )
-    if dv == 1:
-        row_cfgs = [dict(ROWS=0, num_warps=4)]
-        row_cfgs += [
-            dict(ROWS=r, num_warps=nw)
-            for r, nw in ((1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8), (16, 8))
-        ]
-        for cfg in row_cfgs:
-            mark = " (shipped)" if cfg == ship["update_row"] else ""
-            with launch_shapes(update_row=cfg):
-                timed(f"d_v=1 update f+b update_row={cfg}{mark}", upd, 5 * S + 3 * V)
-        return
-    bwd_cfgs = [
-        dict(TOKENS=32, PIPELINE=False, num_warps=4),
-        dict(TOKENS=8, PIPELINE=False, num_warps=4),
-        dict(TOKENS=16, PIPELINE=True, num_warps=4),
-        dict(TOKENS=32, PIPELINE=True, num_warps=4),
-        dict(TOKENS=32, PIPELINE=False, num_warps=8),  # 4 warps spill (bench/compile_check.py)
-        dict(TOKENS=8, PIPELINE=False, num_warps=8),
-        dict(TOKENS=32, PIPELINE=False, num_warps=16),
-        dict(TOKENS=16, PIPELINE=True, num_warps=8),
-    ]
-    for tok, nw in ((1, 4), (1, 2), (2, 4), (4, 4)):  # forward: 1 token/program looked latency-bound in bf16
-        cfg = dict(TOKENS=tok, num_warps=nw)
-        mark = " (shipped)" if cfg == ship["update_fwd"] else ""
-        with launch_shapes(update_fwd=cfg):
-            timed(
-                f"update+cc fwd update_fwd={cfg}{mark}",
-                lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"),
-                2 * S + 2 * V,
-            )
+        ref = lambda: torch.autograd.grad(ref_c(x, k, v, beta), (x, k, v, beta), gx)  # noqa: E731
+        case(f"d_v=1 update f+b torch.compile(ref) [{tag}]", ref, 5 * S + 3 * V)
+        rows = ((1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8), (16, 8))
+        cfgs = [dict(ROWS=0, num_warps=4)] + [dict(ROWS=r, num_warps=nw) for r, nw in rows]
+        return sweep("update_row", cfgs, ("d_v=1 update f+b", upd, 5 * S + 3 * V))
+    # forward: 1 token/program looked latency-bound in bf16
+    cfgs = [dict(TOKENS=tok, num_warps=nw) for tok, nw in ((1, 4), (1, 2), (2, 4), (4, 4))]
+    fwd = lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton")  # noqa: E731
+    sweep("update_fwd", cfgs, ("update+cc fwd", fwd, 2 * S + 2 * V))
 
     def fused_run(rebuild, n=4):  # n fused CC updates in a row; rebuild: keep only x, as the model does
         X, hs, chain = x, [], None
@@ -155,78 +130,55 @@ def sweep_update(args, do_bench, report, dtype, dv):
             X, hs = out[0], hs + [out[1]]
         return torch.autograd.grad([X, *hs], (x, k, v, beta, w), [gx] + [gh] * n)
 
-    for cfg in bwd_cfgs:
-        mark = " (shipped)" if cfg == ship["update_bwd"] else ""
-        with launch_shapes(update_bwd=cfg):
-            timed(f"update f+b update_bwd={cfg}{mark}", upd, 5 * S + 3 * V)
-            timed(f"update+cc f+b update_bwd={cfg}{mark}", fused, 5 * S + 5 * V)
-            for rebuild in (False, True):  # bytes as without the rebuild, whose reads of k come on top
-                name = f"4 x update+cc f+b, {'rebuilt from the first' if rebuild else 'each input kept'}"
-                timed(f"{name} update_bwd={cfg}{mark}", lambda r=rebuild: fused_run(r), 4 * (5 * S + 5 * V))
+    # (tokens, pipelined, warps); 32 tokens at 4 warps spill (bench/compile_check.py)
+    bwd = ((32, 0, 4), (8, 0, 4), (16, 1, 4), (32, 1, 4), (32, 0, 8), (8, 0, 8), (32, 0, 16), (16, 1, 8))
+    cfgs = [dict(TOKENS=t, PIPELINE=bool(p), num_warps=nw) for t, p, nw in bwd]
+    sweep(  # the rebuilt runs' bytes as without the rebuild, whose reads of k come on top
+        "update_bwd", cfgs, ("update f+b", upd, 5 * S + 3 * V), ("update+cc f+b", fused, 5 * S + 5 * V),
+        ("4 x update+cc f+b, each input kept", lambda: fused_run(False), 4 * (5 * S + 5 * V)),
+        ("4 x update+cc f+b, rebuilt from the first", lambda: fused_run(True), 4 * (5 * S + 5 * V)),
+    )  # fmt: skip
     cw = torch.randn(d, dv, 4, device="cuda", requires_grad=True)  # TC: K = 4
     read = torch.randn(dv, device="cuda", requires_grad=True)
-
-    def fused_tc():
-        out = ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton")
-        return torch.autograd.grad(out, (x, k, v, beta, cw, read), (gx, gh))
-
+    tc = lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton")  # noqa: E731
+    fused_tc = lambda: torch.autograd.grad(tc(), (x, k, v, beta, cw, read), (gx, gh))  # noqa: E731
     tc_cfgs = ((64, 128, 2, 4), (64, 128, 1, 4), (128, 128, 3, 4), (64, 256, 2, 8), (32, 64, 2, 2))
-    for tok, bd, stages, nw in tc_cfgs:  # the TC read-out's forward (one pass in token order)
-        cfg = dict(TOKENS=tok, BLOCK_D=bd, STAGES=stages, num_warps=nw)
-        mark = " (shipped)" if cfg == ship["tc_fwd"] else ""
-        with launch_shapes(tc_fwd=cfg):
-            timed(
-                f"update+tc fwd tc_fwd={cfg}{mark}",
-                lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton"),
-                2 * S + 2 * V,
-            )
-    for tok, nw in ((1, 4), (1, 8), (1, 16), (4, 4), (4, 8), (16, 8)):  # tokens per program share the taps
-        cfg = dict(TOKENS=tok, num_warps=nw)
-        mark = " (shipped)" if cfg == ship["tc_bwd"] else ""
-        with launch_shapes(tc_bwd=cfg):
-            timed(f"update+tc f+b tc_bwd={cfg}{mark}", fused_tc, 6 * S + 6 * V)
-    for tok, bd, nw in ((64, 256, 4), (32, 128, 4), (128, 128, 4), (64, 128, 8), (64, 64, 4)):
-        cfg = dict(TOKENS=tok, BLOCK_D=bd, num_warps=nw)  # per-channel backwards (TC's weight gradient)
-        mark = " (shipped)" if cfg == ship["chan_bwd"] else ""
-        with launch_shapes(chan_bwd=cfg):
-            timed(f"update+tc f+b chan_bwd={cfg}{mark}", fused_tc, 6 * S + 6 * V)
+    cfgs = [dict(TOKENS=t, BLOCK_D=bd, STAGES=st, num_warps=nw) for t, bd, st, nw in tc_cfgs]
+    sweep("tc_fwd", cfgs, ("update+tc fwd", tc, 2 * S + 2 * V))  # the TC read-out's one-pass forward
+    # tokens per program share the taps
+    cfgs = [dict(TOKENS=t, num_warps=nw) for t, nw in ((1, 4), (1, 8), (1, 16), (4, 4), (4, 8), (16, 8))]
+    sweep("tc_bwd", cfgs, ("update+tc f+b", fused_tc, 6 * S + 6 * V))
+    chan = ((64, 256, 4), (32, 128, 4), (128, 128, 4), (64, 128, 8), (64, 64, 4))  # TC's weight gradient
+    cfgs = [dict(TOKENS=t, BLOCK_D=bd, num_warps=nw) for t, bd, nw in chan]
+    sweep("chan_bwd", cfgs, ("update+tc f+b", fused_tc, 6 * S + 6 * V))
 
 
-def bench_kernels_dv1(args, do_bench, report):
+def bench_kernels_dv1(args, case):
     """Scalar DDL (d_v = 1): the state is one d-vector per token, like the additive stream."""
     from kernels import ddl
 
-    N, d = args.tokens, 768
-    x = torch.randn(N // 1024, 1024, d, 1, device="cuda", requires_grad=True)
-    k = torch.randn(N // 1024, 1024, d, device="cuda", requires_grad=True)
+    x = torch.randn(N // 1024, 1024, D, 1, device="cuda", requires_grad=True)
+    k = torch.randn(N // 1024, 1024, D, device="cuda", requires_grad=True)
     v = torch.randn(N // 1024, 1024, 1, device="cuda", requires_grad=True)
     beta = torch.rand(N // 1024, 1024, device="cuda", requires_grad=True)
     gx = torch.randn_like(x)
-    S = N * d * 4
+    S = N * D * 4
     upd_c = torch.compile(ddl.ddl_update_ref)
     cases = [("triton", lambda: ddl.ddl_update(x, k, v, beta, backend="triton"))]
     if not args.quick:
         cases.append(("torch.compile(ref)", lambda: upd_c(x, k, v, beta)))
     for name, fn in cases:
-        fn()
-        report(f"update fwd  {name} [float32, d_v=1, N={N}]", do_bench(fn, return_mode="median"), 3 * S)
-
-        def fb(fn=fn):
-            torch.autograd.grad(fn(), (x, k, v, beta), gx)
-
-        fb()
-        report(f"update f+b  {name} [float32, d_v=1, N={N}]", do_bench(fb, return_mode="median"), 8 * S)
+        case(f"update fwd  {name} [float32, d_v=1, N={N}]", fn, 3 * S)
+        fb = lambda fn=fn: torch.autograd.grad(fn(), (x, k, v, beta), gx)
+        case(f"update f+b  {name} [float32, d_v=1, N={N}]", fb, 8 * S)
 
 
-def bench_kernels_dtype(args, dtype, do_bench, report):
+def bench_kernels_dtype(args, dtype, case):
     from kernels import ddl
 
-    dev = "cuda"
-    N, d, dv, K = args.tokens, 768, 4, 4
-    B, T = N // 1024, 1024
+    dev, d, dv, K, B, T = "cuda", D, 4, 4, N // 1024, 1024
     es = torch.finfo(dtype).bits // 8
-    S = N * d * dv * es  # bytes of one pass over the state
-    V = N * d * es  # bytes of one pass over a [N, d] vector
+    S, V = N * d * dv * es, N * d * es  # bytes of one pass over the state, over a [N, d] vector
     tag = f"{str(dtype).replace('torch.', '')}, N={N}"
     x = torch.randn(B, T, d, dv, device=dev, dtype=dtype, requires_grad=True)
     k = torch.randn(B, T, d, device=dev, dtype=dtype, requires_grad=True)
@@ -243,10 +195,7 @@ def bench_kernels_dtype(args, dtype, do_bench, report):
     updcc_c = torch.compile(ddl.ddl_update_compress_cc_ref)
     tc_c = torch.compile(ddl.compress_tc_ref)
 
-    def fb(fn, grads):
-        """forward + backward; autograd.grad returns fresh gradients (no accumulation into .grad,
-        which would add a read-modify-write of the state to every timing)"""
-
+    def fb(fn, grads):  # forward + backward; autograd.grad: no read-modify-write of .grad in the timing
         def run():
             outs = fn()
             outs = outs if isinstance(outs, tuple) else (outs,)
@@ -259,37 +208,20 @@ def bench_kernels_dtype(args, dtype, do_bench, report):
         xn = ddl.ddl_update(x, k, v, beta, backend="triton")
         return xn, ddl.compress_cc(xn, w, backend="triton")
 
+    upd = lambda: ddl.ddl_update(x, k, v, beta, backend="triton")  # noqa: E731
+    updcc = lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton")  # noqa: E731
+    updtc = lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton")  # noqa: E731
     cases = [
-        ("update fwd  triton", lambda: ddl.ddl_update(x, k, v, beta, backend="triton"), 2 * S + V),
+        ("update fwd  triton", upd, 2 * S + V),
         ("update fwd  torch.compile(ref)", lambda: upd_c(x, k, v, beta), 2 * S + V),
-        (
-            "update f+b  triton",
-            fb(lambda: ddl.ddl_update(x, k, v, beta, backend="triton"), (gx,)),
-            5 * S + 3 * V,
-        ),
+        ("update f+b  triton", fb(upd, (gx,)), 5 * S + 3 * V),
         ("update f+b  torch.compile(ref)", fb(lambda: upd_c(x, k, v, beta), (gx,)), 5 * S + 3 * V),
-        (
-            "update+cc f+b  fused triton",
-            fb(lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"), (gx, gh)),
-            5 * S + 5 * V,
-        ),
-        (
-            "update+cc fwd  fused triton",
-            lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"),
-            2 * S + 2 * V,
-        ),
+        ("update+cc f+b  fused triton", fb(updcc, (gx, gh)), 5 * S + 5 * V),
+        ("update+cc fwd  fused triton", updcc, 2 * S + 2 * V),
         ("update+cc f+b  triton, unfused", fb(unfused, (gx, gh)), 5 * S + 5 * V),
         ("update+cc f+b  torch.compile(ref)", fb(lambda: updcc_c(x, k, v, beta, w), (gx, gh)), 5 * S + 5 * V),
-        (
-            "update+tc f+b  fused triton",
-            fb(lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton"), (gx, gh)),
-            6 * S + 6 * V,
-        ),
-        (
-            "update+tc fwd  fused triton",
-            lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton"),
-            2 * S + 2 * V,
-        ),
+        ("update+tc f+b  fused triton", fb(updtc, (gx, gh)), 6 * S + 6 * V),
+        ("update+tc fwd  fused triton", updtc, 2 * S + 2 * V),
         ("cc f+b  triton", fb(lambda: ddl.compress_cc(x, w, backend="triton"), (gh,)), 3 * S + 2 * V),
         ("tc f+b  triton", fb(lambda: ddl.compress_tc(x, cw, read, backend="triton"), (gh,)), 3 * S + 2 * V),
         ("tc f+b  torch.compile(ref)", fb(lambda: tc_c(x, cw, read), (gh,)), 3 * S + 2 * V),
@@ -298,51 +230,24 @@ def bench_kernels_dtype(args, dtype, do_bench, report):
     if dtype != torch.float32 or args.quick:  # torch.compile comparisons once, in fp32 (model's dtype)
         cases = [c for c in cases if "torch.compile" not in c[0]]
     for name, fn, nbytes in cases:
-        try:
-            fn()
-            torch.cuda.synchronize()
-            report(f"{name} [{tag}]", do_bench(fn, return_mode="median"), nbytes)
-        except Exception as e:
-            print(f"{name} [{tag}] FAILED: {type(e).__name__}: {e}"[:300], flush=True)
-        for t in leaves:
-            t.grad = None
-    if dtype != torch.float32 or args.quick:
-        return
-    # launch shapes of the update kernels
-    for tok, nw in ((1, 4), (1, 8), (2, 4), (4, 8)):
-        with launch_shapes(update_fwd=dict(TOKENS=tok, num_warps=nw)):
-            ms = do_bench(lambda: ddl.ddl_update(x, k, v, beta, backend="triton"), return_mode="median")
-        report(f"  cfg update_fwd TOKENS={tok} warps={nw} [{tag}]", ms, 2 * S + V)
-    f = fb(lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton"), (gx, gh))
-    for tok, nw in ((8, 4), (32, 4), (64, 4), (32, 8)):
-        with launch_shapes(update_bwd=dict(TOKENS=tok, num_warps=nw)):
-            ms = do_bench(f, return_mode="median")
-        report(f"  cfg update_bwd TOKENS={tok} warps={nw} (fused f+b) [{tag}]", ms, 5 * S + 5 * V)
-    f = fb(lambda: ddl.compress_tc(x, cw, read, backend="triton"), (gh,))
-    for tok, bd, nw in ((4, 256, 4), (8, 128, 4), (16, 256, 8), (64, 256, 4)):
-        chan_fwd = dict(TOKENS=min(tok, 8), BLOCK_D=bd, num_warps=nw)
-        with launch_shapes(chan_fwd=chan_fwd, chan_bwd=dict(TOKENS=tok, BLOCK_D=bd, num_warps=nw)):
-            ms = do_bench(f, return_mode="median")
-        report(f"  cfg chan TOKENS={tok} BLOCK_D={bd} warps={nw} (tc f+b) [{tag}]", ms, 3 * S + 2 * V)
+        case(f"{name} [{tag}]", fn, nbytes)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=32768, help="N, a multiple of 1024")
-    p.add_argument("--quick", action="store_true", help="Triton only, fp32 state, no launch shapes")
+    p.add_argument("--quick", action="store_true", help="Triton only, fp32 state")
     p.add_argument("--sweeps", action="store_true", help="only the update kernels' launch shapes")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_ddl.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_ddl.py needs a CUDA GPU")
-    command = "python bench/bench_ddl.py " + " ".join(sys.argv[1:])
-    print(f"Command: `{command}`", versions(), sep="\n")
+    print(f"Command: `{command(__file__)}`", versions(), sep="\n")
     print(f"{'case':60s} {'time':>12s}  {'bytes':>10s}  {'rate':>12s}", flush=True)
     rows = bench_kernels(args)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        run = dict(command=command, versions=versions(), rows=rows)
-        atomic_write(os.path.join(args.out, "bench_ddl.json"), json.dumps(run, indent=1))
+        run = dict(command=command(__file__), versions=versions(), rows=rows)
+        write_json(os.path.join(args.out, "bench_ddl.json"), run)
 
 
 if __name__ == "__main__":

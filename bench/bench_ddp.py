@@ -1,7 +1,7 @@
 """Multi-GPU check of train.py: one global batch on 1 and on N GPUs gives the same losses, N times faster.
 
     python bench/bench_ddp.py --stage single --gpus 0          # 1-GPU runs of every variant
-    python bench/bench_ddp.py --stage multi                    # torchrun --nproc_per_node=N, same batch
+    python bench/bench_ddp.py --stage multi --gpus 0,1         # torchrun on those N GPUs, same batch
     python bench/bench_ddp.py --stage yardstick --gpus 0,1     # 1 GPU, other micro-batch split (noise scale)
     python bench/bench_ddp.py --stage report --out $OUT        # the table (report needs no GPU)
 
@@ -12,23 +12,26 @@ same global batch among the ranks, so both see the same data). The yardstick run
 twice as large (half as many): the same math, another summation order, so its loss difference to the
 1-GPU run is the scale of bf16 noise that the N-GPU difference is judged against.
 
-Loss: train.py's train_loss (the mean over the global batch, all ranks). Tokens/s: median over iterations
---skip.. of the logged per-iteration rate (iteration 0 compiles). Peak memory: train.py's last line, rank 0.
-Stages run one after another (several GPUs can hold different stages' runs at once: --gpus). Runs are
-kept in --work (one out_dir each, with stdout.txt), so a stage can be rerun alone.
+Loss: train.py's train_loss (mean over the global batch and ranks). Tokens/s: median over iterations
+--skip.. (iteration 0 compiles). Peak memory: rank 0's. Runs stay in --work, so a stage can be rerun alone.
 """
 
 import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import time
 
-from common import atomic_write, versions  # bench/common.py (this script's folder)
+from common import (  # bench/common.py (this script's folder)
+    atomic_write,
+    markdown,
+    read_jsonl,
+    run_commands,
+    versions,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = "configs/gpt2_small.py"
 STAGES = ("single", "multi", "yardstick")
 
 
@@ -43,32 +46,18 @@ def train_command(args, variant, stage):
         if accum % 2:
             sys.exit(f"bench_ddp: --grad-accum must be even for the yardstick, got {accum}")
         batch, accum = 2 * batch, accum // 2
+    # evaluate at iteration 0 and at the end only; overwrite: a stage can be rerun into its folder
     overrides = [
-        f"--residual={variant}",
-        "--dataset=shakespeare",
-        f"--batch_size={batch}",
-        f"--gradient_accumulation_steps={accum}",
-        f"--max_iters={args.iters}",
-        f"--warmup_iters={args.warmup}",
-        f"--lr_decay_iters={10 * args.iters}",
-        "--eval_interval=1000000",  # evaluate at iteration 0 and at the end only
-        "--eval_iters=1",
-        "--log_interval=10",
+        f"--residual={variant}", "--dataset=shakespeare", f"--batch_size={batch}",
+        f"--gradient_accumulation_steps={accum}", f"--max_iters={args.iters}",
+        f"--warmup_iters={args.warmup}", f"--lr_decay_iters={10 * args.iters}", "--eval_interval=1000000",
+        "--eval_iters=1", "--log_interval=10", "--overwrite=True",
         f"--out_dir={os.path.join(args.work, run_name(variant, stage))}",
-        "--overwrite=True",  # a stage can be rerun into its folder
-        *args.extra.split(),
-    ]
-    train = [os.path.join(REPO, "train.py"), os.path.join(REPO, args.config), *overrides]
-    if stage == "multi":
-        return [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={args.nproc}",
-            *train,
-        ]
-    return [sys.executable, *train]
+    ]  # fmt: skip
+    train = [os.path.join(REPO, "train.py"), os.path.join(REPO, CONFIG), *overrides]
+    nproc = len(args.gpus.split(","))
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [sys.executable, *(torchrun if stage == "multi" else []), *train]
 
 
 def shown(arg):
@@ -77,59 +66,32 @@ def shown(arg):
 
 
 def run_stage(args, stage):
-    """All variants of one stage; single-GPU stages spread their runs over --gpus (one run per GPU)."""
-    gpus = (
-        [g for g in args.gpus.split(",") if g]
-        if stage != "multi"
-        else [",".join(map(str, range(args.nproc)))]
-    )
-    pending, running, failed = list(args.variants), {}, []
-    start = time.time()
-    while pending or running:
-        if args.time_limit and time.time() - start > args.time_limit:  # stop cleanly, the GPUs freed
-            for proc, log, variant, _ in running:
-                proc.terminate()  # torchrun passes SIGTERM on to its workers
-                proc.wait()
-                log.close()
-                failed.append(variant)
-                print(f"[{stage}] {variant}: stopped at the --time-limit ({args.time_limit:g} s)", flush=True)
-            failed += pending
-            break
-        free = [g for g in gpus if g not in running.values()]
-        while pending and free:
-            variant, gpu = pending.pop(0), free.pop(0)
-            out_dir = os.path.join(args.work, run_name(variant, stage))
-            os.makedirs(out_dir, exist_ok=True)
-            cmd = train_command(args, variant, stage)
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "PYTHONUNBUFFERED": "1"}
-            log = open(os.path.join(out_dir, "stdout.txt"), "w")  # noqa: SIM115 (closed when it ends)
-            with open(os.path.join(out_dir, "command.txt"), "w") as f:
-                f.write(f"CUDA_VISIBLE_DEVICES={gpu} " + " ".join(shown(c) for c in cmd) + "\n")
-            proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
-            running[(proc, log, variant, time.time())] = gpu
-            print(f"[{stage}] started {variant} on GPU(s) {gpu}", flush=True)
-        time.sleep(1.0)
-        for key in list(running):
-            proc, log, variant, t0 = key
-            if proc.poll() is not None:
-                log.close()
-                del running[key]
-                print(
-                    f"[{stage}] {variant}: exit {proc.returncode} after {time.time() - t0:.0f} s", flush=True
-                )
-                if proc.returncode:
-                    failed.append(variant)
-    return failed
+    """All variants of one stage: the single-GPU stages one run per GPU of --gpus at a time, the multi stage
+    on all of them. Returns the variants that failed."""
+    gpus = [g for g in args.gpus.split(",") if g] if stage != "multi" else [args.gpus]
+    jobs = []
+    for variant in args.variants:
+        out_dir = os.path.join(args.work, run_name(variant, stage))
+        os.makedirs(out_dir, exist_ok=True)
+        log, env = os.path.join(out_dir, "stdout.txt"), dict(PYTHONUNBUFFERED="1")
+        cmd = train_command(args, variant, stage)
+        jobs.append(dict(name=f"[{stage}] {variant}", cmd=cmd, cwd=REPO, log=log, env=env, variant=variant,
+                         out_dir=out_dir))  # fmt: skip
+
+    def on_end(job):  # the command as run, with the GPU(s) it got
+        with open(os.path.join(job["out_dir"], "command.txt"), "w") as f:
+            f.write(f"CUDA_VISIBLE_DEVICES={job['slot']} " + " ".join(shown(c) for c in job["cmd"]) + "\n")
+
+    run_commands(jobs, gpus, on_end=on_end)
+    return [job["variant"] for job in jobs if job["status"] != "exit 0"]
 
 
 def read_run(args, variant, stage):
     """{losses, tok_s (median), peak_gib, ranks, command} of a finished run, or None."""
     out_dir = os.path.join(args.work, run_name(variant, stage))
-    path = os.path.join(out_dir, "log.jsonl")
-    if not os.path.exists(path):
+    if not os.path.exists(os.path.join(out_dir, "log.jsonl")):
         return None
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records = read_jsonl(os.path.join(out_dir, "log.jsonl"))
     train = sorted((r for r in records if "train_loss" in r), key=lambda r: r["iter"])
     rates = sorted(r["tok_per_s"] for r in train if r["iter"] >= args.skip)
     with open(os.path.join(out_dir, "stdout.txt")) as f:
@@ -157,25 +119,16 @@ def max_difference(a, b, n):
 
 
 def report(args):
-    lines = [
-        f"Global batch {args.batch_size * args.grad_accum} rows (of 1024 tokens unless --extra sets "
-        f"block_size), {args.iters} iterations of "
-        f"configs/gpt2_small.py on Shakespeare (warmup {args.warmup}, lr 1e-3), bf16 autocast, compiled, "
-        f"fused AdamW on GPU. tokens/s: median over iterations {args.skip}..{args.iters - 1}.",
-        f"{versions()}",
-        "",
-        "| variant | run | ranks x micro-batch x micro-steps | tokens/s | scaling vs 1 GPU "
-        f"| peak GiB (rank 0) | max abs loss diff to 1 GPU, first {args.iters} iters (at iter) |",
-        "|---|---|---|---:|---:|---:|---|",
-    ]
-    summary, commands = {}, []
+    head = ["variant", "run", "ranks x micro-batch x micro-steps", "tokens/s", "scaling vs 1 GPU"]
+    head += ["peak GiB (rank 0)", f"max abs loss diff to 1 GPU, first {args.iters} iters (at iter)"]
+    summary, commands, rows = {}, [], []
     every = {(v, s): read_run(args, v, s) for v in args.variants for s in STAGES}
     for variant in args.variants:
         runs = {s: every[variant, s] for s in STAGES}
         base = runs["single"]
         for stage, r in runs.items():
             if r is None:
-                lines.append(f"| {variant} | {stage} | not run | | | | |")
+                rows.append([variant, stage, "not run", "", "", "", ""])
                 continue
             commands.append(f"- {variant} {stage}: `{r['command']}`")
             ranks = r["ranks"] or 1
@@ -195,11 +148,14 @@ def report(args):
                     diff = str(e)
             tok = f"{r['tok_s']:,.0f}" if r["tok_s"] else "-"
             peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] else "-"
-            lines.append(
-                f"| {variant} | {stage} | {ranks} x {batch} x {steps} | {tok} | {scaling} | {peak} | {diff} |"
-            )
-    lines += ["", "Commands:", "", *commands]
-    text = "\n".join(lines)
+            rows.append([variant, stage, f"{ranks} x {batch} x {steps}", tok, scaling, peak, diff])
+    text = "\n".join([
+        f"Global batch {args.batch_size * args.grad_accum} rows of 1024 tokens, {args.iters} iterations of "
+        f"{CONFIG} on Shakespeare (warmup {args.warmup}, lr 1e-3), bf16 autocast, compiled, "
+        f"fused AdamW on GPU. tokens/s: median over iterations {args.skip}..{args.iters - 1}.",
+        versions(), "", *markdown(head, rows, ["---"] * 3 + ["---:"] * 3 + ["---"]),
+        "", "Commands:", "", *commands,
+    ])  # fmt: skip
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -213,30 +169,25 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stage", required=True, choices=(*STAGES, "report"))
     p.add_argument("--variants", default="additive,ddl-cc", help="residual variants (softmax attention)")
-    p.add_argument("--nproc", type=int, default=2, help="GPUs of the multi stage")
-    p.add_argument("--gpus", default="0", help="GPUs for single/yardstick runs, one run per GPU at a time")
+    p.add_argument("--gpus", default="0", help="single/yardstick: one run per GPU at a time; multi: all")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--skip", type=int, default=10, help="iterations left out of the tokens/s median")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=16, help="rows per micro-step (single and multi)")
     p.add_argument("--grad-accum", type=int, default=8, help="GLOBAL micro-steps per iteration")
-    p.add_argument("--config", default="configs/gpt2_small.py")
-    p.add_argument("--extra", default="", help="more train.py overrides, space-separated")
-    p.add_argument("--time-limit", type=float, default=0, help="seconds for this stage; 0 = none")
     p.add_argument("--work", default="out-bench-ddp")
     p.add_argument("--out", default=os.environ.get("OUT", ""))
     args = p.parse_args()
     args.variants = [v for v in args.variants.split(",") if v]
-    if args.grad_accum % args.nproc:
-        sys.exit(f"bench_ddp: --grad-accum {args.grad_accum} must be divisible by --nproc {args.nproc}")
+    nproc = len(args.gpus.split(","))
+    if args.stage == "multi" and args.grad_accum % nproc:
+        sys.exit(f"bench_ddp: --grad-accum {args.grad_accum} must be divisible by the {nproc} GPUs of --gpus")
     if args.stage == "report":
         report(args)
         return
-    failed = run_stage(args, args.stage)
+    failed, stage = run_stage(args, args.stage), args.stage
     if failed:
-        sys.exit(
-            f"bench_ddp: {args.stage} failed for {failed}: see {args.work}/<variant>-{args.stage}/stdout.txt"
-        )
+        sys.exit(f"bench_ddp: {stage} failed for {failed}: see {args.work}/<variant>-{stage}/stdout.txt")
 
 
 if __name__ == "__main__":

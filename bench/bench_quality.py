@@ -4,25 +4,19 @@
     python bench/bench_quality.py --setting corpus --seeds 1 --out DIR --data-dir D   # main rows, GPT-2 small
     python bench/bench_quality.py --setting stability --seeds 1 2 3 4 --out DIR --data-dir D  # every run
     python bench/bench_quality.py --setting stability --lr 2e-3 --seeds 1 2 --out DIR --data-dir D
-    python bench/bench_quality.py --table DIR [DIR ...] [--plot loss.png]   # the table of finished runs
+    python bench/bench_quality.py --table DIR [DIR ...]   # the table of finished runs
 
-Each (row, seed) is one `train.py` run in DIR/<setting>/<row>-s<seed> (its log.jsonl, ckpt.pt and console
-output train.out); --parallel runs share the GPU. The table gives, per row, the mean and spread (max - min)
-over seeds of the best and of the final validation loss, and the best's difference from the additive
-baseline of the same table; a run that stopped early (non-finite loss, crash, --max-seconds) is marked.
+Each (row, seed) is one `train.py` run in DIR/<setting>/<row>-s<seed> (log.jsonl, ckpt.pt, train.out);
+--parallel runs share the GPU. The table: per row, the mean and half-range over seeds of the best and final
+validation loss and the best's difference from additive; a run that stopped early is marked.
 
-Settings (lr 1e-3, AdamW (0.9, 0.95), wd 0.1, clip 1.0, warmup + cosine to 1e-4, as the papers):
-  shakespeare: 8 layers x d 512 (4 heads x 128), block 512, 800 iterations x 16 x 512 = 8K tokens,
-               eager (no compile); data/shakespeare (python data/shakespeare.py).
-  corpus:      GPT-2 small (12 x 768, 6 x 128), block 1024, 384 iterations x 64 x 1024 = 25.2M tokens,
-               compiled; shards of data/fineweb_edu.py in --data-dir (e.g. from data/package_corpus.py).
-  stability:   GPT-2 small, 480 iterations x 32 x 1024 = 15.7M tokens, compiled, the corpus's shards; the
-               table has a line per run: finished or stopped (where, why), the largest loss spike (train
-               loss minus its running minimum) and the best validation loss. --lr sets the peak learning
-               rate (min_lr = lr / 10); such runs go to DIR/stability-lr<lr>.
---probe N also records, every N iterations, each Deltaformer layer's stage 1 (max |u| / max |v|, beta, softmax
-kappa's weight on the previous token) and the first non-finite u into the run's probe.jsonl (the table
-summarises it).
+Settings (SETTINGS; RECIPE: lr 1e-3, AdamW (0.9, 0.95), wd 0.1, clip 1.0, warmup + cosine to 1e-4):
+shakespeare (8 x 512, eager, data/shakespeare), corpus (GPT-2 small, 25.2M tokens, compiled, shards of
+data/fineweb_edu.py in --data-dir), stability (GPT-2 small, 15.7M tokens; the table has a line per run:
+finished or stopped, the largest loss spike over the running minimum, the best validation loss). --lr sets
+the peak lr (min_lr = lr / 10; runs to DIR/<setting>-lr<lr>). --probe N records every N iterations each
+Deltaformer layer's stage 1 (max |u| / max |v|, beta, softmax kappa's weight on the previous token) and the
+first non-finite u into probe.jsonl, summarised in the table.
 """
 
 import argparse
@@ -30,14 +24,12 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import atomic_write, versions  # noqa: E402
+from bench.common import atomic_write, command, markdown, read_jsonl, run_commands, versions  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = dict(
@@ -78,12 +70,13 @@ PARALLEL = {"shakespeare": 10, "corpus": 6, "stability": 6}  # runs at a time: ~
 DEFAULT_ROWS = {
     "shakespeare": [r for r in ROWS if r not in ("ddl-cc-bf16-state", "deltaformer-softmax-beta2")],
     "corpus": ["additive", "ddl", "ddl-tc", "ddl-cc", "ddl-cc-bf16-state", "deltaformer-softmax"],
-    "stability": ["additive", "ddl", "ddl-cc", "ddl-tc", "deltaformer-softmax", "deltaformer-relu",
-                  "deltaformer-linear"],
+    "stability": ["additive", "ddl", "ddl-cc", "ddl-tc", "deltaformer-softmax", "deltaformer-relu"]
+    + ["deltaformer-linear"],
 }
 
 
-def run_args(setting, row, seed, out_dir, data_dir=None, max_seconds=0.0, extra=(), lr=None, probe=0):
+def run_args(setting, row, seed, out_dir, data_dir=None, max_seconds=0.0, lr=None, probe=0, extra=()):
+    """train.py's command line for one run (extra: more KEY=VALUE config keys)."""
     keys = {**RECIPE, **SETTINGS[setting], **ROWS[row], "seed": seed, "out_dir": out_dir, "overwrite": True}
     if lr:
         keys |= dict(learning_rate=lr, min_lr=lr / 10)
@@ -130,8 +123,9 @@ def probe_run(every, train_args):
             scores = scale * (w[0].float() @ k[0].float().transpose(-1, -2))
             scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool, device=k.device).triu(), -math.inf)
             prev = torch.softmax(scores[:, 1:], dim=-1).diagonal(dim1=-2, dim2=-1)  # [H, T - 1]
-            rec |= dict(kappa_prev_mean=prev.mean().item(),
-                        kappa_prev_over_09=(prev > 0.9).float().mean().item())
+            rec |= dict(
+                kappa_prev_mean=prev.mean().item(), kappa_prev_over_09=(prev > 0.9).float().mean().item()
+            )
         with open(path, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
@@ -152,46 +146,37 @@ def probe_run(every, train_args):
 def launch_all(jobs, parallel, on_finish=lambda: None):
     """Run (cmd, out_dir) jobs, `parallel` at a time; each writes its console output to out_dir/train.out.
     on_finish() runs after each job ends (the table so far, so that a run cut short keeps it)."""
-    pending, running = list(jobs), []
-    while pending or running:
-        while pending and len(running) < parallel:
-            cmd, out_dir = pending.pop(0)
-            os.makedirs(out_dir, exist_ok=True)
-            # compile caches of its own: two of three runs of one model that compiled into one cache at
-            # once died of SIGSEGV in their first step (none since, with a cache each)
-            cache = tempfile.mkdtemp(prefix="bench_quality-")
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "t"))
-            with open(os.path.join(out_dir, "train.out"), "w") as f:
-                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-                running.append((proc, out_dir, cache))
-            print(f"started {out_dir}", flush=True)
-        time.sleep(2)
-        for proc, out_dir, cache in list(running):
-            if proc.poll() is not None:
-                running.remove((proc, out_dir, cache))
-                shutil.rmtree(cache, ignore_errors=True)
-                print(f"finished {out_dir} (exit {proc.returncode})", flush=True)
-                on_finish()
+    specs = []
+    for cmd, out_dir in jobs:
+        os.makedirs(out_dir, exist_ok=True)
+        # compile caches of its own: two of three runs of one model that compiled into one cache at once
+        # died of SIGSEGV in their first step (none since, with a cache each)
+        cache = tempfile.mkdtemp(prefix="bench_quality-")
+        env = dict(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "t"))
+        specs.append(dict(name=out_dir, cmd=cmd, cwd=REPO, log=os.path.join(out_dir, "train.out"), env=env))
+
+    def end(job):
+        shutil.rmtree(job["env"]["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+        on_finish()
+
+    try:
+        run_commands(specs, [None] * parallel, on_end=end, poll_s=2)
+    finally:
+        for job in specs:
+            shutil.rmtree(job["env"]["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 
 def read_run(out_dir):
     """dict(vals: val loss by iteration, train: train losses in order, lr: the peak learning rate, last_iter,
     final: finished?, why: what stopped it) from out_dir/log.jsonl and train.out."""
     run = dict(vals={}, train=[], lr=0.0, last_iter=-1, final=False, why="")
-    path = os.path.join(out_dir, "log.jsonl")
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                run["last_iter"] = max(run["last_iter"], rec.get("iter", -1))
-                if "val_loss" in rec:
-                    run["vals"][rec["iter"]] = rec["val_loss"]
-                if "train_loss" in rec:
-                    run["train"].append(rec["train_loss"])
-                    run["lr"] = max(run["lr"], rec.get("lr", 0.0))
+    for rec in read_jsonl(os.path.join(out_dir, "log.jsonl")):
+        run["last_iter"] = max(run["last_iter"], rec.get("iter", -1))
+        if "val_loss" in rec:
+            run["vals"][rec["iter"]] = rec["val_loss"]
+        if "train_loss" in rec:
+            run["train"].append(rec["train_loss"])
+            run["lr"] = max(run["lr"], rec.get("lr", 0.0))
     console = os.path.join(out_dir, "train.out")
     if os.path.exists(console):
         with open(console, errors="replace") as f:
@@ -224,11 +209,7 @@ def largest_spike(losses):
 
 def probe_summary(out_dir):
     """The probe's largest max |u| / max |v| (where, beta and kappa there) and the first non-finite u."""
-    path = os.path.join(out_dir, "probe.jsonl")
-    if not os.path.exists(path):
-        return ""
-    with open(path) as f:
-        recs = [json.loads(line) for line in f if line.strip()]
+    recs = read_jsonl(os.path.join(out_dir, "probe.jsonl"))
     finite = [r for r in recs if r["finite"]]
     out = []
     if finite:
@@ -283,21 +264,19 @@ def table(dirs):
             continue
         base = runs.get((folder, "additive"))
         base_best = sum(r[2] for r in base) / len(base) if base else float("nan")
-        lines += [
-            f"\n**{folder}** ({SETTINGS[setting]['max_iters']} iterations; best and final validation loss, "
-            "mean ± half-range over seeds)\n",
-            "| row | seeds | best val | final val | best − additive | runs |",
-            "|---|---|---|---|---|---|",
-        ]
+        cells = []
         for r in rows:
             rs = runs[(folder, r)]
             bests = [x[2] for x in rs if math.isfinite(x[2])]
             mean_best = sum(bests) / len(bests) if bests else float("nan")
             notes = "; ".join(f"s{x[0]} stopped at iter {x[1]['last_iter']}" for x in rs if not ok(x)) or "ok"
-            seeds, best, final = ",".join(x[0] for x in rs), mean_spread([x[2] for x in rs]), mean_spread(
-                [x[3] for x in rs]
-            )
-            lines.append(f"| {r} | {seeds} | {best} | {final} | {mean_best - base_best:+.4f} | {notes} |")
+            best, final = mean_spread([x[2] for x in rs]), mean_spread([x[3] for x in rs])
+            cells.append([r, ",".join(x[0] for x in rs), best, final, f"{mean_best - base_best:+.4f}", notes])
+        lines.append(
+            f"\n**{folder}** ({SETTINGS[setting]['max_iters']} iterations; best and final validation loss, "
+            "mean ± half-range over seeds)\n"
+        )
+        lines += markdown(["row", "seeds", "best val", "final val", "best − additive", "runs"], cells)
     return "\n".join(lines)
 
 
@@ -310,19 +289,19 @@ def stability_table(folder, rows, runs):
     every = [x for r in rows for x in runs[(folder, r)]]
     lrs = sorted({f"{x[1]['lr']:g}" for x in every})
     stopped = sum(not ok(x) for x in every)
-    lines = [
-        f"\n**{folder}** ({SETTINGS['stability']['max_iters']} iterations, peak lr {', '.join(lrs)}): "
-        f"{len(every) - stopped} of {len(every)} runs finished, {stopped} stopped\n",
-        "| row | seed | run | largest loss spike | best val | probe: largest u/v = max abs u / max abs v |",
-        "|---|---|---|---|---|---|",
-    ]
+    cells = []
     for r in rows:
         for seed, run, best, _ in runs[(folder, r)]:
             status = "finished" if ok((seed, run)) else f"stopped at iter {run['last_iter'] + 1}"
             status += f" ({run['why']})" if run["why"] and not ok((seed, run)) else ""
-            spike = largest_spike(run["train"])
-            lines.append(f"| {r} | {seed} | {status} | {spike:.3f} | {best:.4f} | {run['probe']} |")
-    return lines
+            cells.append([r, seed, status, f"{largest_spike(run['train']):.3f}", f"{best:.4f}", run["probe"]])
+    head = ["row", "seed", "run", "largest loss spike", "best val"]
+    head.append("probe: largest u/v = max abs u / max abs v")
+    return [
+        f"\n**{folder}** ({SETTINGS['stability']['max_iters']} iterations, peak lr {', '.join(lrs)}): "
+        f"{len(every) - stopped} of {len(every)} runs finished, {stopped} stopped\n",
+        *markdown(head, cells),
+    ]
 
 
 def main(argv=None):
@@ -334,11 +313,9 @@ def main(argv=None):
     p.add_argument("--data-dir", help="corpus: the shard folder (data/fineweb_edu.py --out)")
     p.add_argument("--parallel", type=int, help="runs at a time on the one GPU (default: what fits an H200)")
     p.add_argument("--max-seconds", type=float, default=0.0, help="stop each run after this training time")
-    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more train.py config keys")
     p.add_argument("--lr", type=float, help="peak learning rate (min_lr = lr / 10); to <setting>-lr<lr>")
     p.add_argument("--probe", type=int, default=0, metavar="N", help="watch Deltaformer's stage 1 every N")
     p.add_argument("--table", nargs="*", help="only print the table of the runs under these folders")
-    p.add_argument("--plot", help="also plot every run's losses (plot_logs.py) into this PNG")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--probe-run"]:  # one run under the probe (--probe's jobs): --probe-run N -- train args
         return probe_run(int(argv[1]), argv[3:])
@@ -353,14 +330,14 @@ def main(argv=None):
         for seed in args.seeds:
             for row in rows:
                 out_dir = os.path.join(args.out, folder, f"{row}-s{seed}")
-                extra = (args.data_dir, args.max_seconds, args.set, args.lr, args.probe)
+                extra = (args.data_dir, args.max_seconds, args.lr, args.probe)
                 cmd = run_args(args.setting, row, seed, out_dir, *extra)
                 jobs.append((cmd, out_dir))
-    command = f"command: `python bench/bench_quality.py {' '.join(argv)}`"
+    header = f"command: `{command(__file__, argv)}`"
 
     def write_table(show=False):
         try:
-            text = "\n".join([command, versions(), table(dirs)])
+            text = "\n".join([header, versions(), table(dirs)])
         except ValueError as e:
             if show:
                 p.error(str(e))
@@ -372,16 +349,6 @@ def main(argv=None):
     if args.table is None:
         launch_all(jobs, args.parallel or PARALLEL[args.setting], on_finish=write_table)
     write_table(show=True)
-    if args.plot:
-        logs = sorted(
-            os.path.join(root, name, "log.jsonl")
-            for top in dirs
-            for root, names, _ in os.walk(top)
-            for name in names
-            if os.path.exists(os.path.join(root, name, "log.jsonl"))
-        )
-        cmd = [sys.executable, os.path.join(REPO, "plot_logs.py"), *logs, "-o", args.plot, "--ymax", "8"]
-        subprocess.run(cmd, check=False)
 
 
 if __name__ == "__main__":

@@ -1,45 +1,28 @@
 """Training throughput of every residual x attention variant: tokens/s, step time, peak memory and MFU,
 each against additive + softmax attention of the same size measured in the same run.
 
-    python bench/bench_train.py                       # gpt2-small and gpt2-medium, every variant
-    python bench/bench_train.py --models gpt2-small --variants additive,ddl-cc --batches 64
-    python bench/bench_train.py --gpus 0,1 --batches "gpt2-small=64,32;gpt2-medium=32,16"
-                                                      # one job per GPU at a time
-    CUDA_VISIBLE_DEVICES=1 python bench/bench_train.py --models gpt2-small --variants additive --profile
-                                                      # + where one step's GPU and host time go
-    python bench/bench_train.py --models gpt2-small --variants additive --nanogpt ../nanoGPT/model.py
-                                                      # + nanoGPT's own GPT-2 124M, timed the same way
+    python bench/bench_train.py --models gpt2-small --batches 32 --variants additive,ddl-cc
+    python bench/bench_train.py ... --profile        # + where one step's GPU and host time go
+    python bench/bench_train.py ... --nanogpt ../nanoGPT/model.py   # + nanoGPT's GPT, timed the same way
 
-Variants: additive, ddl (d_v = 1), ddl-tc, ddl-cc (EC on), each with softmax attention, and additive /
-ddl-cc with Deltaformer; a "-bf16" suffix (ddl-bf16, ddl-tc-bf16, ddl-cc-bf16, ddl-cc-bf16+deltaformer)
-is the same model with the DDL state stored in bf16 (GPTConfig.ddl_state_dtype="bfloat16"); "+keepN" keeps
-the DDL state for the backward at every N-th block's input (GPTConfig.ddl_keep_state_every). additive is
-always run (added to --variants when missing): every ratio is against it, in the same run. The DDL kernels
-alone: bench/bench_ddl.py.
-
-For each (model, variant): bf16 autocast, torch.compile, fused AdamW, seq 1024, random tokens, the largest
-micro-batch of --batches that fits (OOM is caught and the next smaller one tried); tokens/s and step time
-(median of the timed steps), compile time (the first step) apart from it, peak memory, and
-MFU = tokens/s * GPT.flops_per_token(seq) / --peak-tflops. Ratios to additive: tokens/s, and peak memory
-where both ran at the same micro-batch (pass --batches 32 to force one).
-
-Each (model, variant) runs in its own fresh process, compiled with static shapes at the batch it is timed
-at (a smaller batch after an OOM compiles again): one after another on the caller's GPU, or with --gpus one
-process per GPU at a time, from one queue that starts the baselines and the longest jobs first (job_order).
---time-limit bounds the whole run (a job starts only while 30 s are left and is killed when time is up),
---job-timeout one job. Compiling dominates: ~30-50 s per gpt2-small row on an H200.
-
-Prints the command, the GPU and versions, and the table (markdown); with --out also writes
-bench_train.json (every row's numbers) and bench_train.md (the printed text) there, updated after each row.
-Each row also keeps host_ms: the host's median time to issue a timed step's forward, backward and optimizer,
-and then to wait for the GPU (near 0: the host, not the GPU, sets the step time).
+additive is always run (added to --variants when missing): every ratio is against it. For each (model,
+variant), in a fresh process of its own, one after another: bf16 autocast, torch.compile with static
+shapes, fused AdamW, seq 1024, random tokens, the largest micro-batch of --batches that fits (an OOM tries
+the next); tokens/s and step time (median of the timed steps on the GPU's clock), compile time (the first
+step) apart, peak memory (its ratio only at the same micro-batch), MFU = tokens/s * GPT.flops_per_token /
+989 TFLOP/s (H100/H200 dense bf16), and host_ms: the host's median time to issue a step's forward,
+backward and optimizer, then to wait for the GPU (near 0: the host sets the step time). --time-limit
+bounds the whole run (one job 420 s at most). With --out: bench_train.json and .md, after each row.
 """
 
 import argparse
 import json
 import os
+import pickle
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 
@@ -47,25 +30,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-from common import atomic_write, versions  # noqa: E402  (bench/common.py, this script's folder)
+from common import Span, atomic_write, command, markdown, run_commands, versions, write_json  # noqa: E402  (bench/common.py)
 
-BF16 = dict(ddl_state_dtype="bfloat16")  # the "-bf16" rows: the DDL state stored in bf16
+PEAK_TFLOPS = 989.0  # for MFU: H100/H200 dense bf16
+JOB_TIMEOUT = 420  # seconds for one (model, variant)
 VARIANTS = {
     "additive": dict(residual="additive"),
     "ddl": dict(residual="ddl"),
-    "ddl-bf16": dict(residual="ddl", **BF16),
     "ddl-tc": dict(residual="ddl-tc"),
-    "ddl-tc-bf16": dict(residual="ddl-tc", **BF16),
     "ddl-cc": dict(residual="ddl-cc"),
-    # the state kept for the backward at every N-th block's input (GPTConfig.ddl_keep_state_every)
-    "ddl+keep1": dict(residual="ddl", ddl_keep_state_every=1),
+    # one state per block kept for the backward (GPTConfig.ddl_keep_state_every; the default keeps fewer)
     "ddl-cc+keep1": dict(residual="ddl-cc", ddl_keep_state_every=1),
-    "ddl-cc+keep6": dict(residual="ddl-cc", ddl_keep_state_every=6),
     "ddl-tc+keep1": dict(residual="ddl-tc", ddl_keep_state_every=1),
-    "ddl-cc-bf16": dict(residual="ddl-cc", **BF16),
+    "ddl-cc-bf16": dict(residual="ddl-cc", ddl_state_dtype="bfloat16"),
     "additive+deltaformer": dict(residual="additive", attention="deltaformer"),
     "ddl-cc+deltaformer": dict(residual="ddl-cc", attention="deltaformer"),
-    "ddl-cc-bf16+deltaformer": dict(residual="ddl-cc", attention="deltaformer", **BF16),
     "nanogpt": None,  # nanoGPT's own GPT (its model.py, given by --nanogpt) at the preset's depth and width
 }
 
@@ -75,33 +54,25 @@ VARIANTS = {
 
 
 def train_steps(model, opt, B, T, steps, vocab, device, host=None):
-    """Run `steps` optimizer steps on random tokens; return per-step times (s) measured with CUDA events.
+    """Run `steps` optimizer steps on random tokens; return each step's seconds on the device's clock (Span).
     host: a list to append, per step, the host's seconds to issue the forward, the backward and the
     optimizer, and then to wait for the GPU (a step whose host never waits is bound by the host)."""
     times = []
     for _ in range(steps):
         idx = torch.randint(0, vocab, (B, T), device=device)
         tgt = torch.randint(0, vocab, (B, T), device=device)
-        cuda = device == "cuda"
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        marks = [time.perf_counter()]
-        with torch.autocast(device, dtype=torch.bfloat16):
-            _, loss = model(idx, tgt)
-        marks.append(time.perf_counter())
-        loss.backward()
-        marks.append(time.perf_counter())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        marks.append(time.perf_counter())
-        if cuda:
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            times.append(marks[-1] - marks[0])
+        with Span(cuda=device == "cuda") as step:
+            marks = [time.perf_counter()]
+            with torch.autocast(device, dtype=torch.bfloat16):
+                _, loss = model(idx, tgt)
+            marks.append(time.perf_counter())
+            loss.backward()
+            marks.append(time.perf_counter())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            marks.append(time.perf_counter())
+        times.append(step.seconds)
         marks.append(time.perf_counter())
         if host is not None:
             host.append([b - a for a, b in zip(marks, marks[1:])])
@@ -110,140 +81,101 @@ def train_steps(model, opt, B, T, steps, vocab, device, host=None):
     return times
 
 
-def empty_cache():
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def reset_peak():
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-
-
-def peak_gb():
-    return torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan")
-
-
 def measure(model, compiled, cfg, B, args, row):
     """Warm up (compiles at this batch) and time; fills row. Raises torch.OutOfMemoryError."""
-    device = args.device
+    device, cuda = args.device, torch.cuda.is_available()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device == "cuda")
-    reset_peak()
-    t0 = time.time()
-    train_steps(compiled, opt, B, args.seq, 1, cfg.vocab_size, device)
-    row["compile_s"] = round(time.time() - t0, 1)  # the first step: compile (forward and backward) + 1 step
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    with Span() as first:
+        train_steps(compiled, opt, B, args.seq, 1, cfg.vocab_size, device)
+    row["compile_s"] = round(first.seconds, 1)  # the first step: compile (forward and backward) + 1 step
     # a row prints nothing until it ends: say where a slow one is
-    first = f"{row['model']} {row['variant']} micro-batch {B}: first step {row['compile_s']} s"
-    print(first, file=sys.stderr)
-    t0 = time.time()
-    train_steps(compiled, opt, B, args.seq, max(args.warmup - 1, 0), cfg.vocab_size, device)
-    row["warmup_s"] = round(time.time() - t0, 1)
+    print(row["model"], row["variant"], f"micro-batch {B}: first step {row['compile_s']} s", file=sys.stderr)
+    with Span() as warm:
+        train_steps(compiled, opt, B, args.seq, max(args.warmup - 1, 0), cfg.vocab_size, device)
+    row["warmup_s"] = round(warm.seconds, 1)
     host = []
     times = train_steps(compiled, opt, B, args.seq, args.steps, cfg.vocab_size, device, host)
     step = statistics.median(times)
     # the host's median seconds to issue the forward, the backward and the optimizer, and to wait for the GPU
     row["host_ms"] = [round(statistics.median(part) * 1e3, 2) for part in zip(*host)]
     tok_s = B * args.seq / step
-    row.update(
-        batch=B,
-        step_ms=step * 1e3,
-        tok_s=tok_s,
-        peak_GB=peak_gb(),
-        mfu=tok_s * model.flops_per_token(args.seq) / (args.peak_tflops * 1e12),
-        step_ms_min=min(times) * 1e3,
-        step_ms_max=max(times) * 1e3,
-    )
+    row.update(batch=B, step_ms=step * 1e3, tok_s=tok_s, step_ms_min=min(times) * 1e3,
+               step_ms_max=max(times) * 1e3, mfu=tok_s * model.flops_per_token(args.seq) / PEAK_TFLOPS / 1e12,
+               peak_GB=torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan"))  # fmt: skip
     if args.profile:
         profile_step(compiled, opt, B, cfg, args, row)
 
 
 def profile_step(compiled, opt, B, cfg, args, row):
-    """torch.profiler over --profile-steps training steps: the top GPU kernels by total time, the time by
-    kind (matmul, attention, Triton kernels of Inductor, the DDL kernels, optimizer, other), and the top
-    host ops by self CPU time (ms/step, calls/step).
-    Printed, and kept in the row (profile_kinds_ms, profile_top, profile_host_top) of bench_train.json."""
+    """torch.profiler over --profile-steps training steps: the time by kind (kernel_kind), the top GPU kernels
+    and the top host ops by self CPU time (ms/step, calls/step). Printed, and kept in the row
+    (profile_kinds_ms, profile_top, profile_host_top) of bench_train.json."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
-    with profile(activities=acts) as prof:
-        train_steps(compiled, opt, B, args.seq, args.profile_steps, cfg.vocab_size, args.device)
+    cuda, n, top = args.device == "cuda", args.profile_steps, args.profile_top
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        train_steps(compiled, opt, B, args.seq, n, cfg.vocab_size, args.device)
     events = prof.key_averages()
 
     def gpu_us(e):  # the attribute was renamed (cuda -> device) across torch versions; CPU: a smoke test
-        names = ("self_device_time_total", "self_cuda_time_total") if args.device == "cuda" else ()
-        for name in names + ("self_cpu_time_total",):
-            if hasattr(e, name):
-                return getattr(e, name)
-        return 0.0
+        names = ("self_device_time_total", "self_cuda_time_total") if cuda else ()
+        return next((getattr(e, a) for a in names + ("self_cpu_time_total",) if hasattr(e, a)), 0.0)
 
     # On the GPU only the kernels themselves (device events): an aten op's self device time repeats the
     # time of the kernels it launched, and Inductor's Triton kernels have no aten op above them.
-    from torch.autograd import DeviceType
-
-    device_events = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA]
-    kernels = [(e.key, gpu_us(e), e.count) for e in (device_events or events) if gpu_us(e) > 0]
-    total = sum(us for _, us, _ in kernels) or 1.0
-    kernels.sort(key=lambda r: -r[1])
-    kinds = {}
+    on_gpu = lambda e: getattr(e, "device_type", None) == DeviceType.CUDA
+    kernels = [(e.key, gpu_us(e), e.count) for e in ([e for e in events if on_gpu(e)] or events)]
+    kernels = sorted((k for k in kernels if k[1] > 0), key=lambda k: -k[1])
+    total, kinds = sum(us for _, us, _ in kernels) or 1.0, {}
     for name, us, _ in kernels:
         kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us
-    n = args.profile_steps
-    fwd, bwd, optim, wait = row["host_ms"]
-    lines = [
-        f"profile {row['model']} {row['variant']} micro-batch {B}: {n} step(s), kernels busy "
-        f"{total / 1e3 / n:.1f} ms/step (timed step {row['step_ms']:.1f} ms); the timed steps' host issued "
-        f"the forward, backward and optimizer in {fwd:.1f} + {bwd:.1f} + {optim:.1f} ms, then waited "
-        f"{wait:.1f} ms for the GPU (medians)"
-    ]
-    for kind, us in sorted(kinds.items(), key=lambda kv: -kv[1]):
-        lines.append(f"  {kind:40s} {us / 1e3 / n:8.2f} ms/step  {100 * us / total:5.1f}%")
-    lines.append(f"  top {args.profile_top} kernels (ms/step, share, calls/step, name):")
-    for name, us, count in kernels[: args.profile_top]:
-        lines.append(f"  {us / 1e3 / n:8.3f} {100 * us / total:5.1f}% {count // n:4d}  {name[:150]}")
     # the host: where the CPU time goes (self time of each op, Python-level ops included), for steps whose
     # GPU sits idle between kernels (timed step > kernels busy): what launches them is then the bound
-    host = [
-        e for e in events if getattr(e, "device_type", None) != DeviceType.CUDA and e.self_cpu_time_total > 0
-    ]
-    host.sort(key=lambda e: -e.self_cpu_time_total)
-    host_total = sum(e.self_cpu_time_total for e in host)
-    lines.append(
-        f"  host: {host_total / 1e3 / n:.1f} ms/step of CPU time in ops (profiled); the top by self time:"
-    )
-    for e in host[: args.profile_top]:
-        lines.append(f"  {e.self_cpu_time_total / 1e3 / n:8.3f} {e.count // n:5d}  {e.key[:150]}")
-    text = "\n".join(lines)
-    print(text, flush=True)
-    row["profile_kinds_ms"] = {k: round(us / 1e3 / args.profile_steps, 3) for k, us in kinds.items()}
-    row["profile_top"] = [
-        [name[:200], round(us / 1e3 / args.profile_steps, 3), count // args.profile_steps]
-        for name, us, count in kernels[: args.profile_top]
-    ]
-    row["profile_host_top"] = [
-        [e.key[:200], round(e.self_cpu_time_total / 1e3 / n, 3), e.count // n]
-        for e in host[: args.profile_top]
-    ]
+    host = sorted((e for e in events if not on_gpu(e) and e.self_cpu_time_total > 0),
+                  key=lambda e: -e.self_cpu_time_total)  # fmt: skip
+    fwd, bwd, optim, wait = row["host_ms"]
+    per = lambda us: us / 1e3 / n  # noqa: E731  (ms per step)
+    lines = [
+        f"profile {row['model']} {row['variant']} micro-batch {B}: {n} step(s), kernels busy "
+        f"{per(total):.1f} ms/step (timed step {row['step_ms']:.1f} ms); the timed steps' host issued "
+        f"the forward, backward and optimizer in {fwd:.1f} + {bwd:.1f} + {optim:.1f} ms, then waited "
+        f"{wait:.1f} ms for the GPU (medians)",
+        *(f"  {k:40s} {per(us):8.2f} ms/step  {100 * us / total:5.1f}%"
+          for k, us in sorted(kinds.items(), key=lambda kv: -kv[1])),
+        f"  top {top} kernels (ms/step, share, calls/step, name):",
+        *(f"  {per(us):8.3f} {100 * us / total:5.1f}% {c // n:4d}  {k[:150]}" for k, us, c in kernels[:top]),
+        f"  host: {per(sum(e.self_cpu_time_total for e in host)):.1f} ms/step of CPU time in ops (profiled); "
+        "the top by self time:",
+        *(f"  {per(e.self_cpu_time_total):8.3f} {e.count // n:5d}  {e.key[:150]}" for e in host[:top]),
+    ]  # fmt: skip
+    print("\n".join(lines), flush=True)
+    row["profile_kinds_ms"] = {k: round(per(us), 3) for k, us in kinds.items()}
+    row["profile_top"] = [[k[:200], round(per(us), 3), c // n] for k, us, c in kernels[:top]]
+    row["profile_host_top"] = [[e.key[:200], round(per(e.self_cpu_time_total), 3), e.count // n]
+                               for e in host[:top]]  # fmt: skip
+
+
+KINDS = [  # (label, substrings of a GPU kernel's lowercased name), the first match wins
+    ("DDL kernels", ("_update_", "_cc_", "_tc_", "_ec_")),
+    ("Deltaformer kernels", ("deltaformer", "_u_")),
+    ("attention", ("flash", "fmha", "attention")),
+    ("matmul", ("gemm", "cutlass", "sm90", "nvjet", "matmul", "xmma")),
+    ("optimizer / grad clip", ("adam", "foreach", "multi_tensor")),
+    ("inductor (fused elementwise/reductions)", ()),  # names starting with triton_
+    ("copies / fills", ("memcpy", "memset", "copy", "fill")),
+    ("eager aten kernels", ("elementwise", "reduce", "softmax", "nll")),
+]
 
 
 def kernel_kind(name):
     """A coarse label for a GPU kernel's name (cuBLAS/CUTLASS GEMMs, flash attention, Triton, ...)."""
     n = name.lower()
-    if "_update_" in n or "_cc_" in n or "_tc_" in n or "_ec_" in n:
-        return "DDL kernels"
-    if "deltaformer" in n or "_u_" in n:
-        return "Deltaformer kernels"
-    if "flash" in n or "fmha" in n or "attention" in n:
-        return "attention"
-    if "gemm" in n or "cutlass" in n or "sm90" in n or "nvjet" in n or "matmul" in n or "xmma" in n:
-        return "matmul"
-    if "adam" in n or "foreach" in n or "multi_tensor" in n:
-        return "optimizer / grad clip"
-    if n.startswith("triton_"):
-        return "inductor (fused elementwise/reductions)"
-    if "memcpy" in n or "memset" in n or "copy" in n or "fill" in n:
-        return "copies / fills"
-    if "elementwise" in n or "reduce" in n or "softmax" in n or "nll" in n:
-        return "eager aten kernels"
+    for label, parts in KINDS:
+        if any(p in n for p in parts) or (not parts and n.startswith("triton_")):
+            return label
     return "other"
 
 
@@ -271,7 +203,7 @@ def nanogpt_model(path, size, seq, overrides):
     return model, cfg
 
 
-def worker(job, results):
+def worker(job):
     """One (model, variant) in a fresh process: static shapes, compiled at the batch it is timed at."""
     name, size, overrides, args = job["variant"], job["model"], job["overrides"], job["args"]
     row = dict(model=size, variant=name)
@@ -307,135 +239,53 @@ def worker(job, results):
                 break
             except torch.OutOfMemoryError:
                 row.setdefault("oom_batches", []).append(B)
-            except Exception as e:
-                if not args.compile or "compile_error" in row:
-                    raise
-                # a variant torch.compile cannot handle is measured eagerly rather than not at all
-                row["compile_error"] = f"{type(e).__name__}: {e}"[:300]
-                traceback.print_exc()
-                args.compile = 0
-                for block in model.blocks:
-                    block._compiled_call_impl = None  # undo Module.compile
-                model.__dict__.pop("logits_and_loss", None)
-                try:
-                    measure(model, model, cfg, B, args, row)
-                    break
-                except torch.OutOfMemoryError:
-                    row.setdefault("oom_batches", []).append(B)
             model.zero_grad(set_to_none=True)
             torch._dynamo.reset()
-            empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         else:
             raise RuntimeError(f"no micro-batch of {job['batches']} fits")
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"[:400]
         traceback.print_exc()
-    results.put(row)
-
-
-def job_order(models, variants):
-    """The queue: medium before small, each model's additive baseline first (every ratio needs it, so a
-    run cut short must not lose it), then the longest jobs (Deltaformer, then the TC/CC read-outs, then
-    the rest), so that the last jobs to start on several GPUs are short ones; the "-bf16" state rows last."""
-
-    def key(job):
-        model, variant = job
-        kind = 2 if "deltaformer" in variant else 1 if ("-tc" in variant or "-cc" in variant) else 0
-        return ("-bf16" in variant, "medium" not in model, variant != "additive", -kind)
-
-    return sorted(((m, v) for m in models for v in variants), key=key)
-
-
-def run_jobs(
-    jobs, gpus, start, time_limit, job_timeout, report=print, min_left=30, ctx=None, poll_s=0.2,
-    clock=time.time, sleep=time.sleep,
-):  # fmt: skip
-    """Run jobs (dicts with model, variant; in queue order) in fresh processes, one per GPU of `gpus` at a
-    time, each GPU taking the next job when its last one has ended. start(job, queue) is the process
-    target and must put exactly one row (a dict) on the queue. A job starts only while >= min_left s of
-    time_limit remain, and is killed after min(job_timeout, what was left when it started) s, so the
-    whole run ends within time_limit (+ a few s to reap). Returns one row per job, in the jobs' order;
-    report(row) is called as each finishes. The GPU (a CUDA_VISIBLE_DEVICES value; None: the caller's
-    own device) is set in the environment the child is spawned with, before it can initialise CUDA.
-    clock and sleep measure and pass the time limits (a test passes a fake pair)."""
-    import multiprocessing as mp
-    import queue
-
-    ctx = ctx or mp.get_context("spawn")
-    t0, todo, running, rows = clock(), list(jobs), {}, {}
-
-    def finish(gpu, row):
-        job = running[gpu]["job"]
-        row.update(model=job["model"], variant=job["variant"], gpu=gpu, t_done_s=round(clock() - t0, 1))
-        rows[id(job)] = row
-        report(row)
-        running[gpu]["row_at"] = clock()  # the process gets a few s to exit and free the GPU
-
-    while todo or running:
-        for gpu in gpus:
-            if gpu in running or not todo or time_limit - (clock() - t0) < min_left:
-                continue
-            job, q = todo.pop(0), ctx.Queue()
-            p = ctx.Process(target=start, args=(job, q))
-            old = os.environ.get("CUDA_VISIBLE_DEVICES")
-            if gpu is not None:
-                os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-            try:
-                p.start()
-            finally:
-                if old is None:
-                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-                else:
-                    os.environ["CUDA_VISIBLE_DEVICES"] = old
-            left = time_limit - (clock() - t0)
-            running[gpu] = dict(job=job, p=p, q=q, t=clock(), budget=min(left, job_timeout), row_at=None)
-        if not running:  # the time limit leaves no room for another job
-            for job in todo:
-                rows[id(job)] = dict(
-                    model=job["model"], variant=job["variant"], error="not run: --time-limit reached"
-                )
-            break
-        sleep(poll_s)
-        for gpu, r in list(running.items()):
-            p = r["p"]
-            if r["row_at"] is None:
-                try:
-                    finish(gpu, r["q"].get(timeout=0.01 if p.is_alive() else 1.0))
-                except queue.Empty:
-                    if not p.is_alive():  # died without a row (crash, killed for memory, ...)
-                        finish(gpu, dict(error=f"worker exited with code {p.exitcode}, no result"))
-                    elif clock() - r["t"] > r["budget"]:
-                        p.kill()
-                        finish(gpu, dict(error=f"no result within {r['budget']:.0f} s (killed)"))
-            if r["row_at"] is not None and (not p.is_alive() or clock() - r["row_at"] > 10):
-                if p.is_alive():
-                    p.kill()
-                p.join()
-                del running[gpu]
-    return [rows[id(job)] for job in jobs]
+    return row
 
 
 def run_table(args):
-    """Every (model, variant) in its own process: one after another on the caller's GPU, or with --gpus
-    one at a time on each listed GPU, from one queue (job_order). Rows come back in the table's order."""
-    order = job_order(args.models, args.variants)
-    jobs = [
-        dict(model=m, variant=v, overrides=VARIANTS[v], batches=args.batches[m], args=args) for m, v in order
-    ]
-    done = []
+    """Every (model, variant) in a fresh process (`--job FILE`: the job pickled, its row back as FILE.json),
+    one after another, additive first (common.run_commands)."""
+    tmp, t0, done = tempfile.mkdtemp(prefix="bench_train-"), time.time(), []
 
-    def on_row(row):
-        print(json.dumps(row), flush=True)
+    def job(i, m, v):
+        path = os.path.join(tmp, f"{i}.pkl")
+        with open(path, "wb") as f:
+            pickle.dump(dict(model=m, variant=v, overrides=VARIANTS[v], batches=args.batches, args=args), f)
+        return dict(name=f"{m} {v}", model=m, variant=v, cmd=[sys.executable, __file__, "--job", path])
+
+    def on_end(job):
+        path = job["cmd"][-1] + ".json"
+        if os.path.exists(path):
+            with open(path) as f:
+                row = json.load(f)
+        elif job["status"].startswith("exit"):  # died without a row (crash, killed for memory, ...)
+            row = dict(error=f"worker {job['status']}, no result")
+        elif job["status"].startswith("not run"):
+            row = dict(error="not run: --time-limit reached")
+        else:
+            row = dict(error=f"no result: {job['status']}")
+        row.update(model=job["model"], variant=job["variant"])
+        if "slot" in job:
+            row["t_done_s"] = round(time.time() - t0, 1)
+            print(json.dumps(row), flush=True)
         done.append(row)
-        save(args, table_order(done, args))
+        save(args, done)
 
-    rows = run_jobs(jobs, args.gpus, worker, args.time_limit, args.job_timeout, on_row)
-    return table_order(rows, args)
-
-
-def table_order(rows, args):
-    pos = {(m, v): i for i, (m, v) in enumerate((m, v) for m in args.models for v in args.variants)}
-    return sorted(rows, key=lambda r: pos[(r["model"], r["variant"])])
+    jobs = [job(i, m, v) for i, (m, v) in enumerate((m, v) for m in args.models for v in args.variants)]
+    try:
+        run_commands(jobs, [None], args.time_limit, JOB_TIMEOUT, min_left=30, on_end=on_end, poll_s=0.2)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return done
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -446,23 +296,21 @@ def table(rows):
     """Markdown table; ratios against additive + softmax of the same model size (peak memory only
     where both ran at the same micro-batch)."""
     base = {r["model"]: r for r in rows if r["variant"] == "additive" and "tok_s" in r}
-    lines = [
-        "| model | variant | micro-batch | tokens/s | ×additive | step ms | peak GB | ×additive | MFU "
-        "| compile s |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    head = ["model", "variant", "micro-batch", "tokens/s", "×additive", "step ms", "peak GB", "×additive"]
+    cells = []
     for r in rows:
         if "tok_s" not in r:
-            lines.append(f"| {r['model']} | {r['variant']} | not measured: {r.get('error', '?')} |||||||")
+            cells.append([r["model"], r["variant"], f"not measured: {r.get('error', '?')}"] + [""] * 7)
             continue
         b = base.get(r["model"])
         ratio = f"{r['tok_s'] / b['tok_s']:.3f}" if b else "-"
         mem_ratio = f"{r['peak_GB'] / b['peak_GB']:.3f}" if b and b["batch"] == r["batch"] else "-"
-        variant = r["variant"] + (" (eager: compile failed)" if "compile_error" in r else "")
-        cells = [r["model"], variant, r["batch"], f"{r['tok_s']:,.0f}", ratio, f"{r['step_ms']:.1f}"]
-        cells += [f"{r['peak_GB']:.1f}", mem_ratio, f"{100 * r['mfu']:.1f}%", r.get("compile_s", "-")]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines)
+        cells.append(
+            [r["model"], r["variant"], r["batch"], f"{r['tok_s']:,.0f}", ratio, f"{r['step_ms']:.1f}"]
+        )
+        cells[-1] += [f"{r['peak_GB']:.1f}", mem_ratio, f"{100 * r['mfu']:.1f}%", r.get("compile_s", "-")]
+    align = ["---"] * 2 + ["---:"] * 8
+    return "\n".join(markdown(head + ["MFU", "compile s"], cells, align))
 
 
 def settings(args):
@@ -472,7 +320,7 @@ def settings(args):
         f"seq {args.seq}, bf16 autocast, {compiled}, {'fused ' if args.device == 'cuda' else ''}AdamW, "
         f"random tokens; {args.warmup} warm-up (the first compiles) and "
         f"{args.steps} timed steps, step time their median; MFU = tokens/s x GPT.flops_per_token / "
-        f"{args.peak_tflops:g} TFLOP/s; ×additive: against additive + softmax of the same model in this run"
+        f"{PEAK_TFLOPS:g} TFLOP/s; ×additive: against additive + softmax of the same model in this run"
     )
 
 
@@ -487,93 +335,39 @@ def save(args, rows):
         return
     os.makedirs(args.out, exist_ok=True)
     run = dict(command=args.command, versions=versions(), settings=settings(args), rows=rows)
-    atomic_write(os.path.join(args.out, "bench_train.json"), json.dumps(run, indent=1))
+    write_json(os.path.join(args.out, "bench_train.json"), run)
     atomic_write(os.path.join(args.out, "bench_train.md"), report(args, rows) + "\n")
-
-
-def parse_batches(text, models):
-    """--batches: '64,32' (every model) or 'gpt2-small=64,32;gpt2-medium=32,16' (an entry without a model
-    name serves the models not named) -> {model: sizes, largest first}."""
-    default, per_model = None, {}
-    for part in (p.strip() for p in text.split(";")):
-        if not part:
-            continue
-        model, _, sizes = part.rpartition("=")
-        try:
-            batch = sorted({int(b) for b in sizes.split(",") if b.strip()}, reverse=True)
-        except ValueError:
-            batch = []
-        if not batch or batch[-1] < 1:
-            raise SystemExit(f"--batches: {part!r}: expected positive integers like 64,32 (or model=64,32)")
-        if model:
-            per_model[model.strip()] = batch
-        else:
-            default = batch
-    out = {}
-    for m in models:
-        if m not in per_model and default is None:
-            raise SystemExit(
-                f"--batches {text!r}: no micro-batch sizes for {m} (add {m}=... or a plain list)"
-            )
-        out[m] = per_model.get(m, default)
-    return out
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="gpt2-small,gpt2-medium")
     p.add_argument("--variants", default=",".join(VARIANTS), help="additive is added when missing")
-    p.add_argument(
-        "--batches",
-        default="64,32,16,8",
-        help="micro-batch sizes to try, largest first: '64,32' for every model, or per model "
-        "'gpt2-small=64,32;gpt2-medium=32,16'",
-    )
-    p.add_argument(
-        "--gpus",
-        default="",
-        help="e.g. 0,1: run the jobs on these GPUs at once (CUDA_VISIBLE_DEVICES of each worker), one job "
-        "per GPU at a time from one queue; default: one job at a time on the caller's GPU",
-    )
+    p.add_argument("--batches", default="64,32,16,8", help="micro-batch sizes to try, e.g. 64,32")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--compile", type=int, default=1)
-    p.add_argument(
-        "--compile-scope",
-        default="model",
-        choices=["model", "blocks"],
-        help="model: torch.compile(model); blocks: each Block and the LM head + loss (compiles ~L times "
-        "faster; the embedding runs eagerly; every block call runs its own wrapper on the host, which can "
-        "leave the GPU waiting: --profile shows kernels busy against the step)",
-    )
-    p.add_argument(
-        "--ddl-backend",
-        default="auto",
-        choices=["auto", "torch", "triton"],
-        help="what backend='auto' means for the DDL and Deltaformer ops (kernels.common.set_auto_backend)",
-    )
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="for MFU (H100/H200 dense bf16: 989)")
+    p.add_argument("--compile-scope", default="model", choices=["model", "blocks"], help="model: the "
+                   "whole model; blocks: each Block and the LM head + loss (compiles ~L times faster; "
+                   "every block call runs its own wrapper on the host, which can leave the GPU waiting)",
+                   )  # fmt: skip
+    p.add_argument("--ddl-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="what backend='auto' means for the DDL and Deltaformer ops")  # fmt: skip
     p.add_argument("--time-limit", type=float, default=540, help="seconds for the whole table")
-    p.add_argument("--job-timeout", type=float, default=420, help="seconds for one (model, variant)")
-    p.add_argument(
-        "--profile", action="store_true", help="after timing each row, profile --profile-steps steps"
-    )
+    p.add_argument("--profile", action="store_true", help="after timing each row, profile --profile-steps")
     p.add_argument("--profile-steps", type=int, default=1)
     p.add_argument("--profile-top", type=int, default=30, help="kernels listed by the profile")
-    p.add_argument(
-        "--device", default="cuda", help="cpu: a smoke test of this script (tiny --model-overrides)"
-    )
+    p.add_argument("--device", default="cuda", help="cpu: a smoke test (tiny --model-overrides)")
     p.add_argument("--model-overrides", default="", help="GPTConfig overrides, e.g. n_layer=2,n_embd=64")
-    p.add_argument(
-        "--nanogpt",
-        default="",
-        help="nanoGPT's model.py (github.com/karpathy/nanoGPT): adds the row 'nanogpt', its GPT at the "
-        "same depth and width (64-wide heads), timed like the others",
-    )
+    p.add_argument("--nanogpt", default="", help="nanoGPT's model.py: adds the row 'nanogpt', its GPT at the "
+                   "same depth and width (64-wide heads), timed like the others")  # fmt: skip
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_train.json / .md")
+    if sys.argv[1:2] == ["--job"]:  # one job of run_table, in its own process
+        with open(sys.argv[2], "rb") as f:
+            return write_json(sys.argv[2] + ".json", worker(pickle.load(f)))
     args = p.parse_args()
-    args.command = "python bench/bench_train.py " + " ".join(sys.argv[1:])
+    args.command = command(__file__)
     args.models = [m for m in args.models.split(",") if m]
     args.variants = [v for v in args.variants.split(",") if v]
     for v in args.variants:
@@ -585,10 +379,13 @@ def main():
         args.variants.append("nanogpt")
     if "nanogpt" in args.variants and not os.path.isfile(args.nanogpt):
         raise SystemExit(f"--nanogpt: the row 'nanogpt' needs nanoGPT's model.py, got {args.nanogpt!r}")
-    args.batches = parse_batches(args.batches, args.models)
-    args.gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] or [None]
-    if len(set(args.gpus)) != len(args.gpus):
-        raise SystemExit(f"--gpus: a GPU is listed twice in {args.gpus}")
+    text = args.batches
+    try:
+        args.batches = sorted({int(b) for b in text.split(",") if b.strip()}, reverse=True)
+    except ValueError:
+        args.batches = []
+    if not args.batches or args.batches[-1] < 1:
+        raise SystemExit(f"--batches {text!r}: expected positive integers like 64,32")
     args.model_overrides = {
         key: (int(val) if val.isdigit() else val)
         for key, val in (kv.split("=", 1) for kv in args.model_overrides.split(",") if kv)

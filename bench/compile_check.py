@@ -1,20 +1,14 @@
-"""Compile every Triton launch of this repo's kernels for an H100/H200 (sm_90) on a machine without a GPU,
-with whatever Triton is importable: frontend errors of another Triton version (3.6 rejects code that 3.9's
-interpreter and compiler accept, e.g. a constexpr re-assigned inside tl.static_range) show up here, before
-a GPU run.
+"""Compile every Triton launch of this repo's kernels for sm_90 (H100/H200) on a machine without a GPU, with
+whatever Triton is importable, so that another version's frontend errors show up before a GPU run.
 
     PYTHONPATH=/path/to/triton-3.6 python bench/compile_check.py
 
-How: every `kernel[grid](...)` launch is intercepted and compiled for sm_90 with the argument types and
-constexprs it was launched with, instead of run (outputs stay uninitialised: values mean nothing here).
-What launches: a forward and backward of every model variant at the gpt2-small width, four blocks (the
-states of blocks 2-4 rebuilt in the backward from the first's input by 1-7 updates, as the default keeps
-every 4th block's), on a few tokens (the shipped launch shapes,
-fp32 and bf16 DDL state; ddl-tc runs the fused update + TC read-out), and of the Deltaformer u-stage for every
-kernel, head dim 64 and 128, each dtype and both `lowp`. Prints each distinct compile
-(ok with its shared memory, registers per thread and the stack its spills take, from cuobjdump; or the error);
-exit 1 if any failed. ptxas and cuobjdump come with the triton wheel (a 3.6 wheel unzipped anywhere works). A
-few minutes on 2 cores the first time (Triton caches compiles)."""
+Every `kernel[grid](...)` launch is compiled, not run, with the argument types and constexprs it was
+launched with (outputs stay uninitialised). What launches: a forward and backward of every model variant
+at the gpt2-small width, four blocks (states rebuilt in the backward by 1-7 updates), fp32 and bf16 DDL
+state, and the Deltaformer u-stage for every kernel, head dim 64 and 128, each dtype and both `lowp`.
+Prints each distinct compile (its shared memory, registers and spill stack from cuobjdump, or the error);
+exit 1 if any failed. ptxas and cuobjdump come with the triton wheel."""
 
 import os
 import re
@@ -121,7 +115,7 @@ def intercepted(self, grid):
     return lambda *args, **kwargs: compile_launch(self, args, kwargs)
 
 
-def run_model_variants(variants=None):
+def run_model_variants():
     from kernels.common import set_auto_backend
     from model import GPT, GPTConfig
 
@@ -129,15 +123,10 @@ def run_model_variants(variants=None):
     # kernels/common.py accepts CPU tensors for backend="triton" only under the interpreter; its kernels were
     # decorated (compiled, not interpreted) at import, so this only passes that check
     os.environ["TRITON_INTERPRET"] = "1"
-    variants = variants or [
-        dict(residual="additive", attention="deltaformer"),
-        dict(residual="ddl"),
-        dict(residual="ddl-cc"),
-        dict(residual="ddl-tc"),
-        dict(residual="ddl-cc", ddl_ec=False),
-        dict(residual="ddl", ddl_erase=False),  # the write-only control
-        dict(residual="ddl-tc", ddl_erase=False),
-    ]
+    variants = [dict(residual="additive", attention="deltaformer")]
+    variants += [dict(residual=r) for r in ("ddl", "ddl-cc", "ddl-tc")]
+    variants += [dict(residual="ddl-cc", ddl_ec=False)]
+    variants += [dict(residual=r, ddl_erase=False) for r in ("ddl", "ddl-tc")]  # the write-only control
     for overrides in variants:
         for state in ("float32", "bfloat16"):
             if overrides["residual"] == "additive" and state == "bfloat16":

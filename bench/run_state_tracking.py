@@ -3,42 +3,26 @@
     python bench/run_state_tracking.py --seconds 210                 # on the GPU: every task and config
     python bench/run_state_tracking.py --tasks swap --only df-linear-k,tf-1 --seconds 20 --extra=--device=cpu
 
-Configs: configs/state_tracking.py plus, per task, the overrides in TASKS, and per model those in MODELS:
-1-layer Deltaformers over the first-stage kernels {softmax, relu, linear} x w in {k, q, proj}; softmax
-Transformers with 1, 2, 4 layers; same width. A run is named <task>/<model>; --only takes model names (for
-every selected task) or run names. Every run gets the same training time budget (train.py's
-max_seconds), then train.py evaluates per-position accuracy on held-out sequences:
-- swap: curriculum from length 32 (doubled at 99% held-out accuracy) up to 256; accuracy at 256 and 512
-  (512: beyond the curriculum, extrapolation);
-- dag: 32 nodes (30 edges, 61 tokens), a separator, then queries; trained at length 93 (32 queries),
-  accuracy over the queries at 93 and 189 (128 queries: positions beyond training).
-
-The models are tiny, so one of them leaves an H200 mostly idle (launch-bound): by default all runs go at
-once, one process each, sharing the GPU; the table says so. --parallel N runs N at a time. A run still
-going --deadline seconds after the first start is killed (its row says so), so the command ends in time.
-
-Before training, a subprocess checks the Triton Deltaformer path against the PyTorch path (bf16 inputs
-as under autocast, forward and backward, every first-stage kernel, keys RMS-normed as in the model and
-beta in the reflection regime) and times both; the Deltaformer runs use Triton only if it agrees and is
-faster, else --backend=torch (--backend forces one). The outcome is in the table header.
-
-Writes to --out (default $OUT, else out-state-tracking-bench): results.md (the tables, with the command,
-GPU and versions), logs.jsonl (every log.jsonl record, tagged with its run), stdout.txt (every run's
-console output). Checkpoints stay in --work.
+Runs <task>/<model>: configs/state_tracking.py with the task's overrides (TASKS) and the model's (MODELS:
+1-layer Deltaformers over the first-stage kernels x w in {k, q, proj}; softmax Transformers of 1, 2, 4
+layers); --only takes model or run names. Each run trains for --seconds (train.py's max_seconds), then
+train.py evaluates held-out per-position accuracy. The models are tiny, so all runs go at once, one
+process each, sharing the GPU; one still going --deadline s after the start is killed. First a subprocess
+(CHECK_TRITON) checks the Triton Deltaformer path against the PyTorch one; the runs use Triton only if it
+agrees and is faster. Writes to --out results.md (the tables), logs.jsonl (every run's log records) and
+stdout.txt; checkpoints stay in --work. Setup and results: bench/STATE_TRACKING.md.
 """
 
 import argparse
 import json
 import os
-import shlex
 import subprocess
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from common import atomic_write, versions  # noqa: E402  (bench/common.py, this script's folder)
+from common import atomic_write, command, markdown, read_jsonl, run_commands, versions  # noqa: E402  (bench/common.py)
 
 DF = ["--attention=deltaformer", "--n_layer=1"]
 MODELS = [  # (name, overrides of configs/state_tracking.py)
@@ -112,11 +96,6 @@ def check_triton(timeout):
     return False, f"PyTorch stage 1 (Triton check failed: {out[-1] if out else 'no output'})"
 
 
-def read_log(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def summarise(name, command, records, wall, target):
     train = [r for r in records if "train_loss" in r]
     evals = [r for r in records if "val_acc" in r]
@@ -146,8 +125,7 @@ def table(rows, target):
     columns += [
         c for L in lengths for c in ((f"acc@{L}", f"acc@{L} %"), (f"acc_last@{L}", f"last-pos acc@{L} %"))
     ]
-    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(str(r.get(k, "-")) for k, _ in columns) + " |" for r in rows]
+    lines = markdown([h for _, h in columns], [[r.get(k, "-") for k, _ in columns] for r in rows])
     lines += ["", "Commands (from the repository root; the bench adds --out_dir):", ""]
     lines += [f"- {r['config']}: `{r['command']}`" for r in rows]
     return "\n".join(lines)
@@ -169,31 +147,15 @@ def select(tasks, only):
     return runs
 
 
-def stop(proc):
-    """Terminate a run that overran the deadline (kill if it ignores that for 10 s)."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tasks", default="swap,dag", help=f"comma-separated, of {list(TASKS)}")
     p.add_argument("--seconds", type=float, default=180.0, help="training time budget per config")
-    p.add_argument("--parallel", type=int, default=0, help="runs at once (0 = all)")
-    p.add_argument(
-        "--deadline", type=float, default=0.0, help="kill runs after this many s (0: seconds + 300)"
-    )
+    p.add_argument("--deadline", type=float, default=0.0, help="kill runs after this (0: seconds + 300)")
     p.add_argument("--only", default="", help="comma-separated model or run names (default: all)")
     p.add_argument("--extra", default="", help="more train.py overrides for every run, space-separated")
     p.add_argument("--out", default=os.environ.get("OUT") or "out-state-tracking-bench")
     p.add_argument("--work", default="out-state-tracking-runs", help="out_dir parent of the runs")
-    p.add_argument(
-        "--backend", choices=("check", "torch", "triton"), default="check", help="Deltaformer stage 1"
-    )
     p.add_argument("--check-timeout", type=float, default=60.0, help="seconds for the Triton check")
     args = p.parse_args()
 
@@ -207,58 +169,34 @@ def main():
 
     import torch
 
-    command = shlex.join(["python", "bench/run_state_tracking.py", *sys.argv[1:]])
-    header = [f"Command: `{command}`", versions()]
-    backend = [f"--backend={args.backend}"]
+    header = [f"Command: `{command(__file__)}`", versions()]
     deltaformer = lambda overrides: "--attention=deltaformer" in overrides  # noqa: E731
-    if args.backend != "check":
-        header.append(f"Deltaformer stage 1: --backend={args.backend} (forced)")
-    elif not torch.cuda.is_available():
+    backend = []
+    if not torch.cuda.is_available():
         backend = ["--backend=torch"]
         header.append("Deltaformer stage 1: PyTorch path (no CUDA)")
     elif any(deltaformer(overrides) for _, _, overrides in runs):
         use_triton, note = check_triton(timeout=args.check_timeout)
         backend = ["--backend=triton" if use_triton else "--backend=torch"]
         header.append(f"Deltaformer stage 1: {note}")
-    parallel = args.parallel or len(runs)
     header.append(
-        f"{len(runs)} runs, {parallel} at a time on one device, {args.seconds:g} s training budget each, "
+        f"{len(runs)} runs at once on one device, {args.seconds:g} s training budget each, "
         f"killed after {deadline:g} s"
     )
     print("\n".join(header), flush=True)
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    pending, running, done = list(runs), {}, {}
-    first = time.time()
-    while pending or running:
-        while pending and len(running) < parallel:
-            name, task, overrides = pending.pop(0)
-            out_dir = os.path.join(args.work, name)
-            os.makedirs(out_dir, exist_ok=True)
-            cmd = ["python", "train.py", "configs/state_tracking.py", *overrides]
-            cmd += backend if deltaformer(overrides) else []
-            cmd += [f"--max_seconds={args.seconds:g}", *args.extra.split()]
-            log = open(os.path.join(out_dir, "stdout.txt"), "w")  # noqa: SIM115 (closed when it ends)
-            proc = subprocess.Popen(
-                [sys.executable, *cmd[1:], f"--out_dir={out_dir}", "--overwrite=True"],
-                cwd=REPO,
-                stdout=log,
-                stderr=log,
-                env=env,
-            )
-            running[name] = (proc, log, time.time(), " ".join(cmd))
-            print(f"started {name}: {' '.join(cmd)}", flush=True)
-        time.sleep(1.0)
-        for name, (proc, log, t0, cmd) in list(running.items()):
-            killed = proc.poll() is None and time.time() - first > deadline
-            if killed:
-                stop(proc)
-            if proc.poll() is not None:
-                log.close()
-                status = "killed at the deadline" if killed else f"exit {proc.returncode}"
-                done[name] = (status, time.time() - t0, cmd)
-                del running[name]
-                print(f"finished {name}: {status} after {time.time() - t0:.0f} s", flush=True)
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    jobs = []
+    for name, _, overrides in runs:
+        out_dir = os.path.join(args.work, name)
+        os.makedirs(out_dir, exist_ok=True)
+        cmd = ["python", "train.py", "configs/state_tracking.py", *overrides]
+        cmd += backend if deltaformer(overrides) else []
+        cmd += [f"--max_seconds={args.seconds:g}", *args.extra.split()]
+        full = [sys.executable, *cmd[1:], f"--out_dir={out_dir}", "--overwrite=True"]
+        jobs.append(dict(name=name, cmd=full, shown=" ".join(cmd), cwd=REPO, env=env,
+                         log=os.path.join(out_dir, "stdout.txt")))  # fmt: skip
+    done = {job["name"]: job for job in run_commands(jobs, [None] * len(jobs), time_limit=deadline)}
 
     sections, all_records, stdout = [], [], []
     for task in tasks:
@@ -267,12 +205,11 @@ def main():
         for name, run_task, _ in runs:
             if run_task != task:
                 continue
-            status, wall, cmd = done[name]
+            status, wall, cmd = done[name]["status"], done[name]["seconds"], done[name]["shown"]
             out_dir = os.path.join(args.work, name)
             with open(os.path.join(out_dir, "stdout.txt")) as f:
                 stdout.append(f"===== {name} ({status}): {cmd}\n{f.read()}")
-            log_path = os.path.join(out_dir, "log.jsonl")
-            records = read_log(log_path) if os.path.exists(log_path) else []
+            records = read_jsonl(os.path.join(out_dir, "log.jsonl"))
             all_records += [json.dumps({"config": name, **r}) for r in records]
             row = summarise(name, cmd, records, wall, target)
             if status != "exit 0":

@@ -10,12 +10,14 @@ themselves are tested in tests/test_ddl.py and tests/test_deltaformer.py.
 import dataclasses
 import io
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from model import ATTENTIONS, DDL_EPS, GPT, RESIDUALS, GPTConfig, Residual
+import model as model_module
+from model import ATTENTIONS, DDL_EPS, GPT, RESIDUALS, DDLStream, GPTConfig, Residual
 from sample import generate
 
 COMBOS = [(r, a) for r in RESIDUALS for a in ATTENTIONS]
@@ -112,7 +114,7 @@ def test_bf16_autocast_close_to_fp32():
     _, loss32 = model(idx, targets)
     seen = {}
     res = model.blocks[0].res_attn
-    hook = res.register_forward_hook(lambda m, args, out: seen.update(X=out[0].dtype))
+    hook = res.register_forward_hook(lambda m, args, out: seen.update(X=out.X.dtype))
     orig = res.value_and_gate
     res.value_and_gate = lambda x_in, c: seen.setdefault("v_beta", orig(x_in, c))
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -178,21 +180,49 @@ def naive_compress(residual, comp, X):
     return (out * comp.read).sum(-1)
 
 
+class StatesRead:
+    """Records the state X every read of a DDLStream sees (a sublayer's input; the last, the readout's),
+    by wrapping DDLStream.read; .remove() puts it back."""
+
+    def __init__(self):
+        self.states, self.orig = [], DDLStream.read
+
+        def read(stream):
+            x_in = self.orig(stream)
+            self.states.append(stream.X)
+            return x_in
+
+        DDLStream.read = read
+
+    def remove(self):
+        DDLStream.read = self.orig
+
+
 def capture(model):
-    """Per DDL sublayer: X in, X out, the norm's input x_in and output c, the sublayer output h."""
-    records, hooks = [], []
+    """Per DDL sublayer: X in, X out, the norm's input x_in and output c, the sublayer output h (records
+    complete after the forward; call .remove() on each hook)."""
+    records, states = [], StatesRead()
+    hooks = [states, Completes(records, states)]
     for block in model.blocks:
         for m in (block.res_attn, block.res_mlp):
             rec = {"module": m, "compress": block.compress}
             records.append(rec)
             hooks.append(
-                m.register_forward_hook(lambda mod, args, out, r=rec: r.update(X=args[0], X_new=out[0]))
-            )
-            hooks.append(
                 m.norm.register_forward_hook(lambda mod, args, out, r=rec: r.update(x_in=args[0], c=out))
             )
             hooks.append(m.drop.register_forward_hook(lambda mod, args, out, r=rec: r.update(h=out)))
     return records, hooks
+
+
+class Completes:
+    """On .remove(): each record's X and X_new from the states read (sublayer j reads X_j, writes X_j+1)."""
+
+    def __init__(self, records, states):
+        self.records, self.states = records, states
+
+    def remove(self):
+        for j, rec in enumerate(self.records):
+            rec.update(X=self.states.states[j], X_new=self.states.states[j + 1])
 
 
 def value(m, x_in, c):
@@ -522,8 +552,6 @@ def test_flops_per_token_against_counted_matmuls(attention, monkeypatch):
     beta gate's bias), so the count must equal (flops_per_token - 6 * their number) * B * T exactly.
     Deltaformer's stage 1 is counted through dense_deltaformer (checked against the model's own path
     first). The DDL residuals' update term is elementwise work the counter does not see: not checked."""
-    import model as model_module
-
     cfg = tiny(attention=attention, head_dim=8, block_size=32)  # 2 heads of 8 in a width of 32
     if attention == "deltaformer":
         m = make(cfg)
@@ -551,17 +579,6 @@ def test_flops_per_token_gpt2_small():
 # The bf16 DDL state (ddl_state_dtype="bfloat16")
 
 
-def state_dtypes_seen(model):
-    """Record the dtype of every DDL state a Residual returns (hooks; call .remove() on the result)."""
-    seen = []
-    hooks = [
-        m.register_forward_hook(lambda mod, args, out: seen.append(out[0].dtype))
-        for m in model.modules()
-        if isinstance(m, Residual)
-    ]
-    return seen, hooks
-
-
 @pytest.mark.parametrize("residual", DDL_RESIDUALS)
 def test_bf16_state_close_to_fp32_state(residual):
     """The same fp32 weights with X stored in bf16: loss and every gradient agree to bf16 rounding (X is
@@ -574,11 +591,10 @@ def test_bf16_state_close_to_fp32_state(residual):
             for p in model.parameters():
                 p.add_(0.1 * torch.randn_like(p))
         idx, targets = tokens(T=9), tokens(T=9, seed=2)
-        seen, hooks = state_dtypes_seen(model)
+        seen = StatesRead()  # every state a read sees
         logits, loss = model(idx, targets)
-        for h in hooks:
-            h.remove()
-        assert set(seen) == {torch.bfloat16 if state == "bfloat16" else torch.float32}
+        seen.remove()
+        assert {X.dtype for X in seen.states} == {torch.bfloat16 if state == "bfloat16" else torch.float32}
         assert logits.dtype == torch.float32 and loss.dtype == torch.float32
         loss.backward()
         results[state] = loss, {n: p.grad for n, p in model.named_parameters()}
@@ -729,3 +745,89 @@ def test_ddl_keep_state_every_default():
     assert GPTConfig(residual="additive").ddl_keep_state_every == 0
     with pytest.raises(ValueError, match="ddl_keep_state_every"):
         GPTConfig(residual="ddl-tc", ddl_keep_state_every=-1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The README's worked example of a new residual rule
+
+
+def readme_residual_example():
+    """The first python code block of README.md's "Add your own residual" section."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Add your own residual\n", 1)[1].split("\n## ", 1)[0]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_residual_example_trains():
+    """The example as written (at most 30 lines), pasted into model.py's namespace: it registers its rule,
+    every sublayer uses it, and a few AdamW steps on one repeated batch lower the loss and move the gate."""
+    code = readme_residual_example()
+    assert len(code.strip().splitlines()) <= 30
+    before = dict(model_module.RESIDUALS)
+    namespace = dict(vars(model_module))
+    try:
+        exec(code, namespace)
+        (name,) = set(model_module.RESIDUALS) - set(before)
+        torch.manual_seed(0)
+        model = GPT(tiny(residual=name)).double()
+        rule = model_module.RESIDUALS[name]
+        assert all(type(b.res_attn) is rule and type(b.res_mlp) is rule for b in model.blocks)
+        gates = [p for n, p in model.named_parameters() if n.endswith("gate")]
+        assert len(gates) == 2 * model.config.n_layer
+        start = [g.detach().clone() for g in gates]
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        idx = tokens(B=2, T=16)
+        losses = []
+        for _ in range(8):
+            _, loss = model(idx[:, :-1], idx[:, 1:])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert all(math.isfinite(x) for x in losses)
+        assert losses[-1] < losses[0] - 0.1, losses
+        assert all(not torch.equal(g, s) for g, s in zip(gates, start))
+    finally:
+        model_module.RESIDUALS.clear()
+        model_module.RESIDUALS.update(before)
+
+
+# The parameter names checkpoints of this model have been written with (one block, Deltaformer with its own
+# w): a renamed module would break loading them, so a rename must map these names or fail naming the change.
+EARLIER_KEYS_COMMON = (
+    "wte.weight ln_f.weight lm_head.weight blocks.0.mlp.c_fc.weight blocks.0.mlp.c_proj.weight "
+    "blocks.0.attn.c_attn.weight blocks.0.attn.c_proj.weight blocks.0.attn.q_norm.weight "
+    "blocks.0.attn.k_norm.weight blocks.0.attn.w_norm.weight blocks.0.attn.beta.weight "
+    "blocks.0.attn.beta.bias blocks.0.res_attn.norm.weight blocks.0.res_mlp.norm.weight"
+)
+DDL_KEYS = " ".join(
+    f"blocks.0.{res}.{p}"
+    for res in ("res_attn", "res_mlp")
+    for p in ("beta.bias", "beta.weight", "v_proj.bias", "v_proj.weight")
+)
+COMPRESSOR_KEYS = "blocks.0.compress.conv blocks.0.compress.read readout.conv readout.read ec_conv"
+EARLIER_KEYS = {
+    "additive": "",
+    "ddl": DDL_KEYS,
+    "ddl-tc": f"{DDL_KEYS} {COMPRESSOR_KEYS}",
+    "ddl-cc": f"{DDL_KEYS} {COMPRESSOR_KEYS}",
+}
+
+
+@pytest.mark.parametrize("residual", list(EARLIER_KEYS))
+def test_checkpoints_of_the_earlier_layout_load(residual, tmp_path):
+    """A checkpoint written under the earlier names (random tensors of the right shapes) loads through
+    checkpoint.load_model into exactly those tensors."""
+    from checkpoint import load_model
+
+    cfg = tiny(n_layer=1, residual=residual, attention="deltaformer", deltaformer_w="proj")
+    shapes = {k: v.shape for k, v in GPT(cfg).state_dict().items()}
+    keys = (EARLIER_KEYS_COMMON + " " + EARLIER_KEYS[residual]).split()
+    torch.manual_seed(0)
+    earlier = {k: torch.randn(shapes[k]) for k in keys}
+    earlier["lm_head.weight"] = earlier["wte.weight"]  # tied
+    torch.save({"model": earlier, "model_args": dataclasses.asdict(cfg)}, tmp_path / "ckpt.pt")
+    model, _ = load_model(tmp_path / "ckpt.pt")
+    assert set(model.state_dict()) == set(keys)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, earlier[k]), k

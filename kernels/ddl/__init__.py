@@ -27,8 +27,9 @@ i.e. one sublayer's update together with the next sublayer's read-out.
 Every public function takes backend = "auto" | "torch" | "triton" (kernels/common.py): "auto" picks
 Triton for CUDA tensors and the PyTorch reference otherwise (tests run the kernels on CPU with
 backend="triton" and TRITON_INTERPRET=1). The references (*_ref) are in naive.py, the kernels in
-triton.py. Numerics: the normalisation, the contractions and the update
-run in fp32 (float64 stays float64); results come back in x's dtype, so bf16 state is stored in bf16.
+triton_update.py and triton_channel.py, their custom ops in triton.py. Numerics: the normalisation,
+the contractions and the update run in fp32 (float64 stays float64); results come back in x's dtype, so
+bf16 state is stored in bf16.
 
 The Triton kernels in short: the work is memory-bound (~1 FLOP per byte of state), so they minimise passes
 over the [B, T, d, d_v] state. One program owns whole tokens ([d, d_v] tiles; d_v = 1: [tokens, d] rows): the

@@ -1,5 +1,6 @@
-"""DDL ops in Triton: the kernels, their torch.library custom ops (opaque to torch.compile, with fake
-implementations) and autograd, and the functions that flatten the public functions' arguments for them.
+"""DDL ops in Triton: the launch table, the torch.library custom ops (opaque to torch.compile, with fake
+implementations) and their autograd around the kernels (triton_update.py: the update; triton_channel.py: CC,
+TC, EC), and the functions that flatten the public functions' arguments for them.
 
 The state is memory-bound work: each kernel reads and writes every [d, d_v] tile once and keeps all
 arithmetic in registers (fp32, or float64 for float64 inputs so tests can be exact). The update needs
@@ -14,9 +15,24 @@ import triton
 import triton.language as tl
 
 from ..common import acc_dtype
+from .triton_channel import (
+    _cc_bwd_kernel,
+    _cc_fwd_kernel,
+    _conv_bwd_kernel,
+    _ec_fwd_kernel,
+    _tc_fwd_kernel,
+)
+from .triton_update import (
+    _update_bwd_kernel,
+    _update_fwd_kernel,
+    _update_row_bwd_kernel,
+    _update_row_fwd_kernel,
+    _update_tc_bwd_kernel,
+    _update_tc_wgrad_kernel,
+)
 
 # Launch shapes (tokens per program, warps, channel block for the per-channel kernels), tuned on an H200
-# by `python bench/bench_ddl.py` / `--sweeps`. An entry may hold a whole launch shape for one state dtype
+# by `python bench/bench_ddl.py --sweeps`. An entry may hold a whole launch shape for one state dtype
 # under that dtype's name ("bfloat16"), used instead of the entry's own for that dtype (`_cfg`). PIPELINE:
 # the backward's loop over a program's tokens software-pipelined (two stages) or plain. Single-call timings
 # of the small (d_v = 1, bf16) cases include the host's dispatch and vary between runs: compare launch
@@ -59,494 +75,6 @@ def _new(shape, like, dtype=None):
 
 def _ct(*tensors):
     return tl.float64 if any(t.dtype == torch.float64 for t in tensors) else tl.float32
-
-
-@triton.jit
-def _token_tile(D, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):
-    # the per-token kernels' tile, one token's [d, d_v] state: offsets, masks and the flat offset d*DV + v
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_v = tl.arange(0, BLOCK_V)
-    return offs_d, offs_v, offs_d < D, offs_v < DV, offs_d[:, None] * DV + offs_v[None, :]
-
-
-@triton.jit
-def _vec_mask(ok, offs):
-    # a scalar condition as a vector mask like offs (the interpreter rejects scalar & vector)
-    return offs * 0 + ok.to(tl.int32) != 0
-
-
-@triton.jit
-def _token_update_terms(n, ok, okd, okv, x, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv,
-                        DV: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr):  # fmt: skip
-    """rs = 1 / sqrt(|k|^2 + eps^2), khat = k rs, beta and r = v - khat^T x (r = v without the erase) of
-    token n's update of state x (zeros where ok, a scalar condition, is false): the forward's."""
-    k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
-    rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
-    kh = k * rs
-    v = tl.load(V + n * DV + offs_v, mask=mv & okv, other=0.0).to(CT)
-    b = tl.load(BETA + n, mask=ok, other=0.0).to(CT)
-    if ERASE:
-        r = v - tl.sum(kh[:, None] * x, axis=0)  # v^T - khat^T x
-    else:
-        r = v
-    return rs, kh, b, r
-
-
-@triton.jit
-def _stored_update_terms(n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV: tl.constexpr,
-                         CT: tl.constexpr):  # fmt: skip
-    """rs, khat, beta and r of token n's update as _token_update_terms, from its k and beta and the rs [N]
-    and r [N, DV] its forward stored: no reduction, and no need for x (zeros where ok, a scalar
-    condition, is false). offs_d: all of d, or a block of it."""
-    k = tl.load(Kd + n * D + offs_d, mask=md & _vec_mask(ok, offs_d), other=0.0).to(CT)
-    rs = tl.load(RS + n, mask=ok, other=0.0).to(CT)
-    b = tl.load(BETA + n, mask=ok, other=0.0).to(CT)
-    r = tl.load(R + n * DV + offs_v, mask=mv & _vec_mask(ok, offs_v), other=0.0).to(CT)
-    return rs, k * rs, b, r
-
-
-@triton.jit
-def _rebuilt_update(x, n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV: tl.constexpr,
-                    CT: tl.constexpr):  # fmt: skip
-    # x' = x + beta khat r^T of token n (x: all of d or a block of it), from the update's stored terms
-    _, kh, b, r = _stored_update_terms(n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV, CT)
-    return x + b * kh[:, None] * r[None, :]
-
-
-@triton.jit
-def _rebuilt_state(x, n, ok, CHAIN, D, offs_d, offs_v, md, mv, DV: tl.constexpr, CT: tl.constexpr,
-                   OUT_T: tl.constexpr):  # fmt: skip
-    """x0 (a tile of token n) through the updates of CHAIN = (ks, betas, rss, rr), each update's k, beta
-    and stored rs and r: x + beta khat r^T each, rounded to the state's dtype OUT_T as the forward stored
-    it (empty tuples: x unchanged)."""
-    ks, bs, rss, rr = CHAIN
-    for i in tl.static_range(len(ks)):
-        x = _rebuilt_update(x, n, ok, ks[i], bs[i], rss[i], rr[i], D, offs_d, offs_v, md, mv, DV, CT)
-        x = x.to(OUT_T).to(CT)
-    return x
-
-
-@triton.jit
-def _update_bwd_inputs(
-    n, ok, X, Kd, V, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV: tl.constexpr, CT: tl.constexpr,
-):  # fmt: skip
-    """What the backward of token n's update reads (zeros where ok, a scalar condition, is false): its
-    masks, the state x (X holds x0 and x is rebuilt through CHAIN, see _rebuilt_state), the update's
-    stored terms (_stored_update_terms) and its value v."""
-    okd = _vec_mask(ok, offs_d)
-    m2 = (md & okd)[:, None] & mv[None, :]
-    x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-    x = _rebuilt_state(x, n, ok, CHAIN, D, offs_d, offs_v, md, mv, DV, CT, X.dtype.element_ty)
-    rs, kh, b, r = _stored_update_terms(n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV, CT)
-    v = tl.load(V + n * DV + offs_v, mask=mv & _vec_mask(ok, offs_v), other=0.0).to(CT)
-    return okd, m2, rs, kh, x, b, r, v
-
-
-@triton.jit
-def _update_grads(g, x, kh, rs, b, r, v, ERASE: tl.constexpr):
-    """The update's backward for one token, given G = dL/dx' (formulas in `_update_bwd_token`):
-    dx, dk, dv, dbeta. One reduction over d (khat^T G): khat . dkhat follows from it and the stored r."""
-    gk = tl.sum(kh[:, None] * g, axis=0)  # khat^T G  [d_v]
-    gr = tl.sum(g * r[None, :], axis=1)  # G r  [d]
-    if ERASE:
-        dx = g - b * kh[:, None] * gk[None, :]
-        dkh = b * (gr - tl.sum(x * gk[None, :], axis=1))
-        # khat . dkhat = b (gk . r - (khat^T x) . gk), and khat^T x = v - r
-        kdk = b * tl.sum(gk * (2.0 * r - v), axis=0)
-    else:
-        dx = g
-        dkh = b * gr
-        kdk = b * tl.sum(gk * r, axis=0)
-    dk = rs * (dkh - kh * kdk)
-    return dx, dk, b * gk, tl.sum(gk * r, axis=0)
-
-
-@triton.jit
-def _store_update_grads(n, ok, okd, m2, off2, dx, dk, dv, dbeta, DX, DK, DVo, DBETA, D, offs_d, offs_v, md,
-                        mv, DV: tl.constexpr):  # fmt: skip
-    tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
-    tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md & okd)
-    okv = _vec_mask(ok, offs_v)
-    tl.store(DVo + n * DV + offs_v, dv.to(DVo.dtype.element_ty), mask=mv & okv)
-    tl.store(DBETA + n, dbeta.to(DBETA.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _update_fwd_kernel(
-    X, Kd, V, BETA, W, XOUT, H, RS, R, N, D, eps,
-    DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TOKENS: tl.constexpr,
-    ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
-):  # fmt: skip
-    # x' and the update's rs and r (which the backward reads instead of recomputing them; 20 bytes a token
-    # at d_v = 4 against the state's 12 KB), with COMPRESS also the next sublayer's CC read-out of x'
-    pid = tl.program_id(0).to(tl.int64)
-    offs_d, offs_v, md, mv, off2 = _token_tile(D, DV, BLOCK_D, BLOCK_V)
-    if COMPRESS:
-        w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
-    for tt in tl.static_range(TOKENS):
-        n = pid * TOKENS + tt
-        ok = n < N
-        okd = _vec_mask(ok, offs_d)
-        okv = _vec_mask(ok, offs_v)
-        m2 = (md & okd)[:, None] & mv[None, :]
-        x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-        rs, kh, b, r = _token_update_terms(
-            n, ok, okd, okv, x, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, DV, ERASE, CT
-        )
-        xn = (x + b * kh[:, None] * r[None, :]).to(XOUT.dtype.element_ty)
-        tl.store(XOUT + n * D * DV + off2, xn, mask=m2)
-        tl.store(R + n * DV + offs_v, r, mask=mv & okv)
-        tl.store(RS + n, rs, mask=ok)
-        if COMPRESS:  # the next sublayer's CC read-out of the state just written (as stored)
-            h = tl.sum(xn.to(CT) * w, axis=1)
-            tl.store(H + n * D + offs_d, h.to(H.dtype.element_ty), mask=md & okd)
-
-
-@triton.jit
-def _update_bwd_token(
-    n, X, Kd, V, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D, offs_d, offs_v, md, mv, off2,
-    DV: tl.constexpr, ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
-):  # fmt: skip
-    # One token of the backward; returns its contribution dh xn^T to the CC weight gradient.
-    # x' = x + b khat r^T, r = v - x^T khat.  With G = dL/dx' (+ dh w^T from the fused read-out):
-    # dx = G - b khat (khat^T G);  dv = b G^T khat;  dbeta = r . (G^T khat);
-    # dkhat = b (G r - x G^T khat);  dk = (dkhat - khat (khat . dkhat)) / sqrt(|k|^2 + eps^2).
-    ok = n < N
-    okd, m2, rs, kh, x, b, r, v = _update_bwd_inputs(
-        n, ok, X, Kd, V, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV, CT
-    )
-    g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-    dw = w * 0.0
-    if COMPRESS:
-        dh = tl.load(DH + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
-        xn = (x + b * kh[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)
-        dw = dh[:, None] * xn
-        g = g + dh[:, None] * w
-    dx, dk, dv, dbeta = _update_grads(g, x, kh, rs, b, r, v, ERASE)
-    _store_update_grads(
-        n, ok, okd, m2, off2, dx, dk, dv, dbeta, DX, DK, DVo, DBETA, D, offs_d, offs_v, md, mv, DV
-    )
-    return dw
-
-
-@triton.jit
-def _update_bwd_kernel(
-    X, Kd, V, BETA, RS, R, CHAIN, W, G, DH, DX, DK, DVo, DBETA, DWP, N, D,
-    TOKENS: tl.constexpr, PIPELINE: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_V: tl.constexpr, ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
-):  # fmt: skip
-    # TOKENS tokens per program (the CC weight gradient is summed over them in registers), in a plain loop
-    # (one token's loads in flight at a time) or, PIPELINE, a software-pipelined one (num_stages 2).
-    pid = tl.program_id(0).to(tl.int64)
-    offs_d, offs_v, md, mv, off2 = _token_tile(D, DV, BLOCK_D, BLOCK_V)
-    if COMPRESS:
-        w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
-    else:
-        w = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
-    dw = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
-    if PIPELINE:
-        for tt in tl.range(0, TOKENS, num_stages=2):
-            dw += _update_bwd_token(
-                pid * TOKENS + tt, X, Kd, V, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D,
-                offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, CT,
-            )  # fmt: skip
-    else:
-        for tt in range(TOKENS):
-            dw += _update_bwd_token(
-                pid * TOKENS + tt, X, Kd, V, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D,
-                offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, CT,
-            )  # fmt: skip
-    if COMPRESS:
-        tl.store(DWP + pid * D * DV + off2, dw, mask=md[:, None] & mv[None, :])
-
-
-@triton.jit
-def _chan_tile(D, KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_V: tl.constexpr):  # fmt: skip
-    # the per-channel kernels' tile: a run of tokens (program 0) x a block of d (program 1) x d_v,
-    # and the KW taps of the token convolution (padded to KP)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_v = tl.arange(0, BLOCK_V)
-    offs_j = tl.arange(0, KP)
-    md = offs_d < D
-    mv = offs_v < DV
-    m2 = md[:, None] & mv[None, :]
-    off2 = offs_d[:, None] * DV + offs_v[None, :]
-    return tl.program_id(0).to(tl.int64), offs_d, offs_v, offs_j, md, mv, offs_j < KW, m2, off2
-
-
-@triton.jit
-def _taps(WT, offs_j, off2, mj, m2, D, DV: tl.constexpr, CT: tl.constexpr):
-    # the KW conv taps of the tile, [KP, BLOCK_D, BLOCK_V], with their offsets and mask
-    off3 = offs_j[:, None, None] * D * DV + off2[None]
-    m3 = mj[:, None, None] & m2[None]
-    return off3, m3, tl.load(WT + off3, mask=m3, other=0.0).to(CT)
-
-
-@triton.jit
-def _window(n, T, N, offs_j, mj, KW: tl.constexpr, PAST: tl.constexpr):
-    # the tokens tap j connects to token n within its sequence of T (rows of N): PAST, the inputs of
-    # the causal conv, n - (KW-1) + j; else the outputs that read token n, n + (KW-1) - j
-    t = n % T
-    if PAST:
-        return n - (KW - 1) + offs_j, mj & (t - (KW - 1) + offs_j >= 0) & (offs_j * 0 + n < N)
-    else:
-        return n + (KW - 1) - offs_j, mj & (t + (KW - 1) - offs_j < T) & (offs_j * 0 + n < N)
-
-
-@triton.jit
-def _row_tile(X, Kd, BETA, N, D, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, CT: tl.constexpr):
-    # d_v = 1 row kernels: ROWS tokens as a [ROWS, d] tile; the loaded k, x and beta
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_D)
-    mr = rows < N
-    m2 = mr[:, None] & (cols < D)[None, :]
-    off = rows[:, None] * D + cols[None, :]
-    k = tl.load(Kd + off, mask=m2, other=0.0).to(CT)
-    x = tl.load(X + off, mask=m2, other=0.0).to(CT)
-    b = tl.load(BETA + rows, mask=mr, other=0.0).to(CT)
-    return rows, mr, m2, off, k, x, b
-
-
-@triton.jit
-def _update_row_fwd_kernel(
-    X, Kd, V, BETA, XOUT, RS, R, N, D, eps,
-    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
-):  # fmt: skip
-    # d_v = 1: the state is a d-vector per token, so a program takes ROWS tokens as a [ROWS, d] tile
-    # (like a layer norm) instead of one [d, 1] tile per token; rs and r stored as _update_fwd_kernel's.
-    rows, mr, m2, off, k, x, b = _row_tile(X, Kd, BETA, N, D, ROWS, BLOCK_D, CT)
-    rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + eps * eps)
-    kh = k * rs[:, None]
-    r = tl.load(V + rows, mask=mr, other=0.0).to(CT)
-    if ERASE:
-        r = r - tl.sum(kh * x, axis=1)
-    tl.store(XOUT + off, (x + (b * r)[:, None] * kh).to(XOUT.dtype.element_ty), mask=m2)
-    tl.store(RS + rows, rs, mask=mr)
-    tl.store(R + rows, r, mask=mr)
-
-
-@triton.jit
-def _update_row_bwd_kernel(
-    X, Kd, V, BETA, RS, R, G, DX, DK, DVo, DBETA, N, D,
-    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
-):  # fmt: skip
-    # _update_bwd_token with d_v = 1 (r, gk scalars per token), ROWS tokens per program.
-    rows, mr, m2, off, k, x, b = _row_tile(X, Kd, BETA, N, D, ROWS, BLOCK_D, CT)
-    rs = tl.load(RS + rows, mask=mr, other=0.0).to(CT)
-    r = tl.load(R + rows, mask=mr, other=0.0).to(CT)
-    kh = k * rs[:, None]
-    g = tl.load(G + off, mask=m2, other=0.0).to(CT)
-    gk = tl.sum(kh * g, axis=1)
-    if ERASE:  # khat . dkhat from gk as in _update_grads
-        v = tl.load(V + rows, mask=mr, other=0.0).to(CT)
-        dx = g - (b * gk)[:, None] * kh
-        dkh = b[:, None] * (g * r[:, None] - x * gk[:, None])
-        kdk = b * gk * (2.0 * r - v)
-    else:
-        dx = g
-        dkh = (b * r)[:, None] * g
-        kdk = b * gk * r
-    dk = rs[:, None] * (dkh - kh * kdk[:, None])
-    tl.store(DX + off, dx.to(DX.dtype.element_ty), mask=m2)
-    tl.store(DK + off, dk.to(DK.dtype.element_ty), mask=m2)
-    tl.store(DVo + rows, (b * gk).to(DVo.dtype.element_ty), mask=mr)
-    tl.store(DBETA + rows, (gk * r).to(DBETA.dtype.element_ty), mask=mr)
-
-
-@triton.jit
-def _cc_fwd_kernel(
-    X, W, H, N, D,
-    DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TOKENS: tl.constexpr,
-    CT: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_v = tl.arange(0, BLOCK_V)
-    md = offs_d < D
-    mv = offs_v < DV
-    off2 = offs_d[:, None] * DV + offs_v[None, :]
-    w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
-    for tt in tl.static_range(TOKENS):
-        n = pid * TOKENS + tt
-        okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
-        x = tl.load(X + n * D * DV + off2, mask=(md & okd)[:, None] & mv[None, :], other=0.0).to(CT)
-        tl.store(H + n * D + offs_d, tl.sum(x * w, axis=1).to(H.dtype.element_ty), mask=md & okd)
-
-
-@triton.jit
-def _cc_bwd_kernel(
-    X, W, DH, DX, DWP, N, D, TOKENS,
-    DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, CT: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_v = tl.arange(0, BLOCK_V)
-    md = offs_d < D
-    mv = offs_v < DV
-    off2 = offs_d[:, None] * DV + offs_v[None, :]
-    w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
-    dw = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
-    for tt in range(TOKENS):
-        n = pid * TOKENS + tt
-        okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
-        m2 = (md & okd)[:, None] & mv[None, :]
-        dh = tl.load(DH + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
-        x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-        tl.store(DX + n * D * DV + off2, (dh[:, None] * w).to(DX.dtype.element_ty), mask=m2)
-        dw += dh[:, None] * x
-    tl.store(DWP + pid * D * DV + off2, dw, mask=md[:, None] & mv[None, :])
-
-
-@triton.jit
-def _tc_fwd_kernel(
-    X, WT, H, N, T, D, TOKENS,
-    KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-    STAGES: tl.constexpr, CT: tl.constexpr,
-):  # fmt: skip
-    # h[n] = sum_j sum_v WT[j] * x[n - (KW-1) + j] within the token's sequence (WT = conv * read), reading
-    # each x once: a program goes through its TOKENS tokens (and the KW-1 before them) in order. Token s
-    # reaches the read-outs of s .. s+KW-1, s+i through tap KW-1-i; after adding it, acc[i] holds the
-    # partial read-out of token s+i, so acc[0] is complete, and acc moves down one slot. At a sequence's
-    # first token nothing earlier reaches on: acc starts from zeros there.
-    pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
-    rev = (KW - 1 - offs_j)[:, None, None] * D * DV + off2[None]
-    w_rev = tl.load(WT + rev, mask=mj[:, None, None] & m2[None], other=0.0).to(CT)  # w_rev[i] = WT[KW-1-i]
-    acc = tl.zeros([KP, BLOCK_D], dtype=CT)
-    for i in tl.range(0, TOKENS + KW - 1, num_stages=STAGES):  # STAGES > 1: the next loads in flight
-        s = pid * TOKENS - (KW - 1) + i
-        inside = offs_d * 0 + ((s >= 0) & (s < N)).to(tl.int32) != 0  # vector masks, as elsewhere
-        starts = offs_d * 0 + (s % T == 0).to(tl.int32) != 0
-        acc = tl.where(starts[None, :], 0.0, acc)
-        x = tl.load(X + s * D * DV + off2, mask=(md & inside)[:, None] & mv[None, :], other=0.0).to(CT)
-        acc += tl.sum(w_rev * x[None, :, :], axis=2)
-        h = tl.sum(tl.where(offs_j[:, None] == 0, acc, 0.0), axis=0)
-        own = md & inside & (offs_d * 0 + i >= KW - 1)  # the KW-1 tokens before the run only feed it
-        tl.store(H + s * D + offs_d, h.to(H.dtype.element_ty), mask=own)
-        down = offs_j[:, None, None] + 1 == offs_j[None, :, None]  # acc[i] <- acc[i+1]
-        acc = tl.sum(tl.where(down, acc[None, :, :], 0.0), axis=1)
-
-
-@triton.jit
-def _tc_bwd_kernel(
-    X, WT, DH, DX, DWP, N, T, D, TOKENS,
-    KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-    CT: tl.constexpr,
-):  # fmt: skip
-    # dx[n] = sum_j WT[j] dh[n + KW-1 - j];  dWT[j] = sum_n dh[n + KW-1 - j] x[n]  (same sequence only)
-    pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
-    off3, m3, w3 = _taps(WT, offs_j, off2, mj, m2, D, DV, CT)
-    acc = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
-    for tt in range(TOKENS):
-        n = pid * TOKENS + tt
-        okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
-        dst, valid = _window(n, T, N, offs_j, mj, KW, False)
-        dh2 = tl.load(DH + dst[:, None] * D + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
-        dh2 = dh2.to(CT)
-        x = tl.load(X + n * D * DV + off2, mask=m2 & okd[:, None], other=0.0).to(CT)
-        dx = tl.sum(w3 * dh2[:, :, None], axis=0)
-        tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2 & okd[:, None])
-        acc += dh2[:, :, None] * x[None, :, :]
-    tl.store(DWP + pid * KW * D * DV + off3, acc, mask=m3)
-
-
-@triton.jit
-def _ec_fwd_kernel(
-    E, WT, X0, N, T, D,
-    KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-    TOKENS: tl.constexpr, CT: tl.constexpr,
-):  # fmt: skip
-    # X0[n] = sum_j WT[j] * emb[n - (KW-1) + j][:, None]
-    pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
-    _, _, w3 = _taps(WT, offs_j, off2, mj, m2, D, DV, CT)
-    for tt in tl.static_range(TOKENS):
-        n = pid * TOKENS + tt
-        okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
-        src, valid = _window(n, T, N, offs_j, mj, KW, True)
-        e2 = tl.load(E + src[:, None] * D + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
-        out = tl.sum(w3 * e2.to(CT)[:, :, None], axis=0)
-        tl.store(X0 + n * D * DV + off2, out.to(X0.dtype.element_ty), mask=m2 & okd[:, None])
-
-
-@triton.jit
-def _ec_bwd_kernel(
-    E, WT, G, DE, DWP, N, T, D, TOKENS,
-    KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-    CT: tl.constexpr,
-):  # fmt: skip
-    # demb[n] = sum_j sum_v WT[j] G[n + KW-1 - j];  dWT[j] = sum_n emb[n - (KW-1) + j][:, None] G[n]
-    pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
-    off3, m3, w3 = _taps(WT, offs_j, off2, mj, m2, D, DV, CT)
-    acc = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
-    for tt in range(TOKENS):
-        n = pid * TOKENS + tt
-        okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
-        dst, vf = _window(n, T, N, offs_j, mj, KW, False)
-        g3 = tl.load(
-            G + dst[:, None, None] * D * DV + off2[None], mask=vf[:, None, None] & m2[None], other=0.0
-        )
-        de = tl.sum(tl.sum(w3 * g3.to(CT), axis=0), axis=1)
-        tl.store(DE + n * D + offs_d, de.to(DE.dtype.element_ty), mask=md & okd)
-        src, vp = _window(n, T, N, offs_j, mj, KW, True)
-        e2 = tl.load(E + src[:, None] * D + offs_d[None, :], mask=vp[:, None] & md[None, :], other=0.0)
-        g = tl.load(G + n * D * DV + off2, mask=m2 & okd[:, None], other=0.0).to(CT)
-        acc += e2.to(CT)[:, :, None] * g[None, :, :]
-    tl.store(DWP + pid * KW * D * DV + off3, acc, mask=m3)
-
-
-@triton.jit
-def _update_tc_bwd_kernel(
-    X, Kd, V, BETA, RS, R, CHAIN, WT, G, DH, DX, DK, DVo, DBETA, N, T, D,
-    TOKENS: tl.constexpr, KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-    ERASE: tl.constexpr, CT: tl.constexpr,
-):  # fmt: skip
-    # As _update_bwd_kernel, with G += sum_j WT[j] * dh[n + KW-1 - j] (x'[n] feeds the read-outs of
-    # tokens n .. n+KW-1 of its sequence); TOKENS consecutive tokens per program, which read the same taps,
-    # unrolled: as a loop (even of one token) ptxas spills up to 4 KB of registers per thread on sm_90
-    # (bench/compile_check.py), unrolled next to none.
-    pid = tl.program_id(0).to(tl.int64)
-    offs_d, offs_v, md, mv, off2 = _token_tile(D, DV, BLOCK_D, BLOCK_V)
-    for tt in tl.static_range(TOKENS):
-        n = pid * TOKENS + tt
-        t = n % T
-        ok = n < N
-        okd, m2, rs, kh, x, b, r, v = _update_bwd_inputs(
-            n, ok, X, Kd, V, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV, CT
-        )
-        g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-        for j in tl.static_range(KW):
-            okj = md & okd & (offs_d * 0 + t + (KW - 1) - j < T)
-            dh = tl.load(DH + (n + (KW - 1) - j) * D + offs_d, mask=okj, other=0.0).to(CT)
-            w = tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT)
-            g += w * dh[:, None]
-        dx, dk, dv, dbeta = _update_grads(g, x, kh, rs, b, r, v, ERASE)
-        _store_update_grads(
-            n, ok, okd, m2, off2, dx, dk, dv, dbeta, DX, DK, DVo, DBETA, D, offs_d, offs_v, md, mv, DV
-        )
-
-
-@triton.jit
-def _update_tc_wgrad_kernel(
-    X, Kd, BETA, RS, R, CHAIN, DH, DWP, N, T, D, TOKENS,
-    KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-    CT: tl.constexpr,
-):  # fmt: skip
-    # dWT[j] = sum_n dh[n + KW-1 - j] x'[n], x'[n] = x + beta khat r^T rebuilt per channel block from the
-    # stored terms (from x0 through the updates of CHAIN first)
-    pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
-    acc = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
-    for tt in range(TOKENS):
-        n = pid * TOKENS + tt
-        ok = n < N
-        okd = _vec_mask(ok, offs_d)
-        dst, valid = _window(n, T, N, offs_j, mj, KW, False)
-        dh2 = tl.load(DH + dst[:, None] * D + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
-        x = tl.load(X + n * D * DV + off2, mask=m2 & okd[:, None], other=0.0).to(CT)
-        x = _rebuilt_state(x, n, ok, CHAIN, D, offs_d, offs_v, md, mv, DV, CT, X.dtype.element_ty)
-        xn = _rebuilt_update(x, n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV, CT)
-        acc += dh2.to(CT)[:, :, None] * xn.to(X.dtype.element_ty).to(CT)[None, :, :]
-    off3 = offs_j[:, None, None] * D * DV + off2[None]
-    tl.store(DWP + pid * KW * D * DV + off3, acc, mask=mj[:, None, None] & m2[None])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -764,13 +292,13 @@ def _ec_forward(emb, wt, T):
     return x0
 
 
-def _token_conv_op(name, forward, bwd_kernel, out_shape):
+def _token_conv_op(name, forward, out_shape):
     """Registers `ddl::{name}(a, wt, T)` (a [N, d] or [N, d, d_v], wt [K, d, d_v] taps, T the sequence
     length), its backward op and its autograd, for the two causal depthwise convolutions over tokens,
     TC (a = the state, out [N, d]) and EC (a = the embedding, out [N, d, d_v]; out_shape(a, wt)):
-    forward(a, wt, T) runs the forward; their backward kernels share a signature, a launch grid (a block
-    of d by a run of tokens) and the weight gradient summed from per-program partials. Returns the
-    forward op."""
+    forward(a, wt, T) runs the forward; the backward is one kernel for both (_conv_bwd_kernel, EC a
+    constexpr), on a grid of a block of d by a run of tokens, the weight gradient summed from per-program
+    partials. Returns the forward op."""
 
     @torch.library.custom_op(f"ddl::{name}", mutates_args=())
     def op(a: torch.Tensor, wt: torch.Tensor, T: int) -> torch.Tensor:
@@ -787,7 +315,8 @@ def _token_conv_op(name, forward, bwd_kernel, out_shape):
         N, D, cfg, grid, consts = _chan_launch(a, wt, "chan_bwd")
         da = _new(a.shape, a)
         dwp = _new((grid[0],) + tuple(wt.shape), a, dtype=acc_dtype(a))  # weight-gradient partials
-        bwd_kernel[grid](a, wt, g, da, dwp, N, T, D, cfg["TOKENS"], CT=_ct(a, wt, g), **consts)
+        ec = name == "ec"
+        _conv_bwd_kernel[grid](a, wt, g, da, dwp, N, T, D, cfg["TOKENS"], EC=ec, CT=_ct(a, wt, g), **consts)
         return da, dwp.sum(0).to(wt.dtype)
 
     @op_bwd.register_fake
@@ -808,10 +337,8 @@ def _token_conv_op(name, forward, bwd_kernel, out_shape):
     return op
 
 
-_tc_op = _token_conv_op("tc", _tc_forward, _tc_bwd_kernel, lambda x, wt: (x.shape[0], x.shape[1]))
-_ec_op = _token_conv_op(
-    "ec", _ec_forward, _ec_bwd_kernel, lambda emb, wt: (emb.shape[0], emb.shape[1], wt.shape[2])
-)
+_tc_op = _token_conv_op("tc", _tc_forward, lambda x, wt: (x.shape[0], x.shape[1]))
+_ec_op = _token_conv_op("ec", _ec_forward, lambda emb, wt: (emb.shape[0], emb.shape[1], wt.shape[2]))
 
 
 @torch.library.custom_op("ddl::update_tc", mutates_args=())

@@ -35,7 +35,8 @@ Three implementations of the same function:
   and `deltaformer_step`, one decoding step over a cache.
 - chunk.py: `deltaformer_u_torch`, the PyTorch path (`backend="torch"`): chunked and vectorised, autograd
   gives the backward.
-- triton.py: `deltaformer_u_triton`, the Triton path (`backend="triton"`), forward and backward kernels.
+- triton.py: `deltaformer_u_triton`, the Triton path (`backend="triton"`); its kernels in triton_fwd.py and
+  triton_bwd.py.
 
 The Triton path in short: stage 1 in chunks of C = 64 rows, a wavefront over (chunk, batch*head) tiles for
 the recurrence, a parallel prep kernel for the in-chunk inverses and softmax log-sum-exps, the reversed

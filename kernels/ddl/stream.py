@@ -1,0 +1,82 @@
+"""DDLStream: the DDL state X between a model's sublayers, and how a model drives the ops on it.
+
+A sublayer reads x_in = compress(X) (`read`) and writes X <- X + beta khat (v^T - khat^T X) (`write`). The
+reads go through the compressor that `enter` names: a module with `kind` "ddl" | "ddl-cc" | "ddl-tc", called
+as reader(X) -> [B, T, d] (CC: its weight from cc_weight(); TC: its `conv` [d, d_v, K] and `read` [d_v]).
+What exists only for speed and memory happens behind those two calls, so that a model need not see it:
+- a write waits for the next read and runs with it as one op, the update fused with that read-out
+  (ddl_update_compress_cc / _tc: fewer passes over the state than the update and then the read);
+- keep_every = N (while autograd records): autograd keeps the state entering every Nth block; each update
+  after it gets rebuild_from = (that state, the steps of the updates since) and rebuilds its input from them
+  in its backward, so one state per N blocks stays alive rather than one per sublayer;
+- decoding (a cache): TC's causal conv reads through the states of the earlier tokens, kept per read.
+"""
+
+import torch
+
+from . import ddl_update, ddl_update_compress_cc, ddl_update_compress_tc
+
+
+def with_history(cache, key, x, n):
+    """x [B, T, ...] with the last n steps cached under key in front (zeros at the start of the sequence,
+    i.e. the same zero padding a causal conv uses at t < 0); remembers the last n steps for next time.
+    cache: an object with a dict `store`."""
+    if n == 0:
+        return x
+    past = cache.store.get(key)
+    if past is None:  # the first call only: no zeros allocated on every decoding step
+        past = x.new_zeros((x.shape[0], n) + tuple(x.shape[2:]))
+    full = torch.cat([past, x], dim=1)
+    cache.store[key] = full[:, -n:]
+    return full
+
+
+class DDLStream:
+    """X [B, T, d, d_v] with read() and write(h, v, beta) for the sublayers (the module docstring)."""
+
+    def __init__(self, X, eps=1e-5, erase=True, backend="auto", keep_every=0, cache=None):
+        self.X, self.cache, self.kw = X, cache, dict(eps=eps, erase=erase, backend=backend)
+        self.every = keep_every if torch.is_grad_enabled() else 0
+        self.blocks, self.keep, self.chain = 0, False, None  # chain: (the kept state, the updates' steps)
+        self.reader, self.slot, self.pending = None, 0, None
+
+    def enter(self, reader):
+        """The reads from now on are `reader`'s (a block's compressor, or the last). Returns the stream."""
+        self.reader, self.slot = reader, 0
+        self.keep = self.every > 0 and self.blocks % self.every == 0  # the next write's input is kept
+        self.blocks += 1
+        return self
+
+    def write(self, h, v, beta):
+        """X <- X + beta khat (v^T - khat^T X), khat = h / sqrt(|h|^2 + eps^2), applied at the next read.
+        Returns the stream."""
+        self.pending, self.keep = (h, v, beta, self.keep), False
+        return self
+
+    def read(self):
+        """x_in [B, T, d] = compress(X), after the pending write."""
+        slot, self.slot = self.slot, self.slot + 1
+        if self.pending is None:
+            return self._compress(slot)
+        (h, v, beta, keep), self.pending, X, read = self.pending, None, self.X, self.reader
+        rebuild_from, steps = (None if keep else self.chain), self.every > 0
+        kw = dict(self.kw, rebuild_from=rebuild_from, return_step=steps)
+        if read.kind == "ddl-cc":
+            out = ddl_update_compress_cc(X, h, v, beta, read.cc_weight(), **kw)
+        elif read.kind == "ddl-tc" and self.cache is None:  # decoding reads through the history instead
+            out = ddl_update_compress_tc(X, h, v, beta, read.conv, read.read, **kw)
+        else:  # d_v = 1 (x_in = X[..., 0]) or TC decoding: the update, then the read
+            out = ddl_update(X, h, v, beta, **kw)
+            out = (out[0], None, out[1]) if steps else (out, None)
+        self.X, x_in = out[0], out[1]
+        if steps:  # this update joins the steps that the next updates rebuild their input with
+            X0, earlier = rebuild_from or (X, ())
+            self.chain = (X0, earlier + (out[2],))
+        return x_in if x_in is not None else self._compress(slot)
+
+    def _compress(self, slot):
+        if self.cache is None or self.reader.kind != "ddl-tc":
+            return self.reader(self.X)
+        T, K = self.X.shape[1], self.reader.conv.shape[-1]  # the conv needs the K-1 states before the new
+        X = with_history(self.cache, (self.reader, slot), self.X, K - 1)
+        return self.reader(X)[:, X.shape[1] - T :]

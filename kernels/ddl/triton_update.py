@@ -1,0 +1,309 @@
+"""The DDL update's Triton kernels: forward (+ the fused CC read-out), backward (+ its weight gradient), the
+d_v = 1 row kernels, and the backward of the update fused with the TC read-out. One program owns whole
+tokens (the update reduces over d); the forward stores rs and r for the backward, and a state rebuilt from
+an earlier one goes through the chain of the updates since (`_rebuilt_state`). Launched from triton.py."""
+
+import triton
+import triton.language as tl
+
+from .triton_common import _chan_tile, _token_tile, _vec_mask, _window
+
+
+@triton.jit
+def _token_update_terms(n, ok, okd, okv, x, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv,
+                        DV: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr):  # fmt: skip
+    """rs = 1 / sqrt(|k|^2 + eps^2), khat = k rs, beta and r = v - khat^T x (r = v without the erase) of
+    token n's update of state x (zeros where ok, a scalar condition, is false): the forward's."""
+    k = tl.load(Kd + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
+    rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps * eps)
+    kh = k * rs
+    v = tl.load(V + n * DV + offs_v, mask=mv & okv, other=0.0).to(CT)
+    b = tl.load(BETA + n, mask=ok, other=0.0).to(CT)
+    if ERASE:
+        r = v - tl.sum(kh[:, None] * x, axis=0)  # v^T - khat^T x
+    else:
+        r = v
+    return rs, kh, b, r
+
+
+@triton.jit
+def _stored_update_terms(n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV: tl.constexpr,
+                         CT: tl.constexpr):  # fmt: skip
+    """rs, khat, beta and r of token n's update as _token_update_terms, from its k and beta and the rs [N]
+    and r [N, DV] its forward stored: no reduction, and no need for x (zeros where ok, a scalar
+    condition, is false). offs_d: all of d, or a block of it."""
+    k = tl.load(Kd + n * D + offs_d, mask=md & _vec_mask(ok, offs_d), other=0.0).to(CT)
+    rs = tl.load(RS + n, mask=ok, other=0.0).to(CT)
+    b = tl.load(BETA + n, mask=ok, other=0.0).to(CT)
+    r = tl.load(R + n * DV + offs_v, mask=mv & _vec_mask(ok, offs_v), other=0.0).to(CT)
+    return rs, k * rs, b, r
+
+
+@triton.jit
+def _rebuilt_update(x, n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV: tl.constexpr,
+                    CT: tl.constexpr):  # fmt: skip
+    # x' = x + beta khat r^T of token n (x: all of d or a block of it), from the update's stored terms
+    _, kh, b, r = _stored_update_terms(n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV, CT)
+    return x + b * kh[:, None] * r[None, :]
+
+
+@triton.jit
+def _rebuilt_state(x, n, ok, CHAIN, D, offs_d, offs_v, md, mv, DV: tl.constexpr, CT: tl.constexpr,
+                   OUT_T: tl.constexpr):  # fmt: skip
+    """x0 (a tile of token n) through the updates of CHAIN = (ks, betas, rss, rr), each update's k, beta
+    and stored rs and r: x + beta khat r^T each, rounded to the state's dtype OUT_T as the forward stored
+    it (empty tuples: x unchanged)."""
+    ks, bs, rss, rr = CHAIN
+    for i in tl.static_range(len(ks)):
+        x = _rebuilt_update(x, n, ok, ks[i], bs[i], rss[i], rr[i], D, offs_d, offs_v, md, mv, DV, CT)
+        x = x.to(OUT_T).to(CT)
+    return x
+
+
+@triton.jit
+def _update_bwd_inputs(
+    n, ok, X, Kd, V, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    """What the backward of token n's update reads (zeros where ok, a scalar condition, is false): its
+    masks, the state x (X holds x0 and x is rebuilt through CHAIN, see _rebuilt_state), the update's
+    stored terms (_stored_update_terms) and its value v."""
+    okd = _vec_mask(ok, offs_d)
+    m2 = (md & okd)[:, None] & mv[None, :]
+    x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+    x = _rebuilt_state(x, n, ok, CHAIN, D, offs_d, offs_v, md, mv, DV, CT, X.dtype.element_ty)
+    rs, kh, b, r = _stored_update_terms(n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV, CT)
+    v = tl.load(V + n * DV + offs_v, mask=mv & _vec_mask(ok, offs_v), other=0.0).to(CT)
+    return okd, m2, rs, kh, x, b, r, v
+
+
+@triton.jit
+def _update_grads(g, x, kh, rs, b, r, v, ERASE: tl.constexpr):
+    """The update's backward for one token, given G = dL/dx' (formulas in `_update_bwd_token`):
+    dx, dk, dv, dbeta. One reduction over d (khat^T G): khat . dkhat follows from it and the stored r."""
+    gk = tl.sum(kh[:, None] * g, axis=0)  # khat^T G  [d_v]
+    gr = tl.sum(g * r[None, :], axis=1)  # G r  [d]
+    if ERASE:
+        dx = g - b * kh[:, None] * gk[None, :]
+        dkh = b * (gr - tl.sum(x * gk[None, :], axis=1))
+        # khat . dkhat = b (gk . r - (khat^T x) . gk), and khat^T x = v - r
+        kdk = b * tl.sum(gk * (2.0 * r - v), axis=0)
+    else:
+        dx = g
+        dkh = b * gr
+        kdk = b * tl.sum(gk * r, axis=0)
+    dk = rs * (dkh - kh * kdk)
+    return dx, dk, b * gk, tl.sum(gk * r, axis=0)
+
+
+@triton.jit
+def _store_update_grads(n, ok, okd, m2, off2, dx, dk, dv, dbeta, DX, DK, DVo, DBETA, D, offs_d, offs_v, md,
+                        mv, DV: tl.constexpr):  # fmt: skip
+    tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
+    tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md & okd)
+    okv = _vec_mask(ok, offs_v)
+    tl.store(DVo + n * DV + offs_v, dv.to(DVo.dtype.element_ty), mask=mv & okv)
+    tl.store(DBETA + n, dbeta.to(DBETA.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _update_fwd_kernel(
+    X, Kd, V, BETA, W, XOUT, H, RS, R, N, D, eps,
+    DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TOKENS: tl.constexpr,
+    ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    # x' and the update's rs and r (which the backward reads instead of recomputing them; 20 bytes a token
+    # at d_v = 4 against the state's 12 KB), with COMPRESS also the next sublayer's CC read-out of x'
+    pid = tl.program_id(0).to(tl.int64)
+    offs_d, offs_v, md, mv, off2 = _token_tile(D, DV, BLOCK_D, BLOCK_V)
+    if COMPRESS:
+        w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
+    for tt in tl.static_range(TOKENS):
+        n = pid * TOKENS + tt
+        ok = n < N
+        okd = _vec_mask(ok, offs_d)
+        okv = _vec_mask(ok, offs_v)
+        m2 = (md & okd)[:, None] & mv[None, :]
+        x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+        rs, kh, b, r = _token_update_terms(
+            n, ok, okd, okv, x, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, DV, ERASE, CT
+        )
+        xn = (x + b * kh[:, None] * r[None, :]).to(XOUT.dtype.element_ty)
+        tl.store(XOUT + n * D * DV + off2, xn, mask=m2)
+        tl.store(R + n * DV + offs_v, r, mask=mv & okv)
+        tl.store(RS + n, rs, mask=ok)
+        if COMPRESS:  # the next sublayer's CC read-out of the state just written (as stored)
+            h = tl.sum(xn.to(CT) * w, axis=1)
+            tl.store(H + n * D + offs_d, h.to(H.dtype.element_ty), mask=md & okd)
+
+
+@triton.jit
+def _update_bwd_token(
+    n, X, Kd, V, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D, offs_d, offs_v, md, mv, off2,
+    DV: tl.constexpr, ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    # One token of the backward; returns its contribution dh xn^T to the CC weight gradient.
+    # x' = x + b khat r^T, r = v - x^T khat.  With G = dL/dx' (+ dh w^T from the fused read-out):
+    # dx = G - b khat (khat^T G);  dv = b G^T khat;  dbeta = r . (G^T khat);
+    # dkhat = b (G r - x G^T khat);  dk = (dkhat - khat (khat . dkhat)) / sqrt(|k|^2 + eps^2).
+    ok = n < N
+    okd, m2, rs, kh, x, b, r, v = _update_bwd_inputs(
+        n, ok, X, Kd, V, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV, CT
+    )
+    g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+    dw = w * 0.0
+    if COMPRESS:
+        dh = tl.load(DH + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
+        xn = (x + b * kh[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)
+        dw = dh[:, None] * xn
+        g = g + dh[:, None] * w
+    dx, dk, dv, dbeta = _update_grads(g, x, kh, rs, b, r, v, ERASE)
+    _store_update_grads(
+        n, ok, okd, m2, off2, dx, dk, dv, dbeta, DX, DK, DVo, DBETA, D, offs_d, offs_v, md, mv, DV
+    )
+    return dw
+
+
+@triton.jit
+def _update_bwd_kernel(
+    X, Kd, V, BETA, RS, R, CHAIN, W, G, DH, DX, DK, DVo, DBETA, DWP, N, D,
+    TOKENS: tl.constexpr, PIPELINE: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_V: tl.constexpr, ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    # TOKENS tokens per program (the CC weight gradient is summed over them in registers), in a plain loop
+    # (one token's loads in flight at a time) or, PIPELINE, a software-pipelined one (num_stages 2).
+    pid = tl.program_id(0).to(tl.int64)
+    offs_d, offs_v, md, mv, off2 = _token_tile(D, DV, BLOCK_D, BLOCK_V)
+    if COMPRESS:
+        w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
+    else:
+        w = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
+    dw = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
+    if PIPELINE:
+        for tt in tl.range(0, TOKENS, num_stages=2):
+            dw += _update_bwd_token(
+                pid * TOKENS + tt, X, Kd, V, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D,
+                offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, CT,
+            )  # fmt: skip
+    else:
+        for tt in range(TOKENS):
+            dw += _update_bwd_token(
+                pid * TOKENS + tt, X, Kd, V, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D,
+                offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, CT,
+            )  # fmt: skip
+    if COMPRESS:
+        tl.store(DWP + pid * D * DV + off2, dw, mask=md[:, None] & mv[None, :])
+
+
+@triton.jit
+def _row_tile(X, Kd, BETA, N, D, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, CT: tl.constexpr):
+    # d_v = 1 row kernels: ROWS tokens as a [ROWS, d] tile; the loaded k, x and beta
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    mr = rows < N
+    m2 = mr[:, None] & (cols < D)[None, :]
+    off = rows[:, None] * D + cols[None, :]
+    k = tl.load(Kd + off, mask=m2, other=0.0).to(CT)
+    x = tl.load(X + off, mask=m2, other=0.0).to(CT)
+    b = tl.load(BETA + rows, mask=mr, other=0.0).to(CT)
+    return rows, mr, m2, off, k, x, b
+
+
+@triton.jit
+def _update_row_fwd_kernel(
+    X, Kd, V, BETA, XOUT, RS, R, N, D, eps,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    # d_v = 1: the state is a d-vector per token, so a program takes ROWS tokens as a [ROWS, d] tile
+    # (like a layer norm) instead of one [d, 1] tile per token; rs and r stored as _update_fwd_kernel's.
+    rows, mr, m2, off, k, x, b = _row_tile(X, Kd, BETA, N, D, ROWS, BLOCK_D, CT)
+    rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + eps * eps)
+    kh = k * rs[:, None]
+    r = tl.load(V + rows, mask=mr, other=0.0).to(CT)
+    if ERASE:
+        r = r - tl.sum(kh * x, axis=1)
+    tl.store(XOUT + off, (x + (b * r)[:, None] * kh).to(XOUT.dtype.element_ty), mask=m2)
+    tl.store(RS + rows, rs, mask=mr)
+    tl.store(R + rows, r, mask=mr)
+
+
+@triton.jit
+def _update_row_bwd_kernel(
+    X, Kd, V, BETA, RS, R, G, DX, DK, DVo, DBETA, N, D,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    # _update_bwd_token with d_v = 1 (r, gk scalars per token), ROWS tokens per program.
+    rows, mr, m2, off, k, x, b = _row_tile(X, Kd, BETA, N, D, ROWS, BLOCK_D, CT)
+    rs = tl.load(RS + rows, mask=mr, other=0.0).to(CT)
+    r = tl.load(R + rows, mask=mr, other=0.0).to(CT)
+    kh = k * rs[:, None]
+    g = tl.load(G + off, mask=m2, other=0.0).to(CT)
+    gk = tl.sum(kh * g, axis=1)
+    if ERASE:  # khat . dkhat from gk as in _update_grads
+        v = tl.load(V + rows, mask=mr, other=0.0).to(CT)
+        dx = g - (b * gk)[:, None] * kh
+        dkh = b[:, None] * (g * r[:, None] - x * gk[:, None])
+        kdk = b * gk * (2.0 * r - v)
+    else:
+        dx = g
+        dkh = (b * r)[:, None] * g
+        kdk = b * gk * r
+    dk = rs[:, None] * (dkh - kh * kdk[:, None])
+    tl.store(DX + off, dx.to(DX.dtype.element_ty), mask=m2)
+    tl.store(DK + off, dk.to(DK.dtype.element_ty), mask=m2)
+    tl.store(DVo + rows, (b * gk).to(DVo.dtype.element_ty), mask=mr)
+    tl.store(DBETA + rows, (gk * r).to(DBETA.dtype.element_ty), mask=mr)
+
+
+@triton.jit
+def _update_tc_bwd_kernel(
+    X, Kd, V, BETA, RS, R, CHAIN, WT, G, DH, DX, DK, DVo, DBETA, N, T, D,
+    TOKENS: tl.constexpr, KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    ERASE: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    # As _update_bwd_kernel, with G += sum_j WT[j] * dh[n + KW-1 - j] (x'[n] feeds the read-outs of
+    # tokens n .. n+KW-1 of its sequence); TOKENS consecutive tokens per program, which read the same taps,
+    # unrolled: as a loop (even of one token) ptxas spills up to 4 KB of registers per thread on sm_90
+    # (bench/compile_check.py), unrolled next to none.
+    pid = tl.program_id(0).to(tl.int64)
+    offs_d, offs_v, md, mv, off2 = _token_tile(D, DV, BLOCK_D, BLOCK_V)
+    for tt in tl.static_range(TOKENS):
+        n = pid * TOKENS + tt
+        t = n % T
+        ok = n < N
+        okd, m2, rs, kh, x, b, r, v = _update_bwd_inputs(
+            n, ok, X, Kd, V, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV, CT
+        )
+        g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+        for j in tl.static_range(KW):
+            okj = md & okd & (offs_d * 0 + t + (KW - 1) - j < T)
+            dh = tl.load(DH + (n + (KW - 1) - j) * D + offs_d, mask=okj, other=0.0).to(CT)
+            w = tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT)
+            g += w * dh[:, None]
+        dx, dk, dv, dbeta = _update_grads(g, x, kh, rs, b, r, v, ERASE)
+        _store_update_grads(
+            n, ok, okd, m2, off2, dx, dk, dv, dbeta, DX, DK, DVo, DBETA, D, offs_d, offs_v, md, mv, DV
+        )
+
+
+@triton.jit
+def _update_tc_wgrad_kernel(
+    X, Kd, BETA, RS, R, CHAIN, DH, DWP, N, T, D, TOKENS,
+    KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    CT: tl.constexpr,
+):  # fmt: skip
+    # dWT[j] = sum_n dh[n + KW-1 - j] x'[n], x'[n] = x + beta khat r^T rebuilt per channel block from the
+    # stored terms (from x0 through the updates of CHAIN first)
+    pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
+    acc = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
+    for tt in range(TOKENS):
+        n = pid * TOKENS + tt
+        ok = n < N
+        okd = _vec_mask(ok, offs_d)
+        dst, valid = _window(n, T, N, offs_j, mj, KW, False)
+        dh2 = tl.load(DH + dst[:, None] * D + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
+        x = tl.load(X + n * D * DV + off2, mask=m2 & okd[:, None], other=0.0).to(CT)
+        x = _rebuilt_state(x, n, ok, CHAIN, D, offs_d, offs_v, md, mv, DV, CT, X.dtype.element_ty)
+        xn = _rebuilt_update(x, n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV, CT)
+        acc += dh2.to(CT)[:, :, None] * xn.to(X.dtype.element_ty).to(CT)[None, :, :]
+    off3 = offs_j[:, None, None] * D * DV + off2[None]
+    tl.store(DWP + pid * KW * D * DV + off3, acc, mask=mj[:, None, None] & m2[None])

@@ -1,0 +1,96 @@
+"""Deltaformer stage 1, forward kernels (triton.py's docstring): `_prep_kernel`, parallel over (chunk, head):
+the softmax rows' log-sum-exps and each chunk's in-chunk inverse; `_fwd_kernel`, the wavefront: u chunk by
+chunk, and h = sum_{j<i} A_ij u_j for the backward."""
+
+import triton
+import triton.language as tl
+
+from .triton_common import (
+    _kappa,
+    _load_published,
+    _lse_of,
+    _lse_update,
+    _mm_rec,
+    _scores,
+    _store_split,
+    _unit_lower_inverse,
+    _wait_progress,
+    _wavefront_tile,
+)
+
+
+@triton.jit
+def _prep_kernel(
+    W, K, Beta, LSE, Xinv, scale, T, NC,
+    KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
+):  # fmt: skip
+    """Chunk c of head bh: the softmax lse of its rows over every j < i, and X_c (module docstring)."""
+    c = NC - 1 - tl.program_id(0)  # the longest rows (most earlier chunks) first: a shorter tail
+    bh = tl.program_id(1).to(tl.int64)
+    offs_c = tl.arange(0, C)
+    offs_d = tl.arange(0, D)
+    rows = c * C + offs_c
+    rmask = rows < T
+    tile = bh * T * D + rows[:, None] * D + offs_d[None, :]
+    w = tl.load(W + tile, mask=rmask[:, None], other=0.0)
+    k_c = tl.load(K + tile, mask=rmask[:, None], other=0.0)
+    b = tl.load(Beta + bh * T + rows, mask=rmask, other=0.0).to(tl.float32)
+    lower = offs_c[:, None] > offs_c[None, :]
+    s_cc = tl.dot(w, tl.trans(k_c), input_precision=PREC) * scale
+    lse = tl.zeros((C,), dtype=tl.float32)
+    if KERNEL == 0:
+        m = tl.full((C,), -1e30, dtype=tl.float32)
+        l = tl.zeros((C,), dtype=tl.float32)
+        m, l = _lse_update(m, l, tl.where(lower, s_cc, float("-inf")))
+        for cp in range(0, c):
+            keys = K + bh * T * D + (cp * C + offs_c)[:, None] * D + offs_d[None, :]
+            m, l = _lse_update(m, l, _scores(w, keys, None, scale, PREC))
+        lse = _lse_of(m, l)
+        tl.store(LSE + bh * T + rows, lse, mask=rmask)
+    a_cc = _kappa(s_cc, lower, lse, KERNEL)
+    x = _unit_lower_inverse(b[:, None] * a_cc, C, XPREC)
+    tl.store(Xinv + (bh * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :], x)
+
+
+@triton.jit
+def _fwd_kernel(
+    W, K, V, Beta, U, ULO, Hs, LSE, Xinv, Prog, Ticket, scale, T, NC, BH,
+    KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+    XPREC: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+):  # fmt: skip
+    """The wavefront tile of chunk c, head bh (module docstring)."""
+    c, bh, bh64, offs_c, offs_d, rows, rmask, tile = _wavefront_tile(Ticket, T, NC, BH, D, C, False)
+    w = tl.load(W + tile, mask=rmask[:, None], other=0.0)
+    lse = tl.zeros((C,), dtype=tl.float32)
+    if KERNEL == 0:
+        lse = tl.load(LSE + bh64 * T + rows, mask=rmask, other=0.0)
+    everything = offs_c[:, None] >= 0  # earlier chunks: every j < i
+    xt = Xinv + (bh64 * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :]
+    # loaded before the waits: off the critical path (but live in registers through them)
+    b = tl.load(Beta + bh64 * T + rows, mask=rmask, other=0.0).to(tl.float32)
+    v = tl.load(V + tile, mask=rmask[:, None], other=0.0).to(tl.float32)
+    x = tl.load(xt)
+    acc = tl.zeros((C, D), dtype=tl.float32)
+    done = c * 0  # earlier chunks consumed
+    ok = done + 1
+    while done < c:  # consume chunks as they are published
+        seen = _wait_progress(Prog + bh, done + 1, SPIN_LIMIT)
+        ok = ok & (seen > done).to(tl.int32)
+        ready = tl.where(seen > done, tl.minimum(seen, c), c)
+        for cp in range(done, ready):
+            prev = bh64 * T * D + (cp * C + offs_c)[:, None] * D + offs_d[None, :]
+            p = _kappa(_scores(w, K + prev, None, scale, PREC), everything, lse, KERNEL)
+            u_hi, u_lo = _load_published(U, ULO, prev, None, SPLIT)
+            acc += _mm_rec(p, u_hi, u_lo, W, SPLIT, PREC)
+        done = ready
+    u = tl.dot(x, v - b[:, None] * acc, input_precision=XPREC)
+    u = tl.where(ok != 0, u, float("nan"))
+    _store_split(U, ULO, tile, u, rmask[:, None], SPLIT)
+    tl.debug_barrier()  # every thread's stores precede the release below
+    tl.atomic_xchg(Prog + bh, c + 1, sem="release")
+    # off the critical path: h = sum_{j<i} A_ij u_j, for the backward
+    k_c = tl.load(K + tile, mask=rmask[:, None], other=0.0)
+    s_cc = tl.dot(w, tl.trans(k_c), input_precision=PREC) * scale
+    a_cc = _kappa(s_cc, offs_c[:, None] > offs_c[None, :], lse, KERNEL)
+    h = acc + tl.dot(a_cc, u, input_precision=PREC)
+    tl.store(Hs + tile, h, mask=rmask[:, None])
