@@ -5,7 +5,7 @@ the GB/s against the copy bandwidth measured in the same run; torch.compile of t
 
     python bench/bench_ddl.py                 # fp32 and bf16 state, d 768, d_v 4 and 1, K 4, N = 32,768
     python bench/bench_ddl.py --quick         # Triton, fp32 only
-    python bench/bench_ddl.py --sweeps        # only the launch shapes of kernels/ddl/triton.py's LAUNCH
+    python bench/bench_ddl.py --sweeps        # only launch shapes: the CC backward's, the TC forward's
 """
 
 import argparse
@@ -62,9 +62,8 @@ def bench_kernels(args):
     bufs.clear()
     if args.sweeps:  # only these
         for dtype in (torch.bfloat16, torch.float32):
-            for dv in (4, 1):
-                sweep_update(case, dtype, dv)
-                torch.cuda.empty_cache()
+            sweep_update(case, dtype)
+            torch.cuda.empty_cache()
         return case.rows
     for dtype in (torch.float32,) if args.quick else (torch.float32, torch.bfloat16):
         bench_kernels_dtype(args, dtype, case)
@@ -73,14 +72,15 @@ def bench_kernels(args):
     return case.rows
 
 
-def sweep_update(case, dtype, dv):
-    """Launch choices of the update kernels, forward + backward (autograd.grad: no accumulation into .grad).
-    Each line names the LAUNCH entry it sets; the shipped one is marked. Bytes: the minimal passes (update:
-    5 S + 3 V; fused CC: 5 S + 5 V; S a state pass)."""
+def sweep_update(case, dtype):
+    """The launch shapes RESULTS.md reports, d_v = 4: the CC backward's (LAUNCH["update_bwd"]: one fused
+    update + CC read-out, forward + backward, and four in a row, each input kept or rebuilt from the first)
+    and the one-pass TC read-out forward's (LAUNCH["tc_fwd"]). Each line names the entry it sets; the
+    shipped one is marked. Bytes: the minimal passes (S over the state, V over a [N, d] vector)."""
     from kernels import ddl
     from kernels.ddl.triton import LAUNCH, _cfg
 
-    d = D
+    d, dv = D, 4
     # what ships for this state dtype (an entry's per-dtype shape, else its own, without the sub-entries)
     ship = {key: {n: c for n, c in _cfg(key, dtype).items() if not isinstance(c, dict)} for key in LAUNCH}
     es = torch.finfo(dtype).bits // 8
@@ -101,24 +101,9 @@ def sweep_update(case, dtype, dv):
                 for label, fn, nbytes in cases:
                     case(f"{label} {key}={cfg}{mark} [{tag}]", fn, nbytes)
 
-    def upd(update=ddl.ddl_update):
-        return torch.autograd.grad(update(x, k, v, beta, backend="triton"), (x, k, v, beta), gx)
-
     def fused():
         out = ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton")
         return torch.autograd.grad(out, (x, k, v, beta, w), (gx, gh))
-
-    if dv == 1:  # the compiled reference (what Inductor makes of the same update), then the row kernels
-        ref_c = torch.compile(ddl.ddl_update_ref)
-        ref = lambda: torch.autograd.grad(ref_c(x, k, v, beta), (x, k, v, beta), gx)  # noqa: E731
-        case(f"d_v=1 update f+b torch.compile(ref) [{tag}]", ref, 5 * S + 3 * V)
-        rows = ((1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8), (16, 8))
-        cfgs = [dict(ROWS=0, num_warps=4)] + [dict(ROWS=r, num_warps=nw) for r, nw in rows]
-        return sweep("update_row", cfgs, ("d_v=1 update f+b", upd, 5 * S + 3 * V))
-    # forward: 1 token/program looked latency-bound in bf16
-    cfgs = [dict(TOKENS=tok, num_warps=nw) for tok, nw in ((1, 4), (1, 2), (2, 4), (4, 4))]
-    fwd = lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton")  # noqa: E731
-    sweep("update_fwd", cfgs, ("update+cc fwd", fwd, 2 * S + 2 * V))
 
     def fused_run(rebuild, n=4):  # n fused CC updates in a row; rebuild: keep only x, as the model does
         X, hs, chain = x, [], None
@@ -134,23 +119,16 @@ def sweep_update(case, dtype, dv):
     bwd = ((32, 0, 4), (8, 0, 4), (16, 1, 4), (32, 1, 4), (32, 0, 8), (8, 0, 8), (32, 0, 16), (16, 1, 8))
     cfgs = [dict(TOKENS=t, PIPELINE=bool(p), num_warps=nw) for t, p, nw in bwd]
     sweep(  # the rebuilt runs' bytes as without the rebuild, whose reads of k come on top
-        "update_bwd", cfgs, ("update f+b", upd, 5 * S + 3 * V), ("update+cc f+b", fused, 5 * S + 5 * V),
+        "update_bwd", cfgs, ("update+cc f+b", fused, 5 * S + 5 * V),
         ("4 x update+cc f+b, each input kept", lambda: fused_run(False), 4 * (5 * S + 5 * V)),
         ("4 x update+cc f+b, rebuilt from the first", lambda: fused_run(True), 4 * (5 * S + 5 * V)),
     )  # fmt: skip
     cw = torch.randn(d, dv, 4, device="cuda", requires_grad=True)  # TC: K = 4
     read = torch.randn(dv, device="cuda", requires_grad=True)
     tc = lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton")  # noqa: E731
-    fused_tc = lambda: torch.autograd.grad(tc(), (x, k, v, beta, cw, read), (gx, gh))  # noqa: E731
     tc_cfgs = ((64, 128, 2, 4), (64, 128, 1, 4), (128, 128, 3, 4), (64, 256, 2, 8), (32, 64, 2, 2))
     cfgs = [dict(TOKENS=t, BLOCK_D=bd, STAGES=st, num_warps=nw) for t, bd, st, nw in tc_cfgs]
-    sweep("tc_fwd", cfgs, ("update+tc fwd", tc, 2 * S + 2 * V))  # the TC read-out's one-pass forward
-    # tokens per program share the taps
-    cfgs = [dict(TOKENS=t, num_warps=nw) for t, nw in ((1, 4), (1, 8), (1, 16), (4, 4), (4, 8), (16, 8))]
-    sweep("tc_bwd", cfgs, ("update+tc f+b", fused_tc, 6 * S + 6 * V))
-    chan = ((64, 256, 4), (32, 128, 4), (128, 128, 4), (64, 128, 8), (64, 64, 4))  # TC's weight gradient
-    cfgs = [dict(TOKENS=t, BLOCK_D=bd, num_warps=nw) for t, bd, nw in chan]
-    sweep("chan_bwd", cfgs, ("update+tc f+b", fused_tc, 6 * S + 6 * V))
+    sweep("tc_fwd", cfgs, ("update+tc fwd", tc, 2 * S + 2 * V))
 
 
 def bench_kernels_dv1(args, case):
@@ -236,7 +214,7 @@ def bench_kernels_dtype(args, dtype, case):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="Triton only, fp32 state")
-    p.add_argument("--sweeps", action="store_true", help="only the update kernels' launch shapes")
+    p.add_argument("--sweeps", action="store_true", help="only the CC backward's, TC forward's launch shapes")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_ddl.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
