@@ -5,15 +5,11 @@
     python bench/bench_ddp.py --stage yardstick --gpus 0,1     # 1 GPU, other micro-batch split (noise scale)
     python bench/bench_ddp.py --stage report --out $OUT        # the table (report needs no GPU)
 
-Every run is `train.py configs/gpt2_small.py` on Shakespeare (`python data/shakespeare.py` first) with
-a global batch of --batch-size x --grad-accum rows of 1024 tokens: on 1 GPU as --grad-accum micro-steps of
---batch-size rows; on N GPUs each rank takes --grad-accum / N of those micro-steps (train.py splits the
-same global batch among the ranks, so both see the same data). The yardstick runs 1 GPU with micro-steps
-twice as large (half as many): the same math, another summation order, so its loss difference to the
-1-GPU run is the scale of bf16 noise that the N-GPU difference is judged against.
-
-Loss: train.py's train_loss (mean over the global batch and ranks). Tokens/s: median over iterations
---skip.. (iteration 0 compiles). Peak memory: rank 0's. Runs stay in --work, so a stage can be rerun alone.
+Every run: `train.py configs/gpt2_small.py` on Shakespeare, a global batch of --batch-size x --grad-accum
+rows of 1024 tokens (on N GPUs each rank takes --grad-accum / N of the micro-steps: the same data). The
+yardstick runs 1 GPU with micro-steps twice as large: the same math in another summation order, so its loss
+difference to the 1-GPU run is the scale of bf16 noise. Loss: train.py's train_loss; tokens/s: the median
+over iterations --skip..; peak memory: rank 0's. Runs stay in --work: a stage can be rerun alone.
 """
 
 import argparse
@@ -22,21 +18,11 @@ import os
 import re
 import sys
 
-from common import (  # bench/common.py (this script's folder)
-    atomic_write,
-    markdown,
-    read_jsonl,
-    run_commands,
-    versions,
-)
+from common import atomic_write, markdown, read_jsonl, run_commands, versions  # bench/common.py
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/gpt2_small.py"
 STAGES = ("single", "multi", "yardstick")
-
-
-def run_name(variant, stage):
-    return f"{variant}-{stage}"
 
 
 def train_command(args, variant, stage):
@@ -52,7 +38,7 @@ def train_command(args, variant, stage):
         f"--gradient_accumulation_steps={accum}", f"--max_iters={args.iters}",
         f"--warmup_iters={args.warmup}", f"--lr_decay_iters={10 * args.iters}", "--eval_interval=1000000",
         "--eval_iters=1", "--log_interval=10", "--overwrite=True",
-        f"--out_dir={os.path.join(args.work, run_name(variant, stage))}",
+        f"--out_dir={os.path.join(args.work, f'{variant}-{stage}')}",
     ]  # fmt: skip
     train = [os.path.join(REPO, "train.py"), os.path.join(REPO, CONFIG), *overrides]
     nproc = len(args.gpus.split(","))
@@ -71,7 +57,7 @@ def run_stage(args, stage):
     gpus = [g for g in args.gpus.split(",") if g] if stage != "multi" else [args.gpus]
     jobs = []
     for variant in args.variants:
-        out_dir = os.path.join(args.work, run_name(variant, stage))
+        out_dir = os.path.join(args.work, f"{variant}-{stage}")
         os.makedirs(out_dir, exist_ok=True)
         log, env = os.path.join(out_dir, "stdout.txt"), dict(PYTHONUNBUFFERED="1")
         cmd = train_command(args, variant, stage)
@@ -88,7 +74,7 @@ def run_stage(args, stage):
 
 def read_run(args, variant, stage):
     """{losses, tok_s (median), peak_gib, ranks, command} of a finished run, or None."""
-    out_dir = os.path.join(args.work, run_name(variant, stage))
+    out_dir = os.path.join(args.work, f"{variant}-{stage}")
     if not os.path.exists(os.path.join(out_dir, "log.jsonl")):
         return None
     records = read_jsonl(os.path.join(out_dir, "log.jsonl"))
