@@ -5,12 +5,11 @@
 
 Runs <task>/<model>: configs/state_tracking.py with the task's overrides (TASKS) and the model's (MODELS:
 1-layer Deltaformers over the first-stage kernels x w in {k, q, proj}; softmax Transformers of 1, 2, 4
-layers); --only takes model or run names. Each run trains for --seconds (train.py's max_seconds), then
-train.py evaluates held-out per-position accuracy. The models are tiny, so all runs go at once, one
-process each, sharing the GPU; one still going --deadline s after the start is killed. First a subprocess
-(CHECK_TRITON) checks the Triton Deltaformer path against the PyTorch one; the runs use Triton only if it
-agrees and is faster. Writes to --out results.md (the tables), logs.jsonl (every run's log records) and
-stdout.txt; checkpoints stay in --work. Setup and results: bench/STATE_TRACKING.md.
+layers); --only takes model or run names. All runs at once, one process each, each training --seconds, then
+train.py's held-out per-position accuracy; one still going --deadline s after the start is killed. The runs
+use the Triton Deltaformer path only if a subprocess (CHECK_TRITON) finds it agrees with PyTorch's and is
+faster. To --out: results.md, logs.jsonl (every run's log records), stdout.txt; checkpoints stay in --work.
+Setup and results: bench/STATE_TRACKING.md.
 """
 
 import argparse
@@ -31,9 +30,7 @@ MODELS = [  # (name, overrides of configs/state_tracking.py)
         for kernel in ("softmax", "relu", "linear")
         for w in ("k", "q", "proj")
     ],
-    ("tf-1", ["--attention=softmax", "--n_layer=1"]),
-    ("tf-2", ["--attention=softmax", "--n_layer=2"]),
-    ("tf-4", ["--attention=softmax", "--n_layer=4"]),
+    *[(f"tf-{n}", ["--attention=softmax", f"--n_layer={n}"]) for n in (1, 2, 4)],
 ]
 TASKS = {  # name: (title, overrides of configs/state_tracking.py, the curriculum's target length or None)
     "swap": ("swap, n = 5", [], 256),
@@ -100,13 +97,8 @@ def summarise(name, command, records, wall, target):
     train = [r for r in records if "train_loss" in r]
     evals = [r for r in records if "val_acc" in r]
     final = next((r for r in reversed(records) if r.get("final")), {})
-    row = {
-        "config": name,
-        "iters": final.get("iter", len(train)),
-        "train_s": f"{sum(r['dt_ms'] for r in train) / 1000:.0f}",
-        "wall_s": f"{wall:.0f}",
-        "command": command,
-    }
+    row = dict(config=name, iters=final.get("iter", len(train)), wall_s=f"{wall:.0f}", command=command)
+    row["train_s"] = f"{sum(r['dt_ms'] for r in train) / 1000:.0f}"
     if target:  # the curriculum: the last training length, and the iteration that reached the target
         reached = [r["iter"] for r in evals if r.get("st_length", 0) >= target]
         row["len"] = str(max((r["st_length"] for r in evals), default="-"))
@@ -179,10 +171,8 @@ def main():
         use_triton, note = check_triton(timeout=args.check_timeout)
         backend = ["--backend=triton" if use_triton else "--backend=torch"]
         header.append(f"Deltaformer stage 1: {note}")
-    header.append(
-        f"{len(runs)} runs at once on one device, {args.seconds:g} s training budget each, "
-        f"killed after {deadline:g} s"
-    )
+    header.append(f"{len(runs)} runs at once on one device, {args.seconds:g} s training budget each, "
+                  f"killed after {deadline:g} s")  # fmt: skip
     print("\n".join(header), flush=True)
 
     env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -202,9 +192,7 @@ def main():
     for task in tasks:
         title, _, target = TASKS[task]
         rows = []
-        for name, run_task, _ in runs:
-            if run_task != task:
-                continue
+        for name in (name for name, run_task, _ in runs if run_task == task):
             status, wall, cmd = done[name]["status"], done[name]["seconds"], done[name]["shown"]
             out_dir = os.path.join(args.work, name)
             with open(os.path.join(out_dir, "stdout.txt")) as f:
