@@ -5,14 +5,13 @@ each against additive + softmax attention of the same size measured in the same 
     python bench/bench_train.py ... --profile        # + where one step's GPU and host time go
     python bench/bench_train.py ... --nanogpt ../nanoGPT/model.py   # + nanoGPT's GPT, timed the same way
 
-additive is always run (added to --variants when missing): every ratio is against it. For each (model,
-variant), in a fresh process of its own, one after another: bf16 autocast, torch.compile with static
-shapes, fused AdamW, seq 1024, random tokens, the largest micro-batch of --batches that fits (an OOM tries
-the next); tokens/s and step time (median of the timed steps on the GPU's clock), compile time (the first
-step) apart, peak memory (its ratio only at the same micro-batch), MFU = tokens/s * GPT.flops_per_token /
-989 TFLOP/s (H100/H200 dense bf16), and host_ms: the host's median time to issue a step's forward,
-backward and optimizer, then to wait for the GPU (near 0: the host sets the step time). --time-limit
-bounds the whole run (one job 420 s at most). With --out: bench_train.json and .md, after each row.
+additive is always run (added to --variants when missing): every ratio is against it. Each (model, variant)
+runs in a fresh process, one after another: bf16 autocast, torch.compile with static shapes, fused AdamW,
+random tokens, the largest micro-batch of --batches that fits. Step time: the median of the timed steps on
+the GPU's clock; compile time: the first step; peak memory's ratio only at the same micro-batch; MFU =
+tokens/s * GPT.flops_per_token / 989 TFLOP/s (H100/H200 dense bf16); host_ms: the host's median time to
+issue the forward, backward and optimizer, then to wait for the GPU (near 0: the host sets the step time).
+--time-limit bounds the run (a job 420 s at most). With --out: bench_train.json and .md after each row.
 """
 
 import argparse
@@ -35,10 +34,7 @@ from common import Span, atomic_write, command, markdown, run_commands, versions
 PEAK_TFLOPS = 989.0  # for MFU: H100/H200 dense bf16
 JOB_TIMEOUT = 420  # seconds for one (model, variant)
 VARIANTS = {
-    "additive": dict(residual="additive"),
-    "ddl": dict(residual="ddl"),
-    "ddl-tc": dict(residual="ddl-tc"),
-    "ddl-cc": dict(residual="ddl-cc"),
+    **{r: dict(residual=r) for r in ("additive", "ddl", "ddl-tc", "ddl-cc")},
     # one state per block kept for the backward (GPTConfig.ddl_keep_state_every; the default keeps fewer)
     "ddl-cc+keep1": dict(residual="ddl-cc", ddl_keep_state_every=1),
     "ddl-tc+keep1": dict(residual="ddl-tc", ddl_keep_state_every=1),
@@ -192,10 +188,8 @@ def nanogpt_model(path, size, seq, overrides):
     spec.loader.exec_module(mod)
     shape = {**PRESETS[size], "vocab_size": 50304, **overrides}
     L, d = shape["n_layer"], shape["n_embd"]
-    cfg = mod.GPTConfig(
-        n_layer=L, n_embd=d, n_head=d // 64, block_size=seq,
-        vocab_size=shape["vocab_size"], dropout=0.0, bias=False,
-    )  # fmt: skip
+    cfg = mod.GPTConfig(n_layer=L, n_embd=d, n_head=d // 64, block_size=seq, vocab_size=shape["vocab_size"],
+                        dropout=0.0, bias=False)  # fmt: skip
     model = mod.GPT(cfg)
     n = sum(p.numel() for p in model.parameters())
     model.flops_per_token = lambda T: 6 * n + 12 * L * d * T
@@ -348,10 +342,9 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--compile", type=int, default=1)
-    p.add_argument("--compile-scope", default="model", choices=["model", "blocks"], help="model: the "
-                   "whole model; blocks: each Block and the LM head + loss (compiles ~L times faster; "
-                   "every block call runs its own wrapper on the host, which can leave the GPU waiting)",
-                   )  # fmt: skip
+    p.add_argument("--compile-scope", default="model", choices=["model", "blocks"], help="model: the whole "
+                   "model; blocks: each Block and the LM head + loss (compiles ~L times faster; every block "
+                   "call runs its own wrapper on the host, which can leave the GPU waiting)")  # fmt: skip
     p.add_argument("--ddl-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="what backend='auto' means for the DDL and Deltaformer ops")  # fmt: skip
     p.add_argument("--time-limit", type=float, default=540, help="seconds for the whole table")
