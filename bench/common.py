@@ -94,19 +94,15 @@ def versions():
     import torch
 
     try:
-        import triton
-
-        triton_version = triton.__version__
+        from triton import __version__ as triton_version
     except ImportError:
         triton_version = "none"
+    gpu = "none (CPU)"
     if torch.cuda.is_available():
         n, name = torch.cuda.device_count(), torch.cuda.get_device_name(0)
         gpu = name if n == 1 else f"{n} x {name}"
-    else:
-        gpu = "none (CPU)"
-    return (
-        f"GPU {gpu}; torch {torch.__version__}; triton {triton_version}; Python {platform.python_version()}"
-    )
+    python = platform.python_version()
+    return f"GPU {gpu}; torch {torch.__version__}; triton {triton_version}; Python {python}"
 
 
 def markdown(head, rows, align=None):
