@@ -9,7 +9,6 @@ the GB/s against the copy bandwidth measured in the same run; torch.compile of t
 """
 
 import argparse
-import contextlib
 import os
 import sys
 
@@ -21,28 +20,21 @@ from common import command, median_ms, versions, write_json  # noqa: E402  (benc
 N, D = 32768, 768  # tokens (as [N / 1024, 1024]), width
 
 
-@contextlib.contextmanager
-def launch_shapes(**entries):
-    """The DDL kernels' launch table with these entries replaced, restored afterwards."""
-    from kernels.ddl.triton import LAUNCH
-
-    saved = dict(LAUNCH)
-    LAUNCH.update(entries)
-    try:
-        yield
-    finally:
-        LAUNCH.clear()
-        LAUNCH.update(saved)
+def state_inputs(dtype, dv, small=torch.float32):
+    """Inputs that require grad, [B, T] = [N / 1024, 1024]: the state x [B, T, d, d_v] and k [B, T, d] in
+    dtype; v [B, T, d_v], beta [B, T] and the CC weight w [d, d_v] in small (fp32, as in the model)."""
+    B, T = N // 1024, 1024
+    make = lambda f, *shape, dt: f(*shape, device="cuda", dtype=dt, requires_grad=True)  # noqa: E731
+    x, k = make(torch.randn, B, T, D, dv, dt=dtype), make(torch.randn, B, T, D, dt=dtype)
+    v, beta = make(torch.randn, B, T, dv, dt=small), make(torch.rand, B, T, dt=small)
+    return x, k, v, beta, make(torch.randn, D, dv, dt=small)
 
 
-class Cases:
-    """Times each case (median_ms after one call that compiles it), prints its line and keeps its row; a case
-    that fails prints why and the run goes on."""
+def recorder(rows):
+    """case(name, fn, nbytes): times fn (median_ms after one call that compiles it), prints its line and
+    appends its row to rows; a case that fails prints why and the run goes on."""
 
-    def __init__(self):
-        self.rows = []
-
-    def __call__(self, name, fn, nbytes):
+    def case(name, fn, nbytes):
         try:
             fn()
             ms = median_ms(fn)
@@ -51,11 +43,14 @@ class Cases:
             return
         r = dict(name=name, us=ms * 1e3, GB=nbytes / 1e9, GBps=nbytes / ms / 1e6)
         print(f"{name:60s} {r['us']:9.1f} us  {r['GB']:7.3f} GB  {r['GBps']:7.0f} GB/s", flush=True)
-        self.rows.append(r)
+        rows.append(r)
+
+    return case
 
 
 def bench_kernels(args):
-    case = Cases()
+    rows = []
+    case = recorder(rows)
     bufs = [torch.randint(0, 255, (2**30,), dtype=torch.uint8, device="cuda"), None]
     bufs[1] = torch.empty_like(bufs[0])
     case("copy 1 GiB (read + write)", lambda: bufs[1].copy_(bufs[0]), 2 * 2**30)
@@ -64,12 +59,12 @@ def bench_kernels(args):
         for dtype in (torch.bfloat16, torch.float32):
             sweep_update(case, dtype)
             torch.cuda.empty_cache()
-        return case.rows
+        return rows
     for dtype in (torch.float32,) if args.quick else (torch.float32, torch.bfloat16):
         bench_kernels_dtype(args, dtype, case)
         torch.cuda.empty_cache()
     bench_kernels_dv1(args, case)
-    return case.rows
+    return rows
 
 
 def sweep_update(case, dtype):
@@ -85,21 +80,18 @@ def sweep_update(case, dtype):
     ship = {key: {n: c for n, c in _cfg(key, dtype).items() if not isinstance(c, dict)} for key in LAUNCH}
     es = torch.finfo(dtype).bits // 8
     tag = f"{str(dtype).replace('torch.', '')}, N={N}"
-    x = torch.randn(N // 1024, 1024, d, dv, device="cuda", dtype=dtype, requires_grad=True)
-    k = torch.randn(N // 1024, 1024, d, device="cuda", dtype=dtype, requires_grad=True)
-    v = torch.randn(N // 1024, 1024, dv, device="cuda", requires_grad=True)  # fp32, as in the model
-    beta = torch.rand(N // 1024, 1024, device="cuda", requires_grad=True)
-    w = torch.randn(d, dv, device="cuda", requires_grad=True)
+    x, k, v, beta, w = state_inputs(dtype, dv)
     gx, gh = torch.randn_like(x), torch.randn_like(k)
     S, V = N * d * dv * es, N * d * es
 
     def sweep(key, cfgs, *cases):
-        """Each of cases (label, fn, bytes) with LAUNCH[key] set to each of cfgs in turn."""
+        """Each of cases (label, fn, bytes) with LAUNCH[key] set to each of cfgs in turn, then restored."""
+        saved = LAUNCH[key]
         for cfg in cfgs:
-            mark = " (shipped)" if cfg == ship[key] else ""
-            with launch_shapes(**{key: cfg}):
-                for label, fn, nbytes in cases:
-                    case(f"{label} {key}={cfg}{mark} [{tag}]", fn, nbytes)
+            LAUNCH[key] = cfg
+            for label, fn, nbytes in cases:
+                case(f"{label} {key}={cfg}{' (shipped)' if cfg == ship[key] else ''} [{tag}]", fn, nbytes)
+        LAUNCH[key] = saved
 
     def fused():
         out = ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton")
@@ -135,10 +127,7 @@ def bench_kernels_dv1(args, case):
     """Scalar DDL (d_v = 1): the state is one d-vector per token, like the additive stream."""
     from kernels import ddl
 
-    x = torch.randn(N // 1024, 1024, D, 1, device="cuda", requires_grad=True)
-    k = torch.randn(N // 1024, 1024, D, device="cuda", requires_grad=True)
-    v = torch.randn(N // 1024, 1024, 1, device="cuda", requires_grad=True)
-    beta = torch.rand(N // 1024, 1024, device="cuda", requires_grad=True)
+    x, k, v, beta, _ = state_inputs(torch.float32, 1)
     gx = torch.randn_like(x)
     S = N * D * 4
     upd_c = torch.compile(ddl.ddl_update_ref)
@@ -158,11 +147,7 @@ def bench_kernels_dtype(args, dtype, case):
     es = torch.finfo(dtype).bits // 8
     S, V = N * d * dv * es, N * d * es  # bytes of one pass over the state, over a [N, d] vector
     tag = f"{str(dtype).replace('torch.', '')}, N={N}"
-    x = torch.randn(B, T, d, dv, device=dev, dtype=dtype, requires_grad=True)
-    k = torch.randn(B, T, d, device=dev, dtype=dtype, requires_grad=True)
-    v = torch.randn(B, T, dv, device=dev, dtype=dtype, requires_grad=True)
-    beta = torch.rand(B, T, device=dev, dtype=dtype, requires_grad=True)
-    w = torch.randn(d, dv, device=dev, dtype=dtype, requires_grad=True)
+    x, k, v, beta, w = state_inputs(dtype, dv, dtype)
     cw = torch.randn(d, dv, K, device=dev, requires_grad=True)
     read = torch.randn(dv, device=dev, requires_grad=True)
     emb = torch.randn(B, T, d, device=dev, dtype=dtype, requires_grad=True)
