@@ -81,21 +81,17 @@ def main():
     pipe_tokens = ntokens + len(texts)  # the pipeline also writes one EOT per document
     import tiktoken
 
-    print(f"Command: `{command(__file__)}`")
-    print(
-        f"{versions()}; tiktoken {tiktoken.__version__}; pyarrow {pa.__version__}; {os.cpu_count()} CPU cores"
-    )
+    print(f"Command: `{command(__file__)}`", f"{versions()}; tiktoken {tiktoken.__version__}; "
+          f"pyarrow {pa.__version__}; {os.cpu_count()} CPU cores", sep="\n")  # fmt: skip
     print(f"corpus: {len(texts):,} docs, {nbytes / 1e6:.1f} MB, {ntokens:,} tokens; {args.workers} workers")
     print(f"{'method':<48} {'MB/s':>8} {'Mtokens/s':>10} {'MB/CPU-s':>9}")
-    rows = [
+    for name, runs, tokens in [
         (f"raw encode_ordinary_batch(num_threads={args.workers})", raw, ntokens),
         (f"pipeline fineweb_edu.prepare(workers={args.workers})", pipe, pipe_tokens),
-    ]
-    for name, runs, tokens in rows:
+    ]:
         wall, cpu = min(r[0] for r in runs), min(r[1] for r in runs)
         print(f"{name:<48} {nbytes / 1e6 / wall:8.2f} {tokens / 1e6 / wall:10.2f} {nbytes / 1e6 / cpu:9.2f}")
-    wall_ratio = min(r[0] for r in raw) / min(r[0] for r in pipe)
-    cpu_ratio = min(r[1] for r in raw) / min(r[1] for r in pipe)
+    wall_ratio, cpu_ratio = (min(r[i] for r in raw) / min(r[i] for r in pipe) for i in (0, 1))
     print(f"pipeline / raw: {wall_ratio:.2f}x throughput (wall clock), {cpu_ratio:.2f}x per CPU-second")
     print(f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 
