@@ -42,10 +42,6 @@ VARIANTS = {
 }
 
 
-# ---------------------------------------------------------------------------------------------------------
-# One (model, variant): runs in its own process.
-
-
 def train_steps(model, opt, B, T, steps, vocab, device, host=None):
     """Run `steps` optimizer steps on random tokens; return each step's seconds on the device's clock (Span).
     host: a list to append, per step, the host's seconds to issue the forward, the backward and the
@@ -277,10 +273,6 @@ def run_table(args):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return done
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Output
 
 
 def table(rows):

@@ -79,10 +79,6 @@ class Span:
             self.cpu_seconds = cpu_seconds() - self.c0
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Output
-
-
 def command(script, argv=None):
     """The command as typed from the repository root: 'python bench/<script> <argv>' (default sys.argv)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -136,10 +132,6 @@ def read_jsonl(path):
             except json.JSONDecodeError:
                 continue
     return records
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Jobs
 
 
 def run_commands(jobs, slots, time_limit=0.0, job_timeout=0.0, min_left=0.0, on_end=None, poll_s=1.0):
