@@ -86,13 +86,9 @@ def read_run(args, variant, stage):
     ranks = re.findall(r"(\d+) rank\(s\) on", text)
     with open(os.path.join(out_dir, "command.txt")) as f:
         command = f.read().strip()
-    return {
-        "losses": [r["train_loss"] for r in train],
-        "tok_s": rates[len(rates) // 2] if rates else None,
-        "peak_gib": float(peak[-1]) if peak else None,
-        "ranks": int(ranks[-1]) if ranks else None,
-        "command": command,
-    }
+    return dict(losses=[r["train_loss"] for r in train], tok_s=rates[len(rates) // 2] if rates else None,
+                peak_gib=float(peak[-1]) if peak else None, ranks=int(ranks[-1]) if ranks else None,
+                command=command)  # fmt: skip
 
 
 def max_difference(a, b, n):

@@ -368,10 +368,8 @@ def main():
         args.batches = []
     if not args.batches or args.batches[-1] < 1:
         raise SystemExit(f"--batches {text!r}: expected positive integers like 64,32")
-    args.model_overrides = {
-        key: (int(val) if val.isdigit() else val)
-        for key, val in (kv.split("=", 1) for kv in args.model_overrides.split(",") if kv)
-    }
+    pairs = (kv.split("=", 1) for kv in args.model_overrides.split(",") if kv)
+    args.model_overrides = {key: (int(val) if val.isdigit() else val) for key, val in pairs}
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_train.py needs a CUDA GPU (or --device cpu for a smoke test)")
     print(f"Command: `{args.command}`", versions(), sep="\n", flush=True)

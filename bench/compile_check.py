@@ -131,10 +131,8 @@ def run_model_variants():
             print(f"--- model {overrides} ddl_state_dtype={state}", flush=True)
             extra = {} if overrides["residual"] == "additive" else dict(ddl_state_dtype=state)
             keep = 0 if overrides["residual"] == "additive" else 4  # 4 blocks: states rebuilt by 1-7 updates
-            cfg = GPTConfig.preset(
-                "gpt2-small", n_layer=4, block_size=64, backend="triton", ddl_keep_state_every=keep,
-                **overrides, **extra,
-            )  # fmt: skip
+            cfg = GPTConfig.preset("gpt2-small", n_layer=4, block_size=64, backend="triton",
+                                   ddl_keep_state_every=keep, **overrides, **extra)  # fmt: skip
             model = GPT(cfg)
             idx = torch.randint(0, cfg.vocab_size, (1, 64))
             with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -25,22 +25,15 @@ from common import atomic_write, command, markdown, read_jsonl, run_commands, ve
 
 DF = ["--attention=deltaformer", "--n_layer=1"]
 MODELS = [  # (name, overrides of configs/state_tracking.py)
-    *[
-        (f"df-{kernel}-{w}", [*DF, f"--deltaformer_kernel={kernel}", f"--deltaformer_w={w}"])
-        for kernel in ("softmax", "relu", "linear")
-        for w in ("k", "q", "proj")
-    ],
+    *[(f"df-{kernel}-{w}", [*DF, f"--deltaformer_kernel={kernel}", f"--deltaformer_w={w}"])
+      for kernel in ("softmax", "relu", "linear") for w in ("k", "q", "proj")],
     *[(f"tf-{n}", ["--attention=softmax", f"--n_layer={n}"]) for n in (1, 2, 4)],
-]
+]  # fmt: skip
 TASKS = {  # name: (title, overrides of configs/state_tracking.py, the curriculum's target length or None)
     "swap": ("swap, n = 5", [], 256),
-    "dag": (
-        "DAG reachability, 32 nodes",
-        ["--st_task=dag", "--st_n_nodes=32", "--vocab_size=33", "--st_length=93", "--st_curriculum=False"]
-        + ["--st_eval_lengths=(93,189)"],
-        None,
-    ),
-}
+    "dag": ("DAG reachability, 32 nodes", ["--st_task=dag", "--st_n_nodes=32", "--vocab_size=33",
+            "--st_length=93", "--st_curriculum=False", "--st_eval_lengths=(93,189)"], None),
+}  # fmt: skip
 
 CHECK_TRITON = r"""
 import time, torch
@@ -81,9 +74,8 @@ print("TRITON_OK")
 def check_triton(timeout):
     """(use_triton, note) from running CHECK_TRITON in a subprocess (a hang or crash means: no)."""
     try:
-        r = subprocess.run(
-            [sys.executable, "-c", CHECK_TRITON], cwd=REPO, capture_output=True, text=True, timeout=timeout
-        )
+        cmd = [sys.executable, "-c", CHECK_TRITON]
+        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return False, f"Triton check timed out after {timeout} s"
     out = (r.stdout + r.stderr).strip().splitlines()
@@ -114,9 +106,8 @@ def table(rows, target):
     if target:
         columns += [("len", "final train len"), ("target_at", f"iter len {target} reached")]
     lengths = sorted({int(k.split("@")[1]) for r in rows for k in r if k.startswith("acc@")})
-    columns += [
-        c for L in lengths for c in ((f"acc@{L}", f"acc@{L} %"), (f"acc_last@{L}", f"last-pos acc@{L} %"))
-    ]
+    for L in lengths:
+        columns += [(f"acc@{L}", f"acc@{L} %"), (f"acc_last@{L}", f"last-pos acc@{L} %")]
     lines = markdown([h for _, h in columns], [[r.get(k, "-") for k, _ in columns] for r in rows])
     lines += ["", "Commands (from the repository root; the bench adds --out_dir):", ""]
     lines += [f"- {r['config']}: `{r['command']}`" for r in rows]
@@ -126,12 +117,8 @@ def table(rows, target):
 def select(tasks, only):
     """[(run name, task, train.py overrides)] of the selected tasks and models."""
     wanted = {n for n in only.split(",") if n}
-    runs = [
-        (f"{task}/{model}", task, [*TASKS[task][1], *overrides])
-        for task in tasks
-        for model, overrides in MODELS
-        if not wanted or model in wanted or f"{task}/{model}" in wanted
-    ]
+    runs = [(f"{task}/{model}", task, [*TASKS[task][1], *overrides]) for task in tasks for model, overrides
+            in MODELS if not wanted or model in wanted or f"{task}/{model}" in wanted]  # fmt: skip
     known = {m for m, _ in MODELS} | {f"{t}/{m}" for t in tasks for m, _ in MODELS}
     unknown = sorted(wanted - known)
     if unknown:
