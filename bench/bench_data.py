@@ -2,11 +2,11 @@
 
     python bench/bench_data.py [--workers N] [--mb 100] [--repeats 2]
 
-Corpus: the Shakespeare plays cut into ~4 KB documents (FineWeb-Edu's average), repeated up to --mb MB,
-in a temporary parquet file of FineWeb-Edu's layout. raw: enc.encode_ordinary_batch(texts, num_threads=N)
-on texts in memory; pipeline: data/fineweb_edu.py's prepare(workers=N) end to end (read, tokenize, write
-2M-token shards). MB/s and tokens/s on the wall clock, and MB per CPU-second (all threads and processes:
-holds up when other jobs share the cores); the best of --repeats interleaved runs.
+Corpus: the Shakespeare plays cut into ~4 KB documents (FineWeb-Edu's average) up to --mb MB, in a parquet
+file of FineWeb-Edu's layout. raw: enc.encode_ordinary_batch(texts, num_threads=N) in memory; pipeline:
+data/fineweb_edu.py's prepare(workers=N) (read, tokenize, write 2M-token shards). MB/s and tokens/s on the
+wall clock, MB per CPU-second (all threads and processes: holds up when other jobs share the cores); the
+best of --repeats interleaved runs.
 """
 
 import argparse

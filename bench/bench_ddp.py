@@ -59,10 +59,9 @@ def run_stage(args, stage):
     for variant in args.variants:
         out_dir = os.path.join(args.work, f"{variant}-{stage}")
         os.makedirs(out_dir, exist_ok=True)
-        log, env = os.path.join(out_dir, "stdout.txt"), dict(PYTHONUNBUFFERED="1")
-        cmd = train_command(args, variant, stage)
-        jobs.append(dict(name=f"[{stage}] {variant}", cmd=cmd, cwd=REPO, log=log, env=env, variant=variant,
-                         out_dir=out_dir))  # fmt: skip
+        jobs.append(dict(name=f"[{stage}] {variant}", cmd=train_command(args, variant, stage), cwd=REPO,
+                         log=os.path.join(out_dir, "stdout.txt"), env=dict(PYTHONUNBUFFERED="1"),
+                         variant=variant, out_dir=out_dir))  # fmt: skip
 
     def on_end(job):  # the command as run, with the GPU(s) it got
         with open(os.path.join(job["out_dir"], "command.txt"), "w") as f:

@@ -299,12 +299,10 @@ def table(rows):
 def settings(args):
     scope = "whole model" if args.compile_scope == "model" else "each block + the loss"
     compiled = f"torch.compile ({scope}, static shapes)" if args.compile else "eager"
-    return (
-        f"seq {args.seq}, bf16 autocast, {compiled}, {'fused ' if args.device == 'cuda' else ''}AdamW, "
-        f"random tokens; {args.warmup} warm-up (the first compiles) and "
-        f"{args.steps} timed steps, step time their median; MFU = tokens/s x GPT.flops_per_token / "
-        f"{PEAK_TFLOPS:g} TFLOP/s; ×additive: against additive + softmax of the same model in this run"
-    )
+    return (f"seq {args.seq}, bf16 autocast, {compiled}, {'fused ' if args.device == 'cuda' else ''}AdamW, "
+            f"random tokens; {args.warmup} warm-up (the first compiles) and {args.steps} timed steps, step "
+            f"time their median; MFU = tokens/s x GPT.flops_per_token / {PEAK_TFLOPS:g} TFLOP/s; ×additive: "
+            "against additive + softmax of the same model in this run")  # fmt: skip
 
 
 def report(args, rows):
