@@ -108,10 +108,6 @@ def compile_launch(fn, args, kwargs):
     print(SEEN[key], flush=True)
 
 
-def intercepted(self, grid):
-    return lambda *args, **kwargs: compile_launch(self, args, kwargs)
-
-
 def run_model_variants():
     from kernels.common import set_auto_backend
     from model import GPT, GPTConfig
@@ -155,7 +151,7 @@ def run_deltaformer_variants():
 
 def main():
     print("triton", triton.__version__, "from", os.path.dirname(triton.__file__))
-    KernelInterface.__getitem__ = intercepted
+    KernelInterface.__getitem__ = lambda self, grid: lambda *a, **kw: compile_launch(self, a, kw)  # compiles
     torch.manual_seed(0)
     run_deltaformer_variants()
     run_model_variants()
