@@ -7,11 +7,10 @@ each against additive + softmax attention of the same size measured in the same 
 
 additive is always run (added to --variants when missing): every ratio is against it. Each (model, variant)
 runs in a fresh process, one after another: bf16 autocast, torch.compile with static shapes, fused AdamW,
-random tokens, the largest micro-batch of --batches that fits. Step time: the median of the timed steps on
-the GPU's clock; compile time: the first step; peak memory's ratio only at the same micro-batch; MFU =
-tokens/s * GPT.flops_per_token / 989 TFLOP/s (H100/H200 dense bf16); host_ms: the host's median time to
-issue the forward, backward and optimizer, then to wait for the GPU (near 0: the host sets the step time).
---time-limit bounds the run (a job 420 s at most). With --out: bench_train.json and .md after each row.
+random tokens, the largest micro-batch of --batches that fits. Step time: the timed steps' median on the
+GPU's clock; compile time: the first step; MFU = tokens/s * GPT.flops_per_token / 989 TFLOP/s (H100/H200
+dense bf16); host_ms: the host's median time to issue the forward, backward and optimizer, then to wait for
+the GPU (near 0: the host sets the step time). --time-limit bounds the run (a job 420 s at most).
 """
 
 import argparse
