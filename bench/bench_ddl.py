@@ -208,7 +208,6 @@ def main():
     print(f"{'case':60s} {'time':>12s}  {'bytes':>10s}  {'rate':>12s}", flush=True)
     rows = bench_kernels(args)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         run = dict(command=command(__file__), versions=versions(), rows=rows)
         write_json(os.path.join(args.out, "bench_ddl.json"), run)
 

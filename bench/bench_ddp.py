@@ -112,9 +112,8 @@ def report(args):
                 rows.append([variant, stage, "not run", "", "", "", ""])
                 continue
             commands.append(f"- {variant} {stage}: `{r['command']}`")
-            ranks = r["ranks"] or 1
-            batch = args.batch_size * (2 if stage == "yardstick" else 1)
-            steps = args.grad_accum // (2 if stage == "yardstick" else 1) // ranks
+            ranks, split = r["ranks"] or 1, 2 if stage == "yardstick" else 1  # yardstick: 2x micro-steps
+            shape = f"{ranks} x {args.batch_size * split} x {args.grad_accum // split // ranks}"
             scaling = diff = ""
             if base and base["tok_s"] and r["tok_s"] and stage == "multi":
                 s = r["tok_s"] / base["tok_s"]
@@ -129,7 +128,7 @@ def report(args):
                     diff = str(e)
             tok = f"{r['tok_s']:,.0f}" if r["tok_s"] else "-"
             peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] else "-"
-            rows.append([variant, stage, f"{ranks} x {batch} x {steps}", tok, scaling, peak, diff])
+            rows.append([variant, stage, shape, tok, scaling, peak, diff])
     text = "\n".join([
         f"Global batch {args.batch_size * args.grad_accum} rows of 1024 tokens, {args.iters} iterations of "
         f"{CONFIG} on Shakespeare (warmup {args.warmup}, lr 1e-3), bf16 autocast, compiled, "
@@ -139,7 +138,6 @@ def report(args):
     ])  # fmt: skip
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         atomic_write(os.path.join(args.out, "bench_ddp.md"), text + "\n")
         losses = {f"{v}-{s}": (r or {}).get("losses") for (v, s), r in every.items()}
         atomic_write(os.path.join(args.out, "bench_ddp_losses.json"), json.dumps(losses))

@@ -313,7 +313,6 @@ def save(args, rows):
     """bench_train.json and bench_train.md in --out (after every row: a run cut short keeps its rows)."""
     if not args.out:
         return
-    os.makedirs(args.out, exist_ok=True)
     run = dict(command=args.command, versions=versions(), settings=settings(args), rows=rows)
     write_json(os.path.join(args.out, "bench_train.json"), run)
     atomic_write(os.path.join(args.out, "bench_train.md"), report(args, rows) + "\n")

@@ -109,7 +109,9 @@ def markdown(head, rows, align=None):
 
 
 def atomic_write(path, text):
-    """Write text to path through a temp file and os.replace: a crash leaves the old file or the new one."""
+    """Write text to path (its folder made if missing) through a temp file and os.replace: a crash leaves the
+    old file or the new one."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w") as f:
         f.write(text)
     os.replace(path + ".tmp", path)

@@ -121,9 +121,7 @@ def run_model_variants():
     variants += [dict(residual="ddl-cc", ddl_ec=False)]
     variants += [dict(residual=r, ddl_erase=False) for r in ("ddl", "ddl-tc")]  # the write-only control
     for overrides in variants:
-        for state in ("float32", "bfloat16"):
-            if overrides["residual"] == "additive" and state == "bfloat16":
-                continue
+        for state in ("float32",) if overrides["residual"] == "additive" else ("float32", "bfloat16"):
             print(f"--- model {overrides} ddl_state_dtype={state}", flush=True)
             extra = {} if overrides["residual"] == "additive" else dict(ddl_state_dtype=state)
             keep = 0 if overrides["residual"] == "additive" else 4  # 4 blocks: states rebuilt by 1-7 updates

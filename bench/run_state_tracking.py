@@ -143,8 +143,6 @@ def main():
         sys.exit(f"run_state_tracking: --tasks must name some of {list(TASKS)}, got {args.tasks!r}")
     runs = select(tasks, args.only)
     deadline = args.deadline or args.seconds + 300
-    os.makedirs(args.out, exist_ok=True)
-    os.makedirs(args.work, exist_ok=True)
 
     import torch
 
@@ -193,9 +191,9 @@ def main():
         sections += [f"## {title}", "", table(rows, target), ""]
 
     result = "\n".join(["# State tracking", "", *[f"- {h}" for h in header], "", *sections])
-    atomic_write(os.path.join(args.out, "results.md"), result)
-    atomic_write(os.path.join(args.out, "logs.jsonl"), "\n".join(all_records) + "\n")
-    atomic_write(os.path.join(args.out, "stdout.txt"), "\n".join(stdout))
+    for name, text in (("results.md", result), ("logs.jsonl", "\n".join(all_records) + "\n"),
+                       ("stdout.txt", "\n".join(stdout))):  # fmt: skip
+        atomic_write(os.path.join(args.out, name), text)
     print("\n" + result, flush=True)
 
 
