@@ -162,8 +162,7 @@ def main():
     if args.stage == "multi" and args.grad_accum % nproc:
         sys.exit(f"bench_ddp: --grad-accum {args.grad_accum} must be divisible by the {nproc} GPUs of --gpus")
     if args.stage == "report":
-        report(args)
-        return
+        return report(args)
     failed, stage = run_stage(args, args.stage), args.stage
     if failed:
         sys.exit(f"bench_ddp: {stage} failed for {failed}: see {args.work}/<variant>-{stage}/stdout.txt")

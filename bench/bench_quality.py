@@ -97,8 +97,7 @@ def probe_run(every, train_args):
     keys = dict(a[2:].split("=", 1) for a in train_args if a.startswith("--") and "=" in a)
     n_layer, micro = int(keys["n_layer"]), int(keys["gradient_accumulation_steps"])
     path, calls, seen_nonfinite = os.path.join(keys["out_dir"], "probe.jsonl"), [0], [False]
-    os.makedirs(keys["out_dir"], exist_ok=True)
-    open(path, "w").close()
+    atomic_write(path, "")  # its folder made, any earlier probe.jsonl emptied
 
     @torch.compiler.disable
     def record(k, v, w, beta, u, kernel, scale):

@@ -138,12 +138,12 @@ def read_jsonl(path):
 
 def run_commands(jobs, slots, time_limit=0.0, job_timeout=0.0, min_left=0.0, on_end=None, poll_s=1.0):
     """Run each job (a dict: name, cmd; optional log: a file for its output, else this console's; cwd; env:
-    more environment variables) as a process of its own, in order, one per entry of `slots` at a time: a GPU
-    (the child's CUDA_VISIBLE_DEVICES, set before it can initialise CUDA) or None (the caller's device).
-    With time_limit (s from the first start; 0: none) a job starts only while min_left s of it remain, and
-    whatever runs when it is up is stopped (SIGTERM, then SIGKILL after 10 s), as is a job that has run
-    job_timeout s (0: no limit). Each job gets status ('exit N', 'killed at the deadline', 'killed after N s'
-    or 'not run: time limit'), seconds and slot; on_end(job) as it ends. Returns the jobs."""
+    more environment variables) as its own process, in order, one per entry of `slots` at a time: a GPU (the
+    child's CUDA_VISIBLE_DEVICES) or None (the caller's device). With time_limit (s from the first start; 0:
+    none) a job starts only while min_left s remain, and whatever runs at the limit is stopped (SIGTERM, then
+    SIGKILL after 10 s), as is a job past job_timeout s (0: none). Each job gets status ('exit N', 'killed at
+    the deadline', 'killed after N s', 'not run: time limit'), seconds, slot; on_end(job) as it ends. Returns
+    the jobs."""
     pending, running, t0 = list(jobs), {}, time.time()
     on_end = on_end or (lambda job: None)
     left = lambda: time_limit - (time.time() - t0) if time_limit else math.inf
