@@ -52,6 +52,7 @@ def main():
 
     import pyarrow as pa
     import pyarrow.parquet as pq
+    import tiktoken
 
     texts, nbytes = make_corpus(args.mb)
     enc = get_encoding()
@@ -79,8 +80,6 @@ def main():
         shutil.rmtree(tmp, ignore_errors=True)
 
     pipe_tokens = ntokens + len(texts)  # the pipeline also writes one EOT per document
-    import tiktoken
-
     print(f"Command: `{command(__file__)}`", f"{versions()}; tiktoken {tiktoken.__version__}; "
           f"pyarrow {pa.__version__}; {os.cpu_count()} CPU cores", sep="\n")  # fmt: skip
     print(f"corpus: {len(texts):,} docs, {nbytes / 1e6:.1f} MB, {ntokens:,} tokens; {args.workers} workers")
