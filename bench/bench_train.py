@@ -161,10 +161,8 @@ KINDS = [  # (label, substrings of a GPU kernel's lowercased name), the first ma
 def kernel_kind(name):
     """A coarse label for a GPU kernel's name (cuBLAS/CUTLASS GEMMs, flash attention, Triton, ...)."""
     n = name.lower()
-    for label, parts in KINDS:
-        if any(p in n for p in parts) or (not parts and n.startswith("triton_")):
-            return label
-    return "other"
+    hit = lambda parts: any(p in n for p in parts) or not parts and n.startswith("triton_")  # noqa: E731
+    return next((label for label, parts in KINDS if hit(parts)), "other")
 
 
 def nanogpt_model(path, size, seq, overrides):
