@@ -4,25 +4,21 @@
     python bench/bench_curves.py --ref ../ref --variants ddl,ddl-cc,ddl-tc --iters 200 --out DIR
     python bench/bench_curves.py --table DIR                # the table of finished runs
 
-For each variant, three `train.py configs/shakespeare.py` runs (same seed, data, recipe; --iters iterations,
-compiled bf16 on a GPU), side by side on one device, in DIR/<variant>-<run>:
-  this   this checkout;
-  ref    the --ref checkout (its train.py and model.py, this checkout's Shakespeare data);
-  split  this checkout with each batch as two micro-batches of half the rows (gradient accumulation): the
-         same mathematics summed in another order, so |split - this| is what bf16 rounding alone moves.
-The table gives the largest and the mean |train loss difference| over the iterations, ref against this and
-split against this (the yardstick), and the final train losses.
+For each variant, three `train.py configs/shakespeare.py` runs at once (same seed, data and recipe) in
+DIR/<variant>-<run>: this (this checkout), ref (the --ref checkout's train.py and model.py on this
+checkout's data) and split (this checkout, each batch as two micro-batches of half the rows: the same sums
+in another order, so |split - this| is what bf16 rounding alone moves). The table: the largest and mean
+|train loss difference| over the iterations, ref and split (the yardstick) against this; the final losses.
 """
 
 import argparse
 import os
 import runpy
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import atomic_write, command, markdown, read_jsonl, run_commands, versions  # noqa: E402
+from bench.common import Span, atomic_write, command, markdown, read_jsonl, run_commands, versions  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/shakespeare.py"
@@ -105,10 +101,9 @@ def main(argv=None):
             cmd += run_args(v, run, args.iters, args.data_dir, args.set)
             cwd = os.path.abspath(args.ref) if run == "ref" else REPO
             jobs.append(dict(name=run_dir, cmd=cmd, cwd=cwd, log=os.path.join(run_dir, "train.out")))
-    t0 = time.time()
-    failed = [j["name"] for j in run_commands(jobs, [None] * len(jobs)) if j["status"] != "exit 0"]
-    took = time.time() - t0
-    report = f"Command: `{command(__file__, argv)}`\n{versions()}\n{len(jobs)} runs in {took:.0f} s"
+    with Span() as took:
+        failed = [j["name"] for j in run_commands(jobs, [None] * len(jobs)) if j["status"] != "exit 0"]
+    report = f"Command: `{command(__file__, argv)}`\n{versions()}\n{len(jobs)} runs in {took.seconds:.0f} s"
     report += f"; failed (see train.out): {failed}\n\n" if failed else "\n\n"
     report += table(args.out, variants)
     print(report)

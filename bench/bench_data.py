@@ -2,11 +2,11 @@
 
     python bench/bench_data.py [--workers N] [--mb 100] [--repeats 2]
 
-Corpus: the Shakespeare plays cut into ~4 KB documents (FineWeb-Edu's average), repeated up to --mb MB,
-in a temporary parquet file of FineWeb-Edu's layout. raw: enc.encode_ordinary_batch(texts, num_threads=N)
-on texts in memory; pipeline: data/fineweb_edu.py's prepare(workers=N) end to end (read, tokenize, write
-2M-token shards). MB/s and tokens/s on the wall clock, and MB per CPU-second (all threads and processes:
-holds up when other jobs share the cores); the best of --repeats interleaved runs.
+Corpus: the Shakespeare plays cut into ~4 KB documents (FineWeb-Edu's average) up to --mb MB, in a parquet
+file of FineWeb-Edu's layout. raw: enc.encode_ordinary_batch(texts, num_threads=N) in memory; pipeline:
+data/fineweb_edu.py's prepare(workers=N) (read, tokenize, write 2M-token shards). MB/s and tokens/s on the
+wall clock, MB per CPU-second (all threads and processes: holds up when other jobs share the cores); the
+best of --repeats interleaved runs.
 """
 
 import argparse
@@ -52,6 +52,7 @@ def main():
 
     import pyarrow as pa
     import pyarrow.parquet as pq
+    import tiktoken
 
     texts, nbytes = make_corpus(args.mb)
     enc = get_encoding()
@@ -79,23 +80,17 @@ def main():
         shutil.rmtree(tmp, ignore_errors=True)
 
     pipe_tokens = ntokens + len(texts)  # the pipeline also writes one EOT per document
-    import tiktoken
-
-    print(f"Command: `{command(__file__)}`")
-    print(
-        f"{versions()}; tiktoken {tiktoken.__version__}; pyarrow {pa.__version__}; {os.cpu_count()} CPU cores"
-    )
+    print(f"Command: `{command(__file__)}`", f"{versions()}; tiktoken {tiktoken.__version__}; "
+          f"pyarrow {pa.__version__}; {os.cpu_count()} CPU cores", sep="\n")  # fmt: skip
     print(f"corpus: {len(texts):,} docs, {nbytes / 1e6:.1f} MB, {ntokens:,} tokens; {args.workers} workers")
     print(f"{'method':<48} {'MB/s':>8} {'Mtokens/s':>10} {'MB/CPU-s':>9}")
-    rows = [
+    for name, runs, tokens in [
         (f"raw encode_ordinary_batch(num_threads={args.workers})", raw, ntokens),
         (f"pipeline fineweb_edu.prepare(workers={args.workers})", pipe, pipe_tokens),
-    ]
-    for name, runs, tokens in rows:
+    ]:
         wall, cpu = min(r[0] for r in runs), min(r[1] for r in runs)
         print(f"{name:<48} {nbytes / 1e6 / wall:8.2f} {tokens / 1e6 / wall:10.2f} {nbytes / 1e6 / cpu:9.2f}")
-    wall_ratio = min(r[0] for r in raw) / min(r[0] for r in pipe)
-    cpu_ratio = min(r[1] for r in raw) / min(r[1] for r in pipe)
+    wall_ratio, cpu_ratio = (min(r[i] for r in raw) / min(r[i] for r in pipe) for i in (0, 1))
     print(f"pipeline / raw: {wall_ratio:.2f}x throughput (wall clock), {cpu_ratio:.2f}x per CPU-second")
     print(f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 

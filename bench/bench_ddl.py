@@ -5,11 +5,10 @@ the GB/s against the copy bandwidth measured in the same run; torch.compile of t
 
     python bench/bench_ddl.py                 # fp32 and bf16 state, d 768, d_v 4 and 1, K 4, N = 32,768
     python bench/bench_ddl.py --quick         # Triton, fp32 only
-    python bench/bench_ddl.py --sweeps        # only the launch shapes of kernels/ddl/triton.py's LAUNCH
+    python bench/bench_ddl.py --sweeps        # only launch shapes: the CC backward's, the TC forward's
 """
 
 import argparse
-import contextlib
 import os
 import sys
 
@@ -21,28 +20,21 @@ from common import command, median_ms, versions, write_json  # noqa: E402  (benc
 N, D = 32768, 768  # tokens (as [N / 1024, 1024]), width
 
 
-@contextlib.contextmanager
-def launch_shapes(**entries):
-    """The DDL kernels' launch table with these entries replaced, restored afterwards."""
-    from kernels.ddl.triton import LAUNCH
-
-    saved = dict(LAUNCH)
-    LAUNCH.update(entries)
-    try:
-        yield
-    finally:
-        LAUNCH.clear()
-        LAUNCH.update(saved)
+def state_inputs(dtype, dv, small=torch.float32):
+    """Inputs that require grad, [B, T] = [N / 1024, 1024]: the state x [B, T, d, d_v] and k [B, T, d] in
+    dtype; v [B, T, d_v], beta [B, T] and the CC weight w [d, d_v] in small (fp32, as in the model)."""
+    B, T = N // 1024, 1024
+    make = lambda f, *shape, dt: f(*shape, device="cuda", dtype=dt, requires_grad=True)  # noqa: E731
+    x, k = make(torch.randn, B, T, D, dv, dt=dtype), make(torch.randn, B, T, D, dt=dtype)
+    v, beta = make(torch.randn, B, T, dv, dt=small), make(torch.rand, B, T, dt=small)
+    return x, k, v, beta, make(torch.randn, D, dv, dt=small)
 
 
-class Cases:
-    """Times each case (median_ms after one call that compiles it), prints its line and keeps its row; a case
-    that fails prints why and the run goes on."""
+def recorder(rows):
+    """case(name, fn, nbytes): times fn (median_ms after one call that compiles it), prints its line and
+    appends its row to rows; a case that fails prints why and the run goes on."""
 
-    def __init__(self):
-        self.rows = []
-
-    def __call__(self, name, fn, nbytes):
+    def case(name, fn, nbytes):
         try:
             fn()
             ms = median_ms(fn)
@@ -51,74 +43,59 @@ class Cases:
             return
         r = dict(name=name, us=ms * 1e3, GB=nbytes / 1e9, GBps=nbytes / ms / 1e6)
         print(f"{name:60s} {r['us']:9.1f} us  {r['GB']:7.3f} GB  {r['GBps']:7.0f} GB/s", flush=True)
-        self.rows.append(r)
+        rows.append(r)
+
+    return case
 
 
 def bench_kernels(args):
-    case = Cases()
+    rows = []
+    case = recorder(rows)
     bufs = [torch.randint(0, 255, (2**30,), dtype=torch.uint8, device="cuda"), None]
     bufs[1] = torch.empty_like(bufs[0])
     case("copy 1 GiB (read + write)", lambda: bufs[1].copy_(bufs[0]), 2 * 2**30)
     bufs.clear()
     if args.sweeps:  # only these
         for dtype in (torch.bfloat16, torch.float32):
-            for dv in (4, 1):
-                sweep_update(case, dtype, dv)
-                torch.cuda.empty_cache()
-        return case.rows
+            sweep_update(case, dtype)
+            torch.cuda.empty_cache()
+        return rows
     for dtype in (torch.float32,) if args.quick else (torch.float32, torch.bfloat16):
         bench_kernels_dtype(args, dtype, case)
         torch.cuda.empty_cache()
     bench_kernels_dv1(args, case)
-    return case.rows
+    return rows
 
 
-def sweep_update(case, dtype, dv):
-    """Launch choices of the update kernels, forward + backward (autograd.grad: no accumulation into .grad).
-    Each line names the LAUNCH entry it sets; the shipped one is marked. Bytes: the minimal passes (update:
-    5 S + 3 V; fused CC: 5 S + 5 V; S a state pass)."""
+def sweep_update(case, dtype):
+    """The launch shapes RESULTS.md reports, d_v = 4: the CC backward's (LAUNCH["update_bwd"]: one fused
+    update + CC read-out, forward + backward, and four in a row, each input kept or rebuilt from the first)
+    and the one-pass TC read-out forward's (LAUNCH["tc_fwd"]). Each line names the entry it sets; the
+    shipped one is marked. Bytes: the minimal passes (S over the state, V over a [N, d] vector)."""
     from kernels import ddl
     from kernels.ddl.triton import LAUNCH, _cfg
 
-    d = D
+    d, dv = D, 4
     # what ships for this state dtype (an entry's per-dtype shape, else its own, without the sub-entries)
     ship = {key: {n: c for n, c in _cfg(key, dtype).items() if not isinstance(c, dict)} for key in LAUNCH}
     es = torch.finfo(dtype).bits // 8
     tag = f"{str(dtype).replace('torch.', '')}, N={N}"
-    x = torch.randn(N // 1024, 1024, d, dv, device="cuda", dtype=dtype, requires_grad=True)
-    k = torch.randn(N // 1024, 1024, d, device="cuda", dtype=dtype, requires_grad=True)
-    v = torch.randn(N // 1024, 1024, dv, device="cuda", requires_grad=True)  # fp32, as in the model
-    beta = torch.rand(N // 1024, 1024, device="cuda", requires_grad=True)
-    w = torch.randn(d, dv, device="cuda", requires_grad=True)
+    x, k, v, beta, w = state_inputs(dtype, dv)
     gx, gh = torch.randn_like(x), torch.randn_like(k)
     S, V = N * d * dv * es, N * d * es
 
     def sweep(key, cfgs, *cases):
-        """Each of cases (label, fn, bytes) with LAUNCH[key] set to each of cfgs in turn."""
+        """Each of cases (label, fn, bytes) with LAUNCH[key] set to each of cfgs in turn, then restored."""
+        saved = LAUNCH[key]
         for cfg in cfgs:
-            mark = " (shipped)" if cfg == ship[key] else ""
-            with launch_shapes(**{key: cfg}):
-                for label, fn, nbytes in cases:
-                    case(f"{label} {key}={cfg}{mark} [{tag}]", fn, nbytes)
-
-    def upd(update=ddl.ddl_update):
-        return torch.autograd.grad(update(x, k, v, beta, backend="triton"), (x, k, v, beta), gx)
+            LAUNCH[key] = cfg
+            for label, fn, nbytes in cases:
+                case(f"{label} {key}={cfg}{' (shipped)' if cfg == ship[key] else ''} [{tag}]", fn, nbytes)
+        LAUNCH[key] = saved
 
     def fused():
         out = ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton")
         return torch.autograd.grad(out, (x, k, v, beta, w), (gx, gh))
-
-    if dv == 1:  # the compiled reference (what Inductor makes of the same update), then the row kernels
-        ref_c = torch.compile(ddl.ddl_update_ref)
-        ref = lambda: torch.autograd.grad(ref_c(x, k, v, beta), (x, k, v, beta), gx)  # noqa: E731
-        case(f"d_v=1 update f+b torch.compile(ref) [{tag}]", ref, 5 * S + 3 * V)
-        rows = ((1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8), (16, 8))
-        cfgs = [dict(ROWS=0, num_warps=4)] + [dict(ROWS=r, num_warps=nw) for r, nw in rows]
-        return sweep("update_row", cfgs, ("d_v=1 update f+b", upd, 5 * S + 3 * V))
-    # forward: 1 token/program looked latency-bound in bf16
-    cfgs = [dict(TOKENS=tok, num_warps=nw) for tok, nw in ((1, 4), (1, 2), (2, 4), (4, 4))]
-    fwd = lambda: ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton")  # noqa: E731
-    sweep("update_fwd", cfgs, ("update+cc fwd", fwd, 2 * S + 2 * V))
 
     def fused_run(rebuild, n=4):  # n fused CC updates in a row; rebuild: keep only x, as the model does
         X, hs, chain = x, [], None
@@ -134,33 +111,23 @@ def sweep_update(case, dtype, dv):
     bwd = ((32, 0, 4), (8, 0, 4), (16, 1, 4), (32, 1, 4), (32, 0, 8), (8, 0, 8), (32, 0, 16), (16, 1, 8))
     cfgs = [dict(TOKENS=t, PIPELINE=bool(p), num_warps=nw) for t, p, nw in bwd]
     sweep(  # the rebuilt runs' bytes as without the rebuild, whose reads of k come on top
-        "update_bwd", cfgs, ("update f+b", upd, 5 * S + 3 * V), ("update+cc f+b", fused, 5 * S + 5 * V),
+        "update_bwd", cfgs, ("update+cc f+b", fused, 5 * S + 5 * V),
         ("4 x update+cc f+b, each input kept", lambda: fused_run(False), 4 * (5 * S + 5 * V)),
         ("4 x update+cc f+b, rebuilt from the first", lambda: fused_run(True), 4 * (5 * S + 5 * V)),
     )  # fmt: skip
     cw = torch.randn(d, dv, 4, device="cuda", requires_grad=True)  # TC: K = 4
     read = torch.randn(dv, device="cuda", requires_grad=True)
     tc = lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton")  # noqa: E731
-    fused_tc = lambda: torch.autograd.grad(tc(), (x, k, v, beta, cw, read), (gx, gh))  # noqa: E731
     tc_cfgs = ((64, 128, 2, 4), (64, 128, 1, 4), (128, 128, 3, 4), (64, 256, 2, 8), (32, 64, 2, 2))
     cfgs = [dict(TOKENS=t, BLOCK_D=bd, STAGES=st, num_warps=nw) for t, bd, st, nw in tc_cfgs]
-    sweep("tc_fwd", cfgs, ("update+tc fwd", tc, 2 * S + 2 * V))  # the TC read-out's one-pass forward
-    # tokens per program share the taps
-    cfgs = [dict(TOKENS=t, num_warps=nw) for t, nw in ((1, 4), (1, 8), (1, 16), (4, 4), (4, 8), (16, 8))]
-    sweep("tc_bwd", cfgs, ("update+tc f+b", fused_tc, 6 * S + 6 * V))
-    chan = ((64, 256, 4), (32, 128, 4), (128, 128, 4), (64, 128, 8), (64, 64, 4))  # TC's weight gradient
-    cfgs = [dict(TOKENS=t, BLOCK_D=bd, num_warps=nw) for t, bd, nw in chan]
-    sweep("chan_bwd", cfgs, ("update+tc f+b", fused_tc, 6 * S + 6 * V))
+    sweep("tc_fwd", cfgs, ("update+tc fwd", tc, 2 * S + 2 * V))
 
 
 def bench_kernels_dv1(args, case):
     """Scalar DDL (d_v = 1): the state is one d-vector per token, like the additive stream."""
     from kernels import ddl
 
-    x = torch.randn(N // 1024, 1024, D, 1, device="cuda", requires_grad=True)
-    k = torch.randn(N // 1024, 1024, D, device="cuda", requires_grad=True)
-    v = torch.randn(N // 1024, 1024, 1, device="cuda", requires_grad=True)
-    beta = torch.rand(N // 1024, 1024, device="cuda", requires_grad=True)
+    x, k, v, beta, _ = state_inputs(torch.float32, 1)
     gx = torch.randn_like(x)
     S = N * D * 4
     upd_c = torch.compile(ddl.ddl_update_ref)
@@ -180,11 +147,7 @@ def bench_kernels_dtype(args, dtype, case):
     es = torch.finfo(dtype).bits // 8
     S, V = N * d * dv * es, N * d * es  # bytes of one pass over the state, over a [N, d] vector
     tag = f"{str(dtype).replace('torch.', '')}, N={N}"
-    x = torch.randn(B, T, d, dv, device=dev, dtype=dtype, requires_grad=True)
-    k = torch.randn(B, T, d, device=dev, dtype=dtype, requires_grad=True)
-    v = torch.randn(B, T, dv, device=dev, dtype=dtype, requires_grad=True)
-    beta = torch.rand(B, T, device=dev, dtype=dtype, requires_grad=True)
-    w = torch.randn(d, dv, device=dev, dtype=dtype, requires_grad=True)
+    x, k, v, beta, w = state_inputs(dtype, dv, dtype)
     cw = torch.randn(d, dv, K, device=dev, requires_grad=True)
     read = torch.randn(dv, device=dev, requires_grad=True)
     emb = torch.randn(B, T, d, device=dev, dtype=dtype, requires_grad=True)
@@ -236,7 +199,7 @@ def bench_kernels_dtype(args, dtype, case):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="Triton only, fp32 state")
-    p.add_argument("--sweeps", action="store_true", help="only the update kernels' launch shapes")
+    p.add_argument("--sweeps", action="store_true", help="only the CC backward's, TC forward's launch shapes")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_ddl.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -245,7 +208,6 @@ def main():
     print(f"{'case':60s} {'time':>12s}  {'bytes':>10s}  {'rate':>12s}", flush=True)
     rows = bench_kernels(args)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         run = dict(command=command(__file__), versions=versions(), rows=rows)
         write_json(os.path.join(args.out, "bench_ddl.json"), run)
 

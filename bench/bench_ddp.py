@@ -5,15 +5,11 @@
     python bench/bench_ddp.py --stage yardstick --gpus 0,1     # 1 GPU, other micro-batch split (noise scale)
     python bench/bench_ddp.py --stage report --out $OUT        # the table (report needs no GPU)
 
-Every run is `train.py configs/gpt2_small.py` on Shakespeare (`python data/shakespeare.py` first) with
-a global batch of --batch-size x --grad-accum rows of 1024 tokens: on 1 GPU as --grad-accum micro-steps of
---batch-size rows; on N GPUs each rank takes --grad-accum / N of those micro-steps (train.py splits the
-same global batch among the ranks, so both see the same data). The yardstick runs 1 GPU with micro-steps
-twice as large (half as many): the same math, another summation order, so its loss difference to the
-1-GPU run is the scale of bf16 noise that the N-GPU difference is judged against.
-
-Loss: train.py's train_loss (mean over the global batch and ranks). Tokens/s: median over iterations
---skip.. (iteration 0 compiles). Peak memory: rank 0's. Runs stay in --work, so a stage can be rerun alone.
+Every run: `train.py configs/gpt2_small.py` on Shakespeare, a global batch of --batch-size x --grad-accum
+rows of 1024 tokens (on N GPUs each rank takes --grad-accum / N of the micro-steps: the same data). The
+yardstick runs 1 GPU with micro-steps twice as large: the same math in another summation order, so its loss
+difference to the 1-GPU run is the scale of bf16 noise. Loss: train.py's train_loss; tokens/s: the median
+over iterations --skip..; peak memory: rank 0's. Runs stay in --work: a stage can be rerun alone.
 """
 
 import argparse
@@ -22,21 +18,11 @@ import os
 import re
 import sys
 
-from common import (  # bench/common.py (this script's folder)
-    atomic_write,
-    markdown,
-    read_jsonl,
-    run_commands,
-    versions,
-)
+from common import atomic_write, markdown, read_jsonl, run_commands, versions  # bench/common.py
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/gpt2_small.py"
 STAGES = ("single", "multi", "yardstick")
-
-
-def run_name(variant, stage):
-    return f"{variant}-{stage}"
 
 
 def train_command(args, variant, stage):
@@ -52,7 +38,7 @@ def train_command(args, variant, stage):
         f"--gradient_accumulation_steps={accum}", f"--max_iters={args.iters}",
         f"--warmup_iters={args.warmup}", f"--lr_decay_iters={10 * args.iters}", "--eval_interval=1000000",
         "--eval_iters=1", "--log_interval=10", "--overwrite=True",
-        f"--out_dir={os.path.join(args.work, run_name(variant, stage))}",
+        f"--out_dir={os.path.join(args.work, f'{variant}-{stage}')}",
     ]  # fmt: skip
     train = [os.path.join(REPO, "train.py"), os.path.join(REPO, CONFIG), *overrides]
     nproc = len(args.gpus.split(","))
@@ -71,12 +57,11 @@ def run_stage(args, stage):
     gpus = [g for g in args.gpus.split(",") if g] if stage != "multi" else [args.gpus]
     jobs = []
     for variant in args.variants:
-        out_dir = os.path.join(args.work, run_name(variant, stage))
+        out_dir = os.path.join(args.work, f"{variant}-{stage}")
         os.makedirs(out_dir, exist_ok=True)
-        log, env = os.path.join(out_dir, "stdout.txt"), dict(PYTHONUNBUFFERED="1")
-        cmd = train_command(args, variant, stage)
-        jobs.append(dict(name=f"[{stage}] {variant}", cmd=cmd, cwd=REPO, log=log, env=env, variant=variant,
-                         out_dir=out_dir))  # fmt: skip
+        jobs.append(dict(name=f"[{stage}] {variant}", cmd=train_command(args, variant, stage), cwd=REPO,
+                         log=os.path.join(out_dir, "stdout.txt"), env=dict(PYTHONUNBUFFERED="1"),
+                         variant=variant, out_dir=out_dir))  # fmt: skip
 
     def on_end(job):  # the command as run, with the GPU(s) it got
         with open(os.path.join(job["out_dir"], "command.txt"), "w") as f:
@@ -88,7 +73,7 @@ def run_stage(args, stage):
 
 def read_run(args, variant, stage):
     """{losses, tok_s (median), peak_gib, ranks, command} of a finished run, or None."""
-    out_dir = os.path.join(args.work, run_name(variant, stage))
+    out_dir = os.path.join(args.work, f"{variant}-{stage}")
     if not os.path.exists(os.path.join(out_dir, "log.jsonl")):
         return None
     records = read_jsonl(os.path.join(out_dir, "log.jsonl"))
@@ -100,13 +85,9 @@ def read_run(args, variant, stage):
     ranks = re.findall(r"(\d+) rank\(s\) on", text)
     with open(os.path.join(out_dir, "command.txt")) as f:
         command = f.read().strip()
-    return {
-        "losses": [r["train_loss"] for r in train],
-        "tok_s": rates[len(rates) // 2] if rates else None,
-        "peak_gib": float(peak[-1]) if peak else None,
-        "ranks": int(ranks[-1]) if ranks else None,
-        "command": command,
-    }
+    return dict(losses=[r["train_loss"] for r in train], tok_s=rates[len(rates) // 2] if rates else None,
+                peak_gib=float(peak[-1]) if peak else None, ranks=int(ranks[-1]) if ranks else None,
+                command=command)  # fmt: skip
 
 
 def max_difference(a, b, n):
@@ -131,9 +112,8 @@ def report(args):
                 rows.append([variant, stage, "not run", "", "", "", ""])
                 continue
             commands.append(f"- {variant} {stage}: `{r['command']}`")
-            ranks = r["ranks"] or 1
-            batch = args.batch_size * (2 if stage == "yardstick" else 1)
-            steps = args.grad_accum // (2 if stage == "yardstick" else 1) // ranks
+            ranks, split = r["ranks"] or 1, 2 if stage == "yardstick" else 1  # yardstick: 2x micro-steps
+            shape = f"{ranks} x {args.batch_size * split} x {args.grad_accum // split // ranks}"
             scaling = diff = ""
             if base and base["tok_s"] and r["tok_s"] and stage == "multi":
                 s = r["tok_s"] / base["tok_s"]
@@ -148,7 +128,7 @@ def report(args):
                     diff = str(e)
             tok = f"{r['tok_s']:,.0f}" if r["tok_s"] else "-"
             peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] else "-"
-            rows.append([variant, stage, f"{ranks} x {batch} x {steps}", tok, scaling, peak, diff])
+            rows.append([variant, stage, shape, tok, scaling, peak, diff])
     text = "\n".join([
         f"Global batch {args.batch_size * args.grad_accum} rows of 1024 tokens, {args.iters} iterations of "
         f"{CONFIG} on Shakespeare (warmup {args.warmup}, lr 1e-3), bf16 autocast, compiled, "
@@ -158,7 +138,6 @@ def report(args):
     ])  # fmt: skip
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         atomic_write(os.path.join(args.out, "bench_ddp.md"), text + "\n")
         losses = {f"{v}-{s}": (r or {}).get("losses") for (v, s), r in every.items()}
         atomic_write(os.path.join(args.out, "bench_ddp_losses.json"), json.dumps(losses))
@@ -183,8 +162,7 @@ def main():
     if args.stage == "multi" and args.grad_accum % nproc:
         sys.exit(f"bench_ddp: --grad-accum {args.grad_accum} must be divisible by the {nproc} GPUs of --gpus")
     if args.stage == "report":
-        report(args)
-        return
+        return report(args)
     failed, stage = run_stage(args, args.stage), args.stage
     if failed:
         sys.exit(f"bench_ddp: {stage} failed for {failed}: see {args.work}/<variant>-{stage}/stdout.txt")

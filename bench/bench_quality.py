@@ -6,17 +6,13 @@
     python bench/bench_quality.py --setting stability --lr 2e-3 --seeds 1 2 --out DIR --data-dir D
     python bench/bench_quality.py --table DIR [DIR ...]   # the table of finished runs
 
-Each (row, seed) is one `train.py` run in DIR/<setting>/<row>-s<seed> (log.jsonl, ckpt.pt, train.out);
---parallel runs share the GPU. The table: per row, the mean and half-range over seeds of the best and final
-validation loss and the best's difference from additive; a run that stopped early is marked.
-
-Settings (SETTINGS; RECIPE: lr 1e-3, AdamW (0.9, 0.95), wd 0.1, clip 1.0, warmup + cosine to 1e-4):
-shakespeare (8 x 512, eager, data/shakespeare), corpus (GPT-2 small, 25.2M tokens, compiled, shards of
-data/fineweb_edu.py in --data-dir), stability (GPT-2 small, 15.7M tokens; the table has a line per run:
-finished or stopped, the largest loss spike over the running minimum, the best validation loss). --lr sets
-the peak lr (min_lr = lr / 10; runs to DIR/<setting>-lr<lr>). --probe N records every N iterations each
-Deltaformer layer's stage 1 (max |u| / max |v|, beta, softmax kappa's weight on the previous token) and the
-first non-finite u into probe.jsonl, summarised in the table.
+Each (row, seed) is one `train.py` run in DIR/<setting>/<row>-s<seed> (log.jsonl, ckpt.pt, train.out),
+--parallel at a time on the GPU. Settings: SETTINGS, with RECIPE (AdamW, warmup + cosine to lr / 10); --lr
+sets the peak lr (runs to DIR/<setting>-lr<lr>). The table: per row, the best and final validation loss
+(mean and half-range over seeds) and the best's difference from additive; for stability, a line per run
+(finished or stopped, the largest loss spike over the running minimum, the best validation loss). --probe N
+records every N iterations each Deltaformer layer's stage 1 (max |u| / max |v|, beta, softmax kappa's
+weight on the previous token) and the first non-finite u into probe.jsonl, summarised in the table.
 """
 
 import argparse
@@ -101,8 +97,7 @@ def probe_run(every, train_args):
     keys = dict(a[2:].split("=", 1) for a in train_args if a.startswith("--") and "=" in a)
     n_layer, micro = int(keys["n_layer"]), int(keys["gradient_accumulation_steps"])
     path, calls, seen_nonfinite = os.path.join(keys["out_dir"], "probe.jsonl"), [0], [False]
-    os.makedirs(keys["out_dir"], exist_ok=True)
-    open(path, "w").close()
+    atomic_write(path, "")  # its folder made, any earlier probe.jsonl emptied
 
     @torch.compiler.disable
     def record(k, v, w, beta, u, kernel, scale):
@@ -123,9 +118,8 @@ def probe_run(every, train_args):
             scores = scale * (w[0].float() @ k[0].float().transpose(-1, -2))
             scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool, device=k.device).triu(), -math.inf)
             prev = torch.softmax(scores[:, 1:], dim=-1).diagonal(dim1=-2, dim2=-1)  # [H, T - 1]
-            rec |= dict(
-                kappa_prev_mean=prev.mean().item(), kappa_prev_over_09=(prev > 0.9).float().mean().item()
-            )
+            rec["kappa_prev_mean"] = prev.mean().item()
+            rec["kappa_prev_over_09"] = (prev > 0.9).float().mean().item()
         with open(path, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
@@ -215,10 +209,8 @@ def probe_summary(out_dir):
     if finite:
         r = max(finite, key=lambda r: r["u_over_v"])
         kappa = f", kappa(i-1) {r['kappa_prev_mean']:.2f}" if "kappa_prev_mean" in r else ""
-        out.append(
-            f"u/v {r['u_over_v']:.3g} (iter {r['iter']}, layer {r['layer']}, beta mean "
-            f"{r['beta_mean']:.2f} max {r['beta_max']:.2f}{kappa})"
-        )
+        out.append(f"u/v {r['u_over_v']:.3g} (iter {r['iter']}, layer {r['layer']}, beta mean "
+                   f"{r['beta_mean']:.2f} max {r['beta_max']:.2f}{kappa})")  # fmt: skip
     out += [f"first non-finite u: iter {r['iter']} layer {r['layer']} (v finite: {r['v_finite']})"
             for r in recs if not r["finite"]]  # fmt: skip
     return "; ".join(out)
@@ -324,15 +316,11 @@ def main(argv=None):
     if args.table is None:
         if args.setting is None:
             p.error("--setting is required (or --table DIR ...)")
-        rows = args.rows or DEFAULT_ROWS[args.setting]
-        jobs = []
-        folder = args.setting + (f"-lr{args.lr:g}" if args.lr else "")
-        for seed in args.seeds:
-            for row in rows:
-                out_dir = os.path.join(args.out, folder, f"{row}-s{seed}")
-                extra = (args.data_dir, args.max_seconds, args.lr, args.probe)
-                cmd = run_args(args.setting, row, seed, out_dir, *extra)
-                jobs.append((cmd, out_dir))
+        folder = os.path.join(args.out, args.setting + (f"-lr{args.lr:g}" if args.lr else ""))
+        runs = [(row, seed, os.path.join(folder, f"{row}-s{seed}"))
+                for seed in args.seeds for row in args.rows or DEFAULT_ROWS[args.setting]]  # fmt: skip
+        extra = (args.data_dir, args.max_seconds, args.lr, args.probe)
+        jobs = [(run_args(args.setting, row, seed, out_dir, *extra), out_dir) for row, seed, out_dir in runs]
     header = f"command: `{command(__file__, argv)}`"
 
     def write_table(show=False):

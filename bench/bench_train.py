@@ -5,14 +5,12 @@ each against additive + softmax attention of the same size measured in the same 
     python bench/bench_train.py ... --profile        # + where one step's GPU and host time go
     python bench/bench_train.py ... --nanogpt ../nanoGPT/model.py   # + nanoGPT's GPT, timed the same way
 
-additive is always run (added to --variants when missing): every ratio is against it. For each (model,
-variant), in a fresh process of its own, one after another: bf16 autocast, torch.compile with static
-shapes, fused AdamW, seq 1024, random tokens, the largest micro-batch of --batches that fits (an OOM tries
-the next); tokens/s and step time (median of the timed steps on the GPU's clock), compile time (the first
-step) apart, peak memory (its ratio only at the same micro-batch), MFU = tokens/s * GPT.flops_per_token /
-989 TFLOP/s (H100/H200 dense bf16), and host_ms: the host's median time to issue a step's forward,
-backward and optimizer, then to wait for the GPU (near 0: the host sets the step time). --time-limit
-bounds the whole run (one job 420 s at most). With --out: bench_train.json and .md, after each row.
+additive is always run (added to --variants when missing): every ratio is against it. Each (model, variant)
+runs in a fresh process, one after another: bf16 autocast, torch.compile with static shapes, fused AdamW,
+random tokens, the largest micro-batch of --batches that fits. Step time: the timed steps' median on the
+GPU's clock; compile time: the first step; MFU = tokens/s * GPT.flops_per_token / 989 TFLOP/s (H100/H200
+dense bf16); host_ms: the host's median time to issue the forward, backward and optimizer, then to wait for
+the GPU (near 0: the host sets the step time). --time-limit bounds the run (a job 420 s at most).
 """
 
 import argparse
@@ -35,22 +33,12 @@ from common import Span, atomic_write, command, markdown, run_commands, versions
 PEAK_TFLOPS = 989.0  # for MFU: H100/H200 dense bf16
 JOB_TIMEOUT = 420  # seconds for one (model, variant)
 VARIANTS = {
-    "additive": dict(residual="additive"),
-    "ddl": dict(residual="ddl"),
-    "ddl-tc": dict(residual="ddl-tc"),
-    "ddl-cc": dict(residual="ddl-cc"),
+    **{r: dict(residual=r) for r in ("additive", "ddl", "ddl-tc", "ddl-cc")},
     # one state per block kept for the backward (GPTConfig.ddl_keep_state_every; the default keeps fewer)
     "ddl-cc+keep1": dict(residual="ddl-cc", ddl_keep_state_every=1),
     "ddl-tc+keep1": dict(residual="ddl-tc", ddl_keep_state_every=1),
-    "ddl-cc-bf16": dict(residual="ddl-cc", ddl_state_dtype="bfloat16"),
-    "additive+deltaformer": dict(residual="additive", attention="deltaformer"),
-    "ddl-cc+deltaformer": dict(residual="ddl-cc", attention="deltaformer"),
     "nanogpt": None,  # nanoGPT's own GPT (its model.py, given by --nanogpt) at the preset's depth and width
 }
-
-
-# ---------------------------------------------------------------------------------------------------------
-# One (model, variant): runs in its own process.
 
 
 def train_steps(model, opt, B, T, steps, vocab, device, host=None):
@@ -173,10 +161,8 @@ KINDS = [  # (label, substrings of a GPU kernel's lowercased name), the first ma
 def kernel_kind(name):
     """A coarse label for a GPU kernel's name (cuBLAS/CUTLASS GEMMs, flash attention, Triton, ...)."""
     n = name.lower()
-    for label, parts in KINDS:
-        if any(p in n for p in parts) or (not parts and n.startswith("triton_")):
-            return label
-    return "other"
+    hit = lambda parts: any(p in n for p in parts) or not parts and n.startswith("triton_")  # noqa: E731
+    return next((label for label, parts in KINDS if hit(parts)), "other")
 
 
 def nanogpt_model(path, size, seq, overrides):
@@ -192,10 +178,8 @@ def nanogpt_model(path, size, seq, overrides):
     spec.loader.exec_module(mod)
     shape = {**PRESETS[size], "vocab_size": 50304, **overrides}
     L, d = shape["n_layer"], shape["n_embd"]
-    cfg = mod.GPTConfig(
-        n_layer=L, n_embd=d, n_head=d // 64, block_size=seq,
-        vocab_size=shape["vocab_size"], dropout=0.0, bias=False,
-    )  # fmt: skip
+    cfg = mod.GPTConfig(n_layer=L, n_embd=d, n_head=d // 64, block_size=seq, vocab_size=shape["vocab_size"],
+                        dropout=0.0, bias=False)  # fmt: skip
     model = mod.GPT(cfg)
     n = sum(p.numel() for p in model.parameters())
     model.flops_per_token = lambda T: 6 * n + 12 * L * d * T
@@ -288,10 +272,6 @@ def run_table(args):
     return done
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Output
-
-
 def table(rows):
     """Markdown table; ratios against additive + softmax of the same model size (peak memory only
     where both ran at the same micro-batch)."""
@@ -316,12 +296,10 @@ def table(rows):
 def settings(args):
     scope = "whole model" if args.compile_scope == "model" else "each block + the loss"
     compiled = f"torch.compile ({scope}, static shapes)" if args.compile else "eager"
-    return (
-        f"seq {args.seq}, bf16 autocast, {compiled}, {'fused ' if args.device == 'cuda' else ''}AdamW, "
-        f"random tokens; {args.warmup} warm-up (the first compiles) and "
-        f"{args.steps} timed steps, step time their median; MFU = tokens/s x GPT.flops_per_token / "
-        f"{PEAK_TFLOPS:g} TFLOP/s; ×additive: against additive + softmax of the same model in this run"
-    )
+    return (f"seq {args.seq}, bf16 autocast, {compiled}, {'fused ' if args.device == 'cuda' else ''}AdamW, "
+            f"random tokens; {args.warmup} warm-up (the first compiles) and {args.steps} timed steps, step "
+            f"time their median; MFU = tokens/s x GPT.flops_per_token / {PEAK_TFLOPS:g} TFLOP/s; ×additive: "
+            "against additive + softmax of the same model in this run")  # fmt: skip
 
 
 def report(args, rows):
@@ -333,7 +311,6 @@ def save(args, rows):
     """bench_train.json and bench_train.md in --out (after every row: a run cut short keeps its rows)."""
     if not args.out:
         return
-    os.makedirs(args.out, exist_ok=True)
     run = dict(command=args.command, versions=versions(), settings=settings(args), rows=rows)
     write_json(os.path.join(args.out, "bench_train.json"), run)
     atomic_write(os.path.join(args.out, "bench_train.md"), report(args, rows) + "\n")
@@ -348,10 +325,9 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--compile", type=int, default=1)
-    p.add_argument("--compile-scope", default="model", choices=["model", "blocks"], help="model: the "
-                   "whole model; blocks: each Block and the LM head + loss (compiles ~L times faster; "
-                   "every block call runs its own wrapper on the host, which can leave the GPU waiting)",
-                   )  # fmt: skip
+    p.add_argument("--compile-scope", default="model", choices=["model", "blocks"], help="model: the whole "
+                   "model; blocks: each Block and the LM head + loss (compiles ~L times faster; every block "
+                   "call runs its own wrapper on the host, which can leave the GPU waiting)")  # fmt: skip
     p.add_argument("--ddl-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="what backend='auto' means for the DDL and Deltaformer ops")  # fmt: skip
     p.add_argument("--time-limit", type=float, default=540, help="seconds for the whole table")
@@ -386,10 +362,8 @@ def main():
         args.batches = []
     if not args.batches or args.batches[-1] < 1:
         raise SystemExit(f"--batches {text!r}: expected positive integers like 64,32")
-    args.model_overrides = {
-        key: (int(val) if val.isdigit() else val)
-        for key, val in (kv.split("=", 1) for kv in args.model_overrides.split(",") if kv)
-    }
+    pairs = (kv.split("=", 1) for kv in args.model_overrides.split(",") if kv)
+    args.model_overrides = {key: (int(val) if val.isdigit() else val) for key, val in pairs}
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_train.py needs a CUDA GPU (or --device cpu for a smoke test)")
     print(f"Command: `{args.command}`", versions(), sep="\n", flush=True)

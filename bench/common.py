@@ -79,10 +79,6 @@ class Span:
             self.cpu_seconds = cpu_seconds() - self.c0
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Output
-
-
 def command(script, argv=None):
     """The command as typed from the repository root: 'python bench/<script> <argv>' (default sys.argv)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -94,19 +90,15 @@ def versions():
     import torch
 
     try:
-        import triton
-
-        triton_version = triton.__version__
+        from triton import __version__ as triton_version
     except ImportError:
         triton_version = "none"
+    gpu = "none (CPU)"
     if torch.cuda.is_available():
         n, name = torch.cuda.device_count(), torch.cuda.get_device_name(0)
         gpu = name if n == 1 else f"{n} x {name}"
-    else:
-        gpu = "none (CPU)"
-    return (
-        f"GPU {gpu}; torch {torch.__version__}; triton {triton_version}; Python {platform.python_version()}"
-    )
+    python = platform.python_version()
+    return f"GPU {gpu}; torch {torch.__version__}; triton {triton_version}; Python {python}"
 
 
 def markdown(head, rows, align=None):
@@ -117,7 +109,9 @@ def markdown(head, rows, align=None):
 
 
 def atomic_write(path, text):
-    """Write text to path through a temp file and os.replace: a crash leaves the old file or the new one."""
+    """Write text to path (its folder made if missing) through a temp file and os.replace: a crash leaves the
+    old file or the new one."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w") as f:
         f.write(text)
     os.replace(path + ".tmp", path)
@@ -142,18 +136,14 @@ def read_jsonl(path):
     return records
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Jobs
-
-
 def run_commands(jobs, slots, time_limit=0.0, job_timeout=0.0, min_left=0.0, on_end=None, poll_s=1.0):
     """Run each job (a dict: name, cmd; optional log: a file for its output, else this console's; cwd; env:
-    more environment variables) as a process of its own, in order, one per entry of `slots` at a time: a GPU
-    (the child's CUDA_VISIBLE_DEVICES, set before it can initialise CUDA) or None (the caller's device).
-    With time_limit (s from the first start; 0: none) a job starts only while min_left s of it remain, and
-    whatever runs when it is up is stopped (SIGTERM, then SIGKILL after 10 s), as is a job that has run
-    job_timeout s (0: no limit). Each job gets status ('exit N', 'killed at the deadline', 'killed after N s'
-    or 'not run: time limit'), seconds and slot; on_end(job) as it ends. Returns the jobs."""
+    more environment variables) as its own process, in order, one per entry of `slots` at a time: a GPU (the
+    child's CUDA_VISIBLE_DEVICES) or None (the caller's device). With time_limit (s from the first start; 0:
+    none) a job starts only while min_left s remain, and whatever runs at the limit is stopped (SIGTERM, then
+    SIGKILL after 10 s), as is a job past job_timeout s (0: none). Each job gets status ('exit N', 'killed at
+    the deadline', 'killed after N s', 'not run: time limit'), seconds, slot; on_end(job) as it ends. Returns
+    the jobs."""
     pending, running, t0 = list(jobs), {}, time.time()
     on_end = on_end or (lambda job: None)
     left = lambda: time_limit - (time.time() - t0) if time_limit else math.inf

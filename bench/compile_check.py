@@ -1,14 +1,13 @@
-"""Compile every Triton launch of this repo's kernels for sm_90 (H100/H200) on a machine without a GPU, with
-whatever Triton is importable, so that another version's frontend errors show up before a GPU run.
+"""Compile every Triton launch of this repo's kernels for sm_90 (H100/H200) without a GPU, with whatever
+Triton is importable, so that another version's frontend errors show up before a GPU run.
 
     PYTHONPATH=/path/to/triton-3.6 python bench/compile_check.py
 
-Every `kernel[grid](...)` launch is compiled, not run, with the argument types and constexprs it was
-launched with (outputs stay uninitialised). What launches: a forward and backward of every model variant
-at the gpt2-small width, four blocks (states rebuilt in the backward by 1-7 updates), fp32 and bf16 DDL
-state, and the Deltaformer u-stage for every kernel, head dim 64 and 128, each dtype and both `lowp`.
-Prints each distinct compile (its shared memory, registers and spill stack from cuobjdump, or the error);
-exit 1 if any failed. ptxas and cuobjdump come with the triton wheel."""
+Each `kernel[grid](...)` launch is compiled, not run, with its argument types and constexprs: a forward and
+backward of every model variant (gpt2-small width, four blocks: states rebuilt by 1-7 updates; fp32 and
+bf16 DDL state) and the Deltaformer u-stage (every kernel, head dim 64 and 128, each dtype, both `lowp`).
+Prints each distinct compile (shared memory; registers and spill stack from the triton wheel's cuobjdump)
+or its error; exit 1 if any failed."""
 
 import os
 import re
@@ -59,10 +58,8 @@ def check_compilable():
     """Triton imported under TRITON_INTERPRET=1 decorated its own library for the interpreter, which its
     compiler cannot take (Triton 3.9's refuses on its first compile with a bare AssertionError)."""
     if not isinstance(tl.standard.cdiv, JITFunction):
-        raise RuntimeError(
-            "triton was imported with TRITON_INTERPRET=1, so its library is interpreted, not compilable: run "
-            "compile_check in a process without TRITON_INTERPRET"
-        )
+        raise RuntimeError("triton was imported with TRITON_INTERPRET=1, so its library is interpreted, not "
+                           "compilable: run compile_check in a process without TRITON_INTERPRET")  # fmt: skip
 
 
 def compile_launch(fn, args, kwargs):
@@ -111,10 +108,6 @@ def compile_launch(fn, args, kwargs):
     print(SEEN[key], flush=True)
 
 
-def intercepted(self, grid):
-    return lambda *args, **kwargs: compile_launch(self, args, kwargs)
-
-
 def run_model_variants():
     from kernels.common import set_auto_backend
     from model import GPT, GPTConfig
@@ -128,16 +121,12 @@ def run_model_variants():
     variants += [dict(residual="ddl-cc", ddl_ec=False)]
     variants += [dict(residual=r, ddl_erase=False) for r in ("ddl", "ddl-tc")]  # the write-only control
     for overrides in variants:
-        for state in ("float32", "bfloat16"):
-            if overrides["residual"] == "additive" and state == "bfloat16":
-                continue
+        for state in ("float32",) if overrides["residual"] == "additive" else ("float32", "bfloat16"):
             print(f"--- model {overrides} ddl_state_dtype={state}", flush=True)
             extra = {} if overrides["residual"] == "additive" else dict(ddl_state_dtype=state)
             keep = 0 if overrides["residual"] == "additive" else 4  # 4 blocks: states rebuilt by 1-7 updates
-            cfg = GPTConfig.preset(
-                "gpt2-small", n_layer=4, block_size=64, backend="triton", ddl_keep_state_every=keep,
-                **overrides, **extra,
-            )  # fmt: skip
+            cfg = GPTConfig.preset("gpt2-small", n_layer=4, block_size=64, backend="triton",
+                                   ddl_keep_state_every=keep, **overrides, **extra)  # fmt: skip
             model = GPT(cfg)
             idx = torch.randint(0, cfg.vocab_size, (1, 64))
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -160,7 +149,7 @@ def run_deltaformer_variants():
 
 def main():
     print("triton", triton.__version__, "from", os.path.dirname(triton.__file__))
-    KernelInterface.__getitem__ = intercepted
+    KernelInterface.__getitem__ = lambda self, grid: lambda *a, **kw: compile_launch(self, a, kw)  # compiles
     torch.manual_seed(0)
     run_deltaformer_variants()
     run_model_variants()

@@ -5,12 +5,11 @@
 
 Runs <task>/<model>: configs/state_tracking.py with the task's overrides (TASKS) and the model's (MODELS:
 1-layer Deltaformers over the first-stage kernels x w in {k, q, proj}; softmax Transformers of 1, 2, 4
-layers); --only takes model or run names. Each run trains for --seconds (train.py's max_seconds), then
-train.py evaluates held-out per-position accuracy. The models are tiny, so all runs go at once, one
-process each, sharing the GPU; one still going --deadline s after the start is killed. First a subprocess
-(CHECK_TRITON) checks the Triton Deltaformer path against the PyTorch one; the runs use Triton only if it
-agrees and is faster. Writes to --out results.md (the tables), logs.jsonl (every run's log records) and
-stdout.txt; checkpoints stay in --work. Setup and results: bench/STATE_TRACKING.md.
+layers); --only takes model or run names. All runs at once, one process each, each training --seconds, then
+train.py's held-out per-position accuracy; one still going --deadline s after the start is killed. The runs
+use the Triton Deltaformer path only if a subprocess (CHECK_TRITON) finds it agrees with PyTorch's and is
+faster. To --out: results.md, logs.jsonl (every run's log records), stdout.txt; checkpoints stay in --work.
+Setup and results: bench/STATE_TRACKING.md.
 """
 
 import argparse
@@ -26,24 +25,15 @@ from common import atomic_write, command, markdown, read_jsonl, run_commands, ve
 
 DF = ["--attention=deltaformer", "--n_layer=1"]
 MODELS = [  # (name, overrides of configs/state_tracking.py)
-    *[
-        (f"df-{kernel}-{w}", [*DF, f"--deltaformer_kernel={kernel}", f"--deltaformer_w={w}"])
-        for kernel in ("softmax", "relu", "linear")
-        for w in ("k", "q", "proj")
-    ],
-    ("tf-1", ["--attention=softmax", "--n_layer=1"]),
-    ("tf-2", ["--attention=softmax", "--n_layer=2"]),
-    ("tf-4", ["--attention=softmax", "--n_layer=4"]),
-]
+    *[(f"df-{kernel}-{w}", [*DF, f"--deltaformer_kernel={kernel}", f"--deltaformer_w={w}"])
+      for kernel in ("softmax", "relu", "linear") for w in ("k", "q", "proj")],
+    *[(f"tf-{n}", ["--attention=softmax", f"--n_layer={n}"]) for n in (1, 2, 4)],
+]  # fmt: skip
 TASKS = {  # name: (title, overrides of configs/state_tracking.py, the curriculum's target length or None)
     "swap": ("swap, n = 5", [], 256),
-    "dag": (
-        "DAG reachability, 32 nodes",
-        ["--st_task=dag", "--st_n_nodes=32", "--vocab_size=33", "--st_length=93", "--st_curriculum=False"]
-        + ["--st_eval_lengths=(93,189)"],
-        None,
-    ),
-}
+    "dag": ("DAG reachability, 32 nodes", ["--st_task=dag", "--st_n_nodes=32", "--vocab_size=33",
+            "--st_length=93", "--st_curriculum=False", "--st_eval_lengths=(93,189)"], None),
+}  # fmt: skip
 
 CHECK_TRITON = r"""
 import time, torch
@@ -84,9 +74,8 @@ print("TRITON_OK")
 def check_triton(timeout):
     """(use_triton, note) from running CHECK_TRITON in a subprocess (a hang or crash means: no)."""
     try:
-        r = subprocess.run(
-            [sys.executable, "-c", CHECK_TRITON], cwd=REPO, capture_output=True, text=True, timeout=timeout
-        )
+        cmd = [sys.executable, "-c", CHECK_TRITON]
+        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return False, f"Triton check timed out after {timeout} s"
     out = (r.stdout + r.stderr).strip().splitlines()
@@ -100,13 +89,8 @@ def summarise(name, command, records, wall, target):
     train = [r for r in records if "train_loss" in r]
     evals = [r for r in records if "val_acc" in r]
     final = next((r for r in reversed(records) if r.get("final")), {})
-    row = {
-        "config": name,
-        "iters": final.get("iter", len(train)),
-        "train_s": f"{sum(r['dt_ms'] for r in train) / 1000:.0f}",
-        "wall_s": f"{wall:.0f}",
-        "command": command,
-    }
+    row = dict(config=name, iters=final.get("iter", len(train)), wall_s=f"{wall:.0f}", command=command)
+    row["train_s"] = f"{sum(r['dt_ms'] for r in train) / 1000:.0f}"
     if target:  # the curriculum: the last training length, and the iteration that reached the target
         reached = [r["iter"] for r in evals if r.get("st_length", 0) >= target]
         row["len"] = str(max((r["st_length"] for r in evals), default="-"))
@@ -122,9 +106,8 @@ def table(rows, target):
     if target:
         columns += [("len", "final train len"), ("target_at", f"iter len {target} reached")]
     lengths = sorted({int(k.split("@")[1]) for r in rows for k in r if k.startswith("acc@")})
-    columns += [
-        c for L in lengths for c in ((f"acc@{L}", f"acc@{L} %"), (f"acc_last@{L}", f"last-pos acc@{L} %"))
-    ]
+    for L in lengths:
+        columns += [(f"acc@{L}", f"acc@{L} %"), (f"acc_last@{L}", f"last-pos acc@{L} %")]
     lines = markdown([h for _, h in columns], [[r.get(k, "-") for k, _ in columns] for r in rows])
     lines += ["", "Commands (from the repository root; the bench adds --out_dir):", ""]
     lines += [f"- {r['config']}: `{r['command']}`" for r in rows]
@@ -134,12 +117,8 @@ def table(rows, target):
 def select(tasks, only):
     """[(run name, task, train.py overrides)] of the selected tasks and models."""
     wanted = {n for n in only.split(",") if n}
-    runs = [
-        (f"{task}/{model}", task, [*TASKS[task][1], *overrides])
-        for task in tasks
-        for model, overrides in MODELS
-        if not wanted or model in wanted or f"{task}/{model}" in wanted
-    ]
+    runs = [(f"{task}/{model}", task, [*TASKS[task][1], *overrides]) for task in tasks for model, overrides
+            in MODELS if not wanted or model in wanted or f"{task}/{model}" in wanted]  # fmt: skip
     known = {m for m, _ in MODELS} | {f"{t}/{m}" for t in tasks for m, _ in MODELS}
     unknown = sorted(wanted - known)
     if unknown:
@@ -164,8 +143,6 @@ def main():
         sys.exit(f"run_state_tracking: --tasks must name some of {list(TASKS)}, got {args.tasks!r}")
     runs = select(tasks, args.only)
     deadline = args.deadline or args.seconds + 300
-    os.makedirs(args.out, exist_ok=True)
-    os.makedirs(args.work, exist_ok=True)
 
     import torch
 
@@ -179,10 +156,8 @@ def main():
         use_triton, note = check_triton(timeout=args.check_timeout)
         backend = ["--backend=triton" if use_triton else "--backend=torch"]
         header.append(f"Deltaformer stage 1: {note}")
-    header.append(
-        f"{len(runs)} runs at once on one device, {args.seconds:g} s training budget each, "
-        f"killed after {deadline:g} s"
-    )
+    header.append(f"{len(runs)} runs at once on one device, {args.seconds:g} s training budget each, "
+                  f"killed after {deadline:g} s")  # fmt: skip
     print("\n".join(header), flush=True)
 
     env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -202,9 +177,7 @@ def main():
     for task in tasks:
         title, _, target = TASKS[task]
         rows = []
-        for name, run_task, _ in runs:
-            if run_task != task:
-                continue
+        for name in (name for name, run_task, _ in runs if run_task == task):
             status, wall, cmd = done[name]["status"], done[name]["seconds"], done[name]["shown"]
             out_dir = os.path.join(args.work, name)
             with open(os.path.join(out_dir, "stdout.txt")) as f:
@@ -218,9 +191,9 @@ def main():
         sections += [f"## {title}", "", table(rows, target), ""]
 
     result = "\n".join(["# State tracking", "", *[f"- {h}" for h in header], "", *sections])
-    atomic_write(os.path.join(args.out, "results.md"), result)
-    atomic_write(os.path.join(args.out, "logs.jsonl"), "\n".join(all_records) + "\n")
-    atomic_write(os.path.join(args.out, "stdout.txt"), "\n".join(stdout))
+    for name, text in (("results.md", result), ("logs.jsonl", "\n".join(all_records) + "\n"),
+                       ("stdout.txt", "\n".join(stdout))):  # fmt: skip
+        atomic_write(os.path.join(args.out, name), text)
     print("\n" + result, flush=True)
 
 

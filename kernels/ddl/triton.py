@@ -32,11 +32,12 @@ from .triton_update import (
 )
 
 # Launch shapes (tokens per program, warps, channel block for the per-channel kernels), tuned on an H200
-# by `python bench/bench_ddl.py --sweeps`. An entry may hold a whole launch shape for one state dtype
-# under that dtype's name ("bfloat16"), used instead of the entry's own for that dtype (`_cfg`). PIPELINE:
-# the backward's loop over a program's tokens software-pipelined (two stages) or plain. Single-call timings
-# of the small (d_v = 1, bf16) cases include the host's dispatch and vary between runs: compare launch
-# shapes in a profile of a training step (bench_train.py --profile) before changing them.
+# (update_bwd and tc_fwd: `python bench/bench_ddl.py --sweeps`; the other entries' sweeps: git history).
+# An entry may hold a whole launch shape for one state dtype under that dtype's name ("bfloat16"), used
+# instead of the entry's own for that dtype (`_cfg`). PIPELINE: the backward's loop over a program's tokens
+# software-pipelined (two stages) or plain. Single-call timings of the small (d_v = 1, bf16) cases include
+# the host's dispatch and vary between runs: compare launch shapes in a profile of a training step
+# (bench_train.py --profile) before changing them.
 LAUNCH = {
     "update_fwd": dict(TOKENS=1, num_warps=4),
     "update_bwd": dict(TOKENS=16, PIPELINE=True, num_warps=8),
