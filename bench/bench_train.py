@@ -37,6 +37,8 @@ VARIANTS = {
     # one state per block kept for the backward (GPTConfig.ddl_keep_state_every; the default keeps fewer)
     "ddl-cc+keep1": dict(residual="ddl-cc", ddl_keep_state_every=1),
     "ddl-tc+keep1": dict(residual="ddl-tc", ddl_keep_state_every=1),
+    "ddl-cc-bf16": dict(residual="ddl-cc", ddl_state_dtype="bfloat16"),  # the state stored in bf16
+    "additive+deltaformer": dict(residual="additive", attention="deltaformer"),
     "nanogpt": None,  # nanoGPT's own GPT (its model.py, given by --nanogpt) at the preset's depth and width
 }
 
