@@ -19,6 +19,7 @@ its first checkpoint, so a new run can start there without deleting it.
 import contextlib
 import dataclasses
 import errno
+import itertools
 import json
 import os
 import pickle
@@ -228,14 +229,12 @@ def keep_log(path):
     the new path. For the log of a run that stopped before its first checkpoint: nothing to resume, but
     not deleted."""
     stem, ext = os.path.splitext(path)
-    n = 1
-    while os.path.exists(f"{stem}.{n}{ext}"):
-        n += 1
+    kept = next(f"{stem}.{n}{ext}" for n in itertools.count(1) if not os.path.exists(f"{stem}.{n}{ext}"))
     try:
-        os.rename(path, f"{stem}.{n}{ext}")
+        os.rename(path, kept)
     except OSError as e:
-        raise CheckpointError(f"cannot rename {path} to {stem}.{n}{ext}: {e.strerror or e}") from None
-    return f"{stem}.{n}{ext}"
+        raise CheckpointError(f"cannot rename {path} to {kept}: {e.strerror or e}") from None
+    return kept
 
 
 def rng_state(cuda_device=None):

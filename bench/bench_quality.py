@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import runpy
 import shutil
 import sys
 import tempfile
@@ -66,8 +67,8 @@ PARALLEL = {"shakespeare": 10, "corpus": 6, "stability": 6}  # runs at a time: ~
 DEFAULT_ROWS = {
     "shakespeare": [r for r in ROWS if r not in ("ddl-cc-bf16-state", "deltaformer-softmax-beta2")],
     "corpus": ["additive", "ddl", "ddl-tc", "ddl-cc", "ddl-cc-bf16-state", "deltaformer-softmax"],
-    "stability": ["additive", "ddl", "ddl-cc", "ddl-tc", "deltaformer-softmax", "deltaformer-relu"]
-    + ["deltaformer-linear"],
+    "stability": ["additive", "ddl", "ddl-cc", "ddl-tc",
+                  "deltaformer-softmax", "deltaformer-relu", "deltaformer-linear"],  # fmt: skip
 }
 
 
@@ -88,27 +89,28 @@ def run_args(setting, row, seed, out_dir, data_dir=None, max_seconds=0.0, lr=Non
 
 def probe_run(every, train_args):
     """train.py with train_args, each Deltaformer stage 1 watched (--probe), into out_dir/probe.jsonl."""
-    import runpy
-
     import torch
 
     import kernels.deltaformer as df
+    from kernels.common import default_scale
 
     keys = dict(a[2:].split("=", 1) for a in train_args if a.startswith("--") and "=" in a)
     n_layer, micro = int(keys["n_layer"]), int(keys["gradient_accumulation_steps"])
-    path, calls, seen_nonfinite = os.path.join(keys["out_dir"], "probe.jsonl"), [0], [False]
+    path, calls, nonfinite_seen = os.path.join(keys["out_dir"], "probe.jsonl"), 0, False
     atomic_write(path, "")  # its folder made, any earlier probe.jsonl emptied
 
     @torch.compiler.disable
     def record(k, v, w, beta, u, kernel, scale):
+        nonlocal calls, nonfinite_seen
         if not torch.is_grad_enabled():  # evaluation
             return
-        call, calls[0] = calls[0], calls[0] + 1
+        call, calls = calls, calls + 1
         it, layer = call // (n_layer * micro), call % n_layer
         finite = bool(torch.isfinite(u).all())
-        if finite and (it % every or call // n_layer % micro) or not finite and seen_nonfinite[0]:
+        sampled = it % every == 0 and call // n_layer % micro == 0  # the first micro-step of every Nth
+        if (finite and not sampled) or (not finite and nonfinite_seen):  # and the first non-finite u
             return
-        seen_nonfinite[0] |= not finite
+        nonfinite_seen |= not finite
         u0, v0, b0 = u[0].float(), v[0].float(), beta[0].float()  # batch row 0: [H, T, D], [H, T]
         rec = dict(iter=it, layer=layer, finite=finite, v_finite=bool(torch.isfinite(v).all()),
                    u_over_v=(u0.abs().amax() / v0.abs().amax()).item(), beta_mean=b0.mean().item(),
@@ -126,7 +128,7 @@ def probe_run(every, train_args):
     def watched(stage1):
         def run(k, v, w, beta, kernel="softmax", scale=None, **kwargs):
             u = stage1(k, v, w, beta, kernel=kernel, scale=scale, **kwargs)
-            record(k, v, w, beta, u, kernel, scale if scale is not None else k.shape[-1] ** -0.5)
+            record(k, v, w, beta, u, kernel, default_scale(k.shape[-1], scale))
             return u
 
         return run
@@ -143,8 +145,7 @@ def launch_all(jobs, parallel, on_finish=lambda: None):
     specs = []
     for cmd, out_dir in jobs:
         os.makedirs(out_dir, exist_ok=True)
-        # compile caches of its own: two of three runs of one model that compiled into one cache at once
-        # died of SIGSEGV in their first step (none since, with a cache each)
+        # compile caches of its own: runs of one model compiling into one cache at once died of SIGSEGV
         cache = tempfile.mkdtemp(prefix="bench_quality-")
         env = dict(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "t"))
         specs.append(dict(name=out_dir, cmd=cmd, cwd=REPO, log=os.path.join(out_dir, "train.out"), env=env))
@@ -241,8 +242,7 @@ def table(dirs):
                     continue
                 run = read_run(os.path.join(top, folder, name))
                 run["probe"] = probe_summary(os.path.join(top, folder, name))
-                finite = [v for v in run["vals"].values() if math.isfinite(v)]
-                best = min(finite) if finite else float("nan")
+                best = min((v for v in run["vals"].values() if math.isfinite(v)), default=float("nan"))
                 last = run["vals"][max(run["vals"])] if run["vals"] else float("nan")
                 runs.setdefault((folder, row), []).append((seed, run, best, last))
     if not runs:
@@ -261,7 +261,8 @@ def table(dirs):
             rs = runs[(folder, r)]
             bests = [x[2] for x in rs if math.isfinite(x[2])]
             mean_best = sum(bests) / len(bests) if bests else float("nan")
-            notes = "; ".join(f"s{x[0]} stopped at iter {x[1]['last_iter']}" for x in rs if not ok(x)) or "ok"
+            stops = [f"s{x[0]} stopped at iter {x[1]['last_iter']}" for x in rs if not finished(x[1])]
+            notes = "; ".join(stops) or "ok"
             best, final = mean_spread([x[2] for x in rs]), mean_spread([x[3] for x in rs])
             cells.append([r, ",".join(x[0] for x in rs), best, final, f"{mean_best - base_best:+.4f}", notes])
         lines.append(
@@ -272,23 +273,22 @@ def table(dirs):
     return "\n".join(lines)
 
 
-def ok(x):
-    """A (seed, run, best, final) that finished with every validation loss finite."""
-    return x[1]["final"] and all(map(math.isfinite, x[1]["vals"].values()))
+def finished(run):
+    """A run (read_run) that ended normally with every validation loss finite."""
+    return run["final"] and all(map(math.isfinite, run["vals"].values()))
 
 
 def stability_table(folder, rows, runs):
     every = [x for r in rows for x in runs[(folder, r)]]
     lrs = sorted({f"{x[1]['lr']:g}" for x in every})
-    stopped = sum(not ok(x) for x in every)
+    stopped = sum(not finished(x[1]) for x in every)
     cells = []
     for r in rows:
         for seed, run, best, _ in runs[(folder, r)]:
-            status = "finished" if ok((seed, run)) else f"stopped at iter {run['last_iter'] + 1}"
-            status += f" ({run['why']})" if run["why"] and not ok((seed, run)) else ""
+            why = f" ({run['why']})" if run["why"] else ""
+            status = "finished" if finished(run) else f"stopped at iter {run['last_iter'] + 1}{why}"
             cells.append([r, seed, status, f"{largest_spike(run['train']):.3f}", f"{best:.4f}", run["probe"]])
-    head = ["row", "seed", "run", "largest loss spike", "best val"]
-    head.append("probe: largest u/v = max abs u / max abs v")
+    head = ["row", "seed", "run", "largest loss spike", "best val", "probe (u/v: max abs u / max abs v)"]
     return [
         f"\n**{folder}** ({SETTINGS['stability']['max_iters']} iterations, peak lr {', '.join(lrs)}): "
         f"{len(every) - stopped} of {len(every)} runs finished, {stopped} stopped\n",

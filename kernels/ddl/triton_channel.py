@@ -5,7 +5,7 @@ tokens; weight gradients go to per-program fp32 partials. Launched from triton.p
 import triton
 import triton.language as tl
 
-from .triton_common import _chan_tile, _taps, _window
+from .triton_common import _chan_tile, _taps, _vec_mask, _window
 
 
 @triton.jit
@@ -14,16 +14,11 @@ def _cc_fwd_kernel(
     DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TOKENS: tl.constexpr,
     CT: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_v = tl.arange(0, BLOCK_V)
-    md = offs_d < D
-    mv = offs_v < DV
-    off2 = offs_d[:, None] * DV + offs_v[None, :]
-    w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
+    pid, offs_d, offs_v, _, md, mv, _, m2, off2 = _chan_tile(D, 1, 1, DV, BLOCK_D, BLOCK_V)  # no taps
+    w = tl.load(W + off2, mask=m2, other=0.0).to(CT)
     for tt in tl.static_range(TOKENS):
         n = pid * TOKENS + tt
-        okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
+        okd = _vec_mask(n < N, offs_d)
         x = tl.load(X + n * D * DV + off2, mask=(md & okd)[:, None] & mv[None, :], other=0.0).to(CT)
         tl.store(H + n * D + offs_d, tl.sum(x * w, axis=1).to(H.dtype.element_ty), mask=md & okd)
 
@@ -33,23 +28,18 @@ def _cc_bwd_kernel(
     X, W, DH, DX, DWP, N, D, TOKENS,
     DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_v = tl.arange(0, BLOCK_V)
-    md = offs_d < D
-    mv = offs_v < DV
-    off2 = offs_d[:, None] * DV + offs_v[None, :]
-    w = tl.load(W + off2, mask=md[:, None] & mv[None, :], other=0.0).to(CT)
+    pid, offs_d, offs_v, _, md, mv, _, m2, off2 = _chan_tile(D, 1, 1, DV, BLOCK_D, BLOCK_V)  # no taps
+    w = tl.load(W + off2, mask=m2, other=0.0).to(CT)
     dw = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
     for tt in range(TOKENS):
         n = pid * TOKENS + tt
-        okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
-        m2 = (md & okd)[:, None] & mv[None, :]
+        okd = _vec_mask(n < N, offs_d)
+        mn = (md & okd)[:, None] & mv[None, :]
         dh = tl.load(DH + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
-        x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-        tl.store(DX + n * D * DV + off2, (dh[:, None] * w).to(DX.dtype.element_ty), mask=m2)
+        x = tl.load(X + n * D * DV + off2, mask=mn, other=0.0).to(CT)
+        tl.store(DX + n * D * DV + off2, (dh[:, None] * w).to(DX.dtype.element_ty), mask=mn)
         dw += dh[:, None] * x
-    tl.store(DWP + pid * D * DV + off2, dw, mask=md[:, None] & mv[None, :])
+    tl.store(DWP + pid * D * DV + off2, dw, mask=m2)
 
 
 @triton.jit
