@@ -6,19 +6,20 @@
     python bench/bench_quality.py --setting stability --lr 2e-3 --seeds 1 2 --out DIR --data-dir D
     python bench/bench_quality.py --table DIR [DIR ...]   # the table of finished runs
 
-Each (row, seed) is one `train.py` run in DIR/<setting>/<row>-s<seed> (log.jsonl, ckpt.pt, train.out),
---parallel at a time on the GPU. Settings: SETTINGS, with RECIPE (AdamW, warmup + cosine to lr / 10); --lr
-sets the peak lr (runs to DIR/<setting>-lr<lr>). The table: per row, the best and final validation loss
-(mean and half-range over seeds) and the best's difference from additive; for stability, a line per run
-(finished or stopped, the largest loss spike over the running minimum, the best validation loss). --probe N
-records every N iterations each Deltaformer layer's stage 1 (max |u| / max |v|, beta, softmax kappa's
-weight on the previous token) and the first non-finite u into probe.jsonl, summarised in the table.
+Each (row, seed) is one `train.py` run in DIR/<setting>/<row>-s<seed> (log.jsonl, train.out; its ckpt.pt is
+removed when it ends), --parallel at a time on the GPU. Settings: SETTINGS, with RECIPE (AdamW, warmup +
+cosine to lr / 10); --lr sets the peak lr (runs to DIR/<setting>-lr<lr>). The table: per row, the best and
+final validation loss (mean and half-range over seeds) and the best's difference from additive; for stability,
+a line per run (finished or stopped, the largest loss spike over the running minimum, the best validation
+loss). --probe N records every N iterations each Deltaformer layer's stage 1 (max |u| / max |v|, beta, softmax
+kappa's weight on the previous token) and the first non-finite u into probe.jsonl, summarised in the table.
 """
 
 import argparse
 import json
 import math
 import os
+import pathlib
 import runpy
 import shutil
 import sys
@@ -150,8 +151,9 @@ def launch_all(jobs, parallel, on_finish=lambda: None):
         env = dict(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "t"))
         specs.append(dict(name=out_dir, cmd=cmd, cwd=REPO, log=os.path.join(out_dir, "train.out"), env=env))
 
-    def end(job):
+    def end(job):  # the table reads log.jsonl; a checkpoint (1.5 GB at GPT-2 small) x 42 runs fills a disk
         shutil.rmtree(job["env"]["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+        pathlib.Path(job["name"], "ckpt.pt").unlink(missing_ok=True)
         on_finish()
 
     try:
@@ -174,8 +176,7 @@ def read_run(out_dir):
             run["lr"] = max(run["lr"], rec.get("lr", 0.0))
     console = os.path.join(out_dir, "train.out")
     if os.path.exists(console):
-        with open(console, errors="replace") as f:
-            lines = f.read().splitlines()
+        lines = pathlib.Path(console).read_text(errors="replace").splitlines()
         run["final"] = any(line.startswith("done:") for line in lines)
         errors = [line[:60] for line in lines if "Error" in line]  # the last one names the cause
         nonfinite = any("stopping before the update" in line for line in lines)  # train.py's divergence stop

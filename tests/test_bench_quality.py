@@ -91,12 +91,16 @@ def test_package_corpus_is_deterministic_deduplicated_and_capped(tmp_path):
 
 
 def test_launch_all_reports_each_finished_run(tmp_path):
-    """on_finish runs after every job (the bench rewrites its table then, so a cut-short run keeps it)."""
+    """on_finish runs after every job (the bench rewrites its table then, so a cut-short run keeps it); each
+    run's checkpoint is removed when it ends."""
     seen = []
-    jobs = [([sys.executable, "-c", f"print({i})"], str(tmp_path / f"run{i}")) for i in range(3)]
+    code = "import sys; open(sys.argv[1] + '/ckpt.pt', 'w').write('x'); print(sys.argv[2])"
+    jobs = [([sys.executable, "-c", code, str(tmp_path / f"run{i}"), str(i)], str(tmp_path / f"run{i}"))
+            for i in range(3)]  # fmt: skip
     bq.launch_all(jobs, 2, on_finish=lambda: seen.append(len(seen)))
     assert seen == [0, 1, 2]
     assert [open(tmp_path / f"run{i}" / "train.out").read() for i in range(3)] == ["0\n", "1\n", "2\n"]
+    assert not any((tmp_path / f"run{i}" / "ckpt.pt").exists() for i in range(3))  # removed: disk
 
 
 def largest_rise(xs):
