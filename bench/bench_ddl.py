@@ -206,9 +206,8 @@ def main():
         raise SystemExit("bench_ddl.py needs a CUDA GPU")
     print(f"Command: `{command(__file__)}`", versions(), sep="\n")
     print(f"{'case':60s} {'time':>12s}  {'bytes':>10s}  {'rate':>12s}", flush=True)
-    rows = bench_kernels(args)
+    run = dict(command=command(__file__), versions=versions(), rows=bench_kernels(args))
     if args.out:
-        run = dict(command=command(__file__), versions=versions(), rows=rows)
         write_json(os.path.join(args.out, "bench_ddl.json"), run)
 
 
