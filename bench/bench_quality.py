@@ -6,13 +6,14 @@
     python bench/bench_quality.py --setting stability --lr 2e-3 --seeds 1 2 --out DIR --data-dir D
     python bench/bench_quality.py --table DIR [DIR ...]   # the table of finished runs
 
-Each (row, seed) is one `train.py` run in DIR/<setting>/<row>-s<seed> (log.jsonl, train.out; its ckpt.pt is
-removed when it ends), --parallel at a time on the GPU. Settings: SETTINGS, with RECIPE (AdamW, warmup +
-cosine to lr / 10); --lr sets the peak lr (runs to DIR/<setting>-lr<lr>). The table: per row, the best and
-final validation loss (mean and half-range over seeds) and the best's difference from additive; for stability,
-a line per run (finished or stopped, the largest loss spike over the running minimum, the best validation
-loss). --probe N records every N iterations each Deltaformer layer's stage 1 (max |u| / max |v|, beta, softmax
-kappa's weight on the previous token) and the first non-finite u into probe.jsonl, summarised in the table.
+Each (row, seed) is one `train.py` run in DIR/<setting>/<row>-s<seed> (log.jsonl, train.out; its ckpt.pt
+removed at its end), --parallel at a time; a run that ended there is kept, so rerunning a command resumes it.
+Settings: SETTINGS, with RECIPE (AdamW, warmup + cosine to lr / 10); --lr sets the peak lr (to
+DIR/<setting>-lr<lr>). The table: per row, the best and final validation loss (mean and half-range over seeds)
+and the best's difference from additive; for stability, a line per run (finished or stopped, the largest loss
+spike over the running minimum, the best validation loss). --probe N records every N iterations each
+Deltaformer layer's stage 1 (max |u| / max |v|, beta, softmax kappa's weight on the previous token) and the
+first non-finite u into probe.jsonl, summarised in the table.
 """
 
 import argparse
@@ -320,6 +321,7 @@ def main(argv=None):
         folder = os.path.join(args.out, args.setting + (f"-lr{args.lr:g}" if args.lr else ""))
         runs = [(row, seed, os.path.join(folder, f"{row}-s{seed}"))
                 for seed in args.seeds for row in args.rows or DEFAULT_ROWS[args.setting]]  # fmt: skip
+        runs = [run for run in runs if not read_run(run[2])["final"]]  # one that ended there is kept
         extra = (args.data_dir, args.max_seconds, args.lr, args.probe)
         jobs = [(run_args(args.setting, row, seed, out_dir, *extra), out_dir) for row, seed, out_dir in runs]
     header = f"command: `{command(__file__, argv)}`"
@@ -327,10 +329,8 @@ def main(argv=None):
     def write_table(show=False):
         try:
             text = "\n".join([header, versions(), table(dirs)])
-        except ValueError as e:
-            if show:
-                p.error(str(e))
-            return
+        except ValueError as e:  # no runs yet: an error only when asked to show the table
+            return p.error(str(e)) if show else None
         if show:
             print(text)
         atomic_write(os.path.join(dirs[0], "quality.md"), text + "\n")

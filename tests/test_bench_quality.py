@@ -193,3 +193,15 @@ def test_probe_records_stage1_of_a_training_run(tmp_path):
     for r in recs:
         assert r["finite"] and r["v_finite"] and 0 < r["beta_mean"] <= r["beta_max"] < 2.0
         assert 0 < r["kappa_prev_mean"] <= 1 and r["u_over_v"] > 0
+
+
+def test_rerunning_a_command_keeps_the_runs_that_ended(tmp_path, monkeypatch):
+    """A set cut short resumes: the command run again launches only the runs without a normal end (one that
+    never started, one that crashed), and the table still lists every run."""
+    top = str(tmp_path)
+    write_run(top, "stability", "additive-s1", [(0, 5.0), (1, 4.0)])
+    write_run(top, "stability", "additive-s2", [(0, 5.0)], done=False)  # crashed: runs again
+    launched = []
+    monkeypatch.setattr(bq, "launch_all", lambda jobs, n, on_finish: launched.extend(d for _, d in jobs))
+    bq.main(["--setting", "stability", "--rows", "additive", "--seeds", "1", "2", "3", "--out", top])
+    assert launched == [os.path.join(top, "stability", f"additive-s{s}") for s in (2, 3)]
