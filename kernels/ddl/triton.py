@@ -23,7 +23,9 @@ from .triton_channel import (
     _tc_fwd_kernel,
 )
 from .triton_update import (
+    _update_bwd_chan_kernel,
     _update_bwd_kernel,
+    _update_gk_kernel,
     _update_fwd_kernel,
     _update_row_bwd_kernel,
     _update_row_fwd_kernel,
@@ -40,7 +42,13 @@ from .triton_update import (
 # (bench_train.py --profile) before changing them.
 LAUNCH = {
     "update_fwd": dict(TOKENS=1, num_warps=4),
-    "update_bwd": dict(TOKENS=16, PIPELINE=True, num_warps=8),
+    # SPLIT: the general backward as two kernels (_update_bwd_split; GK_*: the gk reduction's launch shape,
+    # SPLIT_*: the per-channel kernel's) instead of the fused one; off until `python bench/bench_ddl.py
+    # --sweeps` has timed it against the fused one
+    "update_bwd": dict(
+        TOKENS=16, PIPELINE=True, num_warps=8, SPLIT=False, GK_TOKENS=4, GK_BLOCK_D=256, GK_WARPS=4,
+        SPLIT_TOKENS=32, SPLIT_BLOCK_D=256, SPLIT_WARPS=4,
+    ),  # fmt: skip
     "update_row": dict(  # d_v = 1 without a fused read-out; ROWS=0: the general kernel
         ROWS=2, num_warps=4, bfloat16=dict(ROWS=4, num_warps=8)
     ),
@@ -161,7 +169,6 @@ def _update_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     N, D, DV = x.shape
     cfg = _cfg("update_bwd", x.dtype)
-    nprog = triton.cdiv(N, cfg["TOKENS"])
     dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
     ct = _ct(x, k, v, beta, g)
     if _use_rows(DV, weight, x.dtype) and not ks:
@@ -172,13 +179,28 @@ def _update_bwd_op(
         )  # fmt: skip
         return dx, dk, dv, dbeta, x.new_empty(0)
     compress = weight is not None
+    split = cfg.get("SPLIT", False)
+    nprog = triton.cdiv(N, cfg["SPLIT_TOKENS" if split else "TOKENS"])
+    bd = min(cfg["SPLIT_BLOCK_D"], _pow2(D)) if split else _pow2(D)
     dwp = _new((nprog, D, DV) if compress else (0,), x, dtype=acc_dtype(x))
-    _update_bwd_kernel[(nprog,)](
-        x, k, v, beta, rs, r, _chain(ks, betas, rss, rr), weight if compress else x, g, dh if compress else g,
-        dx, dk, dv, dbeta, dwp, N, D,
-        TOKENS=cfg["TOKENS"], PIPELINE=cfg.get("PIPELINE", False), DV=DV, BLOCK_D=_pow2(D),
-        BLOCK_V=_pow2(DV), ERASE=erase, COMPRESS=compress, CT=ct, num_warps=cfg["num_warps"],
-    )  # fmt: skip
+    args = (x, k, v, beta, rs, r, _chain(ks, betas, rss, rr), weight if compress else x, g)
+    consts = dict(DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), ERASE=erase, COMPRESS=compress, CT=ct)
+    if split:  # gk = khat^T G, dv, dbeta per token; then dx, dk, dw's partials on runs x blocks of d
+        gk, gb = _new((N, DV), x, dtype=acc_dtype(x)), min(cfg["GK_BLOCK_D"], _pow2(D))
+        _update_gk_kernel[(triton.cdiv(N, cfg["GK_TOKENS"]),)](
+            k, beta, rs, r, *args[7:], dh if compress else g, gk, dv, dbeta, N, D, DV=DV,
+            TOKENS=cfg["GK_TOKENS"], BLOCK_D=gb, BLOCK_V=_pow2(DV), COMPRESS=compress, CT=ct,
+            num_warps=cfg["GK_WARPS"],
+        )  # fmt: skip
+        _update_bwd_chan_kernel[(nprog, triton.cdiv(D, bd))](
+            *args, dh if compress else g, gk, dx, dk, dwp, N, D, cfg["SPLIT_TOKENS"], **consts,
+            num_warps=cfg["SPLIT_WARPS"],
+        )  # fmt: skip
+    else:
+        _update_bwd_kernel[(nprog,)](
+            *args, dh if compress else g, dx, dk, dv, dbeta, dwp, N, D, TOKENS=cfg["TOKENS"],
+            PIPELINE=cfg.get("PIPELINE", False), **consts, num_warps=cfg["num_warps"],
+        )  # fmt: skip
     dw = dwp.sum(0).to(weight.dtype) if compress else x.new_empty(0)
     return dx, dk, dv, dbeta, dw
 
