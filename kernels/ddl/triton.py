@@ -25,8 +25,8 @@ from .triton_channel import (
 from .triton_update import (
     _update_bwd_chan_kernel,
     _update_bwd_kernel,
-    _update_gk_kernel,
     _update_fwd_kernel,
+    _update_gk_kernel,
     _update_row_bwd_kernel,
     _update_row_fwd_kernel,
     _update_tc_bwd_kernel,
@@ -40,15 +40,14 @@ from .triton_update import (
 # software-pipelined (two stages) or plain. Single-call timings of the small (d_v = 1, bf16) cases include
 # the host's dispatch and vary between runs: compare launch shapes in a profile of a training step
 # (bench_train.py --profile) before changing them.
+# The launch shapes of the update backward split in two (SPLIT below): the gk reduction's (_update_gk_kernel,
+# GK_*) and the per-channel kernel's (_update_bwd_chan_kernel, SPLIT_*: a run of tokens by a block of d).
+SPLIT_SHAPE = dict(GK_TOKENS=4, GK_BLOCK_D=256, GK_WARPS=4, SPLIT_TOKENS=32, SPLIT_BLOCK_D=256, SPLIT_WARPS=4)
 LAUNCH = {
     "update_fwd": dict(TOKENS=1, num_warps=4),
-    # SPLIT: the general backward as two kernels (_update_bwd_split; GK_*: the gk reduction's launch shape,
-    # SPLIT_*: the per-channel kernel's) instead of the fused one; off until `python bench/bench_ddl.py
-    # --sweeps` has timed it against the fused one
-    "update_bwd": dict(
-        TOKENS=16, PIPELINE=True, num_warps=8, SPLIT=False, GK_TOKENS=4, GK_BLOCK_D=256, GK_WARPS=4,
-        SPLIT_TOKENS=32, SPLIT_BLOCK_D=256, SPLIT_WARPS=4,
-    ),  # fmt: skip
+    # SPLIT: the general backward in those two kernels instead of the fused per-token one; off (unmeasured)
+    # until `python bench/bench_ddl.py --sweeps` has timed the two against each other
+    "update_bwd": dict(TOKENS=16, PIPELINE=True, num_warps=8, SPLIT=False, **SPLIT_SHAPE),
     "update_row": dict(  # d_v = 1 without a fused read-out; ROWS=0: the general kernel
         ROWS=2, num_warps=4, bfloat16=dict(ROWS=4, num_warps=8)
     ),
