@@ -67,9 +67,9 @@ def bench_kernels(args):
 
 
 def sweep_update(case, dtype):
-    """The launch shapes RESULTS.md reports, d_v = 4, each line naming the entry it sets (the shipped one
-    marked): the CC backward's (LAUNCH["update_bwd"]: fused, then SPLIT; one update + CC read-out f+b, four
-    in a row, inputs kept or rebuilt from the first), the TC forward's. Bytes: minimal passes (S state, V)."""
+    """Launch shapes, d_v = 4, each line naming the LAUNCH entry it sets (the shipped one marked): the CC
+    backward's (update_bwd: fused, then SPLIT; one update + CC read-out f+b, four in a row, inputs kept or
+    rebuilt from the first), TC's forward (tc_fwd), backward (tc_bwd). Bytes: minimal passes (S state, V)."""
     from kernels import ddl
     from kernels.ddl.triton import LAUNCH, SPLIT_SHAPE, _cfg
 
@@ -103,18 +103,20 @@ def sweep_update(case, dtype):
     bwd = ((32, 0, 4), (8, 0, 4), (16, 1, 4), (32, 1, 4), (32, 0, 8), (8, 0, 8), (32, 0, 16), (16, 1, 8))
     cfgs = [dict(TOKENS=t, PIPELINE=bool(p), num_warps=nw, SPLIT=False) for t, p, nw in bwd]
     split = ((4, 256, 4, 32, 256, 4), (8, 128, 4, 64, 128, 4), (2, 512, 8, 16, 256, 8))  # SPLIT_SHAPE order
-    cfgs += [dict(SPLIT=True, **dict(zip(SPLIT_SHAPE, s))) for s in split]
+    cfgs += (cfgs_split := [dict(SPLIT=True, **dict(zip(SPLIT_SHAPE, s))) for s in split])
     sweep(  # the rebuilt runs' bytes as without the rebuild, whose reads of k come on top
         "update_bwd", cfgs, ("update+cc f+b", lambda: fused_run(False, 1), 5 * S + 5 * V),
         ("4 x update+cc f+b, each input kept", lambda: fused_run(False), 4 * (5 * S + 5 * V)),
         ("4 x update+cc f+b, rebuilt from the first", lambda: fused_run(True), 4 * (5 * S + 5 * V)),
     )  # fmt: skip
-    cw = torch.randn(d, dv, 4, device="cuda", requires_grad=True)  # TC: K = 4
-    read = torch.randn(dv, device="cuda", requires_grad=True)
+    cw, read = (torch.randn(*s, device="cuda", requires_grad=True) for s in ((d, dv, 4), (dv,)))  # TC: K = 4
     tc = lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton")  # noqa: E731
     tc_cfgs = ((64, 128, 2, 4), (64, 128, 1, 4), (128, 128, 3, 4), (64, 256, 2, 8), (32, 64, 2, 2))
     cfgs = [dict(TOKENS=t, BLOCK_D=bd, STAGES=st, num_warps=nw) for t, bd, st, nw in tc_cfgs]
     sweep("tc_fwd", cfgs, ("update+tc fwd", tc, 2 * S + 2 * V))
+    cfgs = [dict(TOKENS=t, num_warps=nw, SPLIT=False) for t, nw in ((1, 4), (16, 8))] + cfgs_split
+    tc_fb = lambda: torch.autograd.grad(tc(), (x, k, v, beta, cw, read), (gx, gh))  # noqa: E731
+    sweep("tc_bwd", cfgs, ("update+tc f+b", tc_fb, 6 * S + 6 * V))
 
 
 def bench_kernels_dv1(args, case):
@@ -138,12 +140,10 @@ def bench_kernels_dtype(args, dtype, case):
     from kernels import ddl
 
     dev, d, dv, K, B, T = "cuda", D, 4, 4, N // 1024, 1024
-    es = torch.finfo(dtype).bits // 8
-    S, V = N * d * dv * es, N * d * es  # bytes of one pass over the state, over a [N, d] vector
+    S, V = (N * d * n * torch.finfo(dtype).bits // 8 for n in (dv, 1))  # bytes: a pass over the state, [N, d]
     tag = f"{str(dtype).replace('torch.', '')}, N={N}"
     x, k, v, beta, w = state_inputs(dtype, dv, dtype)
-    cw = torch.randn(d, dv, K, device=dev, requires_grad=True)
-    read = torch.randn(dv, device=dev, requires_grad=True)
+    cw, read = (torch.randn(*s, device=dev, requires_grad=True) for s in ((d, dv, K), (dv,)))
     emb = torch.randn(B, T, d, device=dev, dtype=dtype, requires_grad=True)
     gx, gh = torch.randn_like(x), torch.randn_like(k)
     leaves = (x, k, v, beta, w, cw, read, emb)

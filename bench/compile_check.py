@@ -123,13 +123,13 @@ def run_model_variants():
     variants += [dict(residual=r) for r in ("ddl", "ddl-cc", "ddl-tc")]
     variants += [dict(residual="ddl-cc", ddl_ec=False)]
     variants += [dict(residual=r, ddl_erase=False) for r in ("ddl", "ddl-tc")]  # the write-only control
-    shipped = LAUNCH["update_bwd"]
+    shipped = {key: LAUNCH[key] for key in ("update_bwd", "tc_bwd")}
     for overrides in variants:
         ddl = overrides["residual"] != "additive"
-        # DDL: 4 blocks (states rebuilt by 1-7 updates), the update backward fused and split (LAUNCH SPLIT)
+        # DDL: 4 blocks (states rebuilt by 1-7 updates), the update backward fused and split (LAUNCH's SPLIT)
         for state, split in itertools.product(("float32", "bfloat16")[: ddl + 1], (False, True)[: ddl + 1]):
-            LAUNCH["update_bwd"] = {**shipped, "SPLIT": split}
-            print(f"--- model {overrides} ddl_state_dtype={state} update_bwd SPLIT={split}", flush=True)
+            LAUNCH.update({key: {**cfg, "SPLIT": split} for key, cfg in shipped.items()})
+            print(f"--- model {overrides} ddl_state_dtype={state} SPLIT={split}", flush=True)
             extra = dict(ddl_state_dtype=state, ddl_keep_state_every=4) if ddl else {}
             cfg = GPTConfig.preset("gpt2-small", n_layer=4, block_size=64, backend="triton",
                                    **overrides, **extra)  # fmt: skip
@@ -138,7 +138,7 @@ def run_model_variants():
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 _, loss = model(idx, idx)
             loss.backward()
-    LAUNCH["update_bwd"] = shipped
+    LAUNCH.update(shipped)
 
 
 def run_deltaformer_variants():

@@ -402,12 +402,12 @@ def test_triton_update_rebuilt_matches_reference(triton_small, kind, dv, erase, 
     )
 
 
-def chain_inputs(kind, dv, n_steps, dtype=F64):
+def chain_inputs(kind, dv, n_steps, dtype=F64, K=3):
     """The inputs of chained_update, requiring grad: x0, n_steps updates' (k, v, beta), the last update's
-    (k, v, beta) and its read-out's weights."""
+    (k, v, beta) and its read-out's weights (TC: K taps)."""
     x0, kvbs = earlier_updates(n_steps, dv, dtype)
     k, v, b = rand_update_args(lead=(2, 5), d=20, dv=dv, dtype=dtype)[1:]
-    extra = [w.to(dtype) for w in read_out_weights(kind, dv)]
+    extra = [w.to(dtype) for w in read_out_weights(kind, dv, K=K)]
     return tuple(t.requires_grad_() for t in (x0, *(t for s in kvbs for t in s), k, v, b, *extra))
 
 
@@ -425,31 +425,50 @@ def chained_update(kind, n_steps, erase, backend="torch", rebuild=False):
     return f
 
 
-# The update backward split in two kernels (LAUNCH["update_bwd"] SPLIT): small launch shapes, so that d = 20
-# spans three d-blocks of 8 (the last ragged) and 10 tokens end in a ragged run (3 a run, 4 per gk program).
+# The update backward split in two kernels (LAUNCH["update_bwd"] and ["tc_bwd"] SPLIT): small launch
+# shapes, so that d = 20 spans three d-blocks of 8 (the last ragged) and 10 tokens end in a ragged run (3 a
+# run, 4 per gk program); runs of 3 start before, at and after a sequence's first token (T = 5).
 SPLIT_SMALL = dict(
     SPLIT=True, GK_TOKENS=4, GK_BLOCK_D=8, GK_WARPS=4, SPLIT_TOKENS=3, SPLIT_BLOCK_D=8, SPLIT_WARPS=4
 )
 
 
-@pytest.mark.parametrize("kind,dv", [("plain", 2), ("plain", 4), ("cc", 1), ("cc", 2), ("cc", 4)])
+def use_split(monkeypatch, cfg=SPLIT_SMALL):
+    for key in ("update_bwd", "tc_bwd"):
+        monkeypatch.setitem(ddl_triton.LAUNCH, key, cfg)
+
+
+SPLIT_CASES = [("plain", 2), ("plain", 4), ("cc", 1), ("cc", 2), ("cc", 4), ("tc", 1), ("tc", 3), ("tc", 4)]
+
+
+@pytest.mark.parametrize("kind,dv", SPLIT_CASES)
 @pytest.mark.parametrize("erase", [True, False])
 @pytest.mark.parametrize("n_steps", [0, 2])
 def test_triton_update_split_backward_matches_reference(triton_small, monkeypatch, kind, dv, erase, n_steps):
     """The split backward (no fused-kernel keys in the entry: it must not fall back) against the reference,
     float64, outputs NaN-filled; with n_steps > 0 the state rebuilt from x0 per d-block."""
-    monkeypatch.setitem(ddl_triton.LAUNCH, "update_bwd", SPLIT_SMALL)
+    use_split(monkeypatch)
     inputs = chain_inputs(kind, dv, n_steps)
     compare(
         chained_update(kind, n_steps, erase, "triton", True), chained_update(kind, n_steps, erase), inputs
     )
 
 
+@pytest.mark.parametrize("K", [1, 6])  # one tap; more taps (6) than tokens in a sequence (5)
+def test_triton_update_split_tc_taps(triton_small, monkeypatch, K):
+    use_split(monkeypatch)
+    inputs = chain_inputs("tc", 4, 1, K=K)
+    compare(chained_update("tc", 1, True, "triton", True), chained_update("tc", 1, True), inputs)
+
+
 def test_triton_update_split_shipped_shapes(monkeypatch):
     """The shipped split launch shapes (d-blocks wider than d = 20, 42 tokens), float64, NaN-filled."""
     monkeypatch.setattr(ddl_triton, "_FILL_OUTPUTS_WITH_NAN", True)
-    monkeypatch.setitem(ddl_triton.LAUNCH, "update_bwd", {**ddl_triton.LAUNCH["update_bwd"], "SPLIT": True})
+    for key in ("update_bwd", "tc_bwd"):
+        monkeypatch.setitem(ddl_triton.LAUNCH, key, {**ddl_triton.LAUNCH[key], "SPLIT": True})
     check_update_and_cc(lead=(2, 21), dv=4)
+    inputs = chain_inputs("tc", 4, 0)
+    compare(chained_update("tc", 0, True, "triton"), chained_update("tc", 0, True), inputs)
 
 
 def grads_split_and_fused(monkeypatch, kind, dtype, n_steps=2):
@@ -459,9 +478,7 @@ def grads_split_and_fused(monkeypatch, kind, dtype, n_steps=2):
     inputs = tuple(t.detach().to(dtype if i == 0 else t.dtype).requires_grad_() for i, t in enumerate(inputs))
     grads, ups = [], None
     for split in (True, False):
-        monkeypatch.setitem(
-            ddl_triton.LAUNCH, "update_bwd", {**SPLIT_SMALL, "TOKENS": 3, "num_warps": 4, "SPLIT": split}
-        )
+        use_split(monkeypatch, {**SPLIT_SMALL, "TOKENS": 3, "num_warps": 4, "SPLIT": split})
         out = chained_update(kind, n_steps, True, "triton", True)(*inputs)
         out = out if isinstance(out, tuple) else (out,)
         ups = ups or [torch.randn_like(o, dtype=torch.float32).to(o.dtype) for o in out]
@@ -469,7 +486,7 @@ def grads_split_and_fused(monkeypatch, kind, dtype, n_steps=2):
     return grads, inputs, ups
 
 
-@pytest.mark.parametrize("kind", ["plain", "cc"])
+@pytest.mark.parametrize("kind", ["plain", "cc", "tc"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_update_split_equals_fused(triton_small, monkeypatch, kind, dtype):
     """Split and fused backward give the same gradients (fp32 sums in another order; a bf16 state's
@@ -481,7 +498,7 @@ def test_triton_update_split_equals_fused(triton_small, monkeypatch, kind, dtype
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("kind", ["plain", "cc"])
+@pytest.mark.parametrize("kind", ["plain", "cc", "tc"])
 def test_triton_update_split_bf16_state_against_fp32(triton_small, monkeypatch, kind):
     """A bf16 state through the split backward (rebuilt from x0 by two updates, rounded to bf16 after
     each) against the fp32 reference at the same inputs: within the bf16 tolerance of the GPU tests."""
