@@ -707,10 +707,12 @@ def rel_err(a, b):
 
 
 @cuda
-@pytest.mark.parametrize("bwd_tokens", [None, 16])
+@pytest.mark.parametrize("bwd_tokens", [None, 16, "split"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_update_compress_tc_realistic(dtype, bwd_tokens, monkeypatch):
-    if bwd_tokens is not None:
+    if bwd_tokens == "split":
+        monkeypatch.setitem(ddl_triton.LAUNCH, "tc_bwd", dict(SPLIT=True, **ddl_triton.SPLIT_SHAPE))
+    elif bwd_tokens is not None:
         monkeypatch.setitem(ddl_triton.LAUNCH, "tc_bwd", dict(TOKENS=bwd_tokens, num_warps=8))
     dev = "cuda"
     B, T, d, dv, K = 8, 1024, 768, 4, 4
@@ -744,8 +746,9 @@ def test_gpu_update_compress_tc_realistic(dtype, bwd_tokens, monkeypatch):
         {},  # the shipped launch shapes
         {"update_bwd": dict(TOKENS=8, PIPELINE=False, num_warps=4), "update_row": dict(ROWS=0, num_warps=4)},
         {"update_bwd": dict(TOKENS=32, PIPELINE=True, num_warps=8), "update_row": dict(ROWS=8, num_warps=8)},
+        {"update_bwd": dict(SPLIT=True, **ddl_triton.SPLIT_SHAPE), "update_row": dict(ROWS=0, num_warps=4)},
     ],
-    ids=["shipped", "plain-general", "pipelined-rows8"],
+    ids=["shipped", "plain-general", "pipelined-rows8", "split"],
 )
 def test_gpu_update_realistic(dtype, fused, dv, cfg, monkeypatch):
     for key, val in cfg.items():
@@ -805,11 +808,15 @@ def test_gpu_compressors_realistic(dtype, monkeypatch):
 
 
 @cuda
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("kind", ["plain", "cc", "tc"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_update_rebuilt_realistic(dtype, kind):
+def test_gpu_update_rebuilt_realistic(dtype, kind, split, monkeypatch):
     """A state rebuilt by 3 updates in the backward kernels gives the gradients of keeping it (GPT-2 small
-    width, 4 sequences of 1024; the state dtype's rounding after each update as in the forward)."""
+    width, 4 sequences of 1024; the state dtype's rounding after each update as in the forward); split:
+    the backward in two kernels (LAUNCH SPLIT)."""
+    for key in ("update_bwd", "tc_bwd"):
+        monkeypatch.setitem(ddl_triton.LAUNCH, key, {**ddl_triton.LAUNCH[key], "SPLIT": split})
     dev, B, T, d, dv = "cuda", 4, 1024, 768, 4
     gen = torch.Generator(dev).manual_seed(0)
 
