@@ -41,8 +41,8 @@ from .triton_update import (
 # software-pipelined (two stages) or plain. Single-call timings of the small (d_v = 1, bf16) cases include
 # the host's dispatch and vary between runs: compare launch shapes in a profile of a training step
 # (bench_train.py --profile) before changing them.
-# The launch shapes of the update backward split in two (SPLIT below): the gk reduction's (_update_gk_kernel,
-# GK_*) and the per-channel kernel's (_update_bwd_chan_kernel, SPLIT_*: a run of tokens by a block of d).
+# The launch shapes of the update backward split in two (SPLIT below), untuned: the gk reduction's (GK_*,
+# GK_TOKENS a power of two) and the per-channel kernel's (SPLIT_*: a run of tokens by a block of d).
 SPLIT_SHAPE = dict(GK_TOKENS=4, GK_BLOCK_D=256, GK_WARPS=4, SPLIT_TOKENS=32, SPLIT_BLOCK_D=256, SPLIT_WARPS=4)
 LAUNCH = {
     "update_fwd": dict(TOKENS=1, num_warps=4),
@@ -63,7 +63,8 @@ LAUNCH = {
         num_warps=4,
         bfloat16=dict(TOKENS=64, BLOCK_D=256, STAGES=2, num_warps=8),
     ),  # fmt: skip
-    # the fused update + TC read-out's backward: per token (its weight gradient per channel), or SPLIT
+    # the fused update + TC read-out's backward: per token (its weight gradient per channel), or SPLIT (off,
+    # as update_bwd's; the weight gradient then in the per-channel kernel)
     "tc_bwd": dict(TOKENS=1, num_warps=4, SPLIT=False, **SPLIT_SHAPE),
 }
 # Tests set this: every output starts as NaN, so that an element a kernel fails to write cannot pass.
