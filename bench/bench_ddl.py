@@ -102,7 +102,7 @@ def sweep_update(case, dtype):
     # (tokens, pipelined, warps); 32 tokens at 4 warps spill (bench/compile_check.py)
     bwd = ((32, 0, 4), (8, 0, 4), (16, 1, 4), (32, 1, 4), (32, 0, 8), (8, 0, 8), (32, 0, 16), (16, 1, 8))
     cfgs = [dict(TOKENS=t, PIPELINE=bool(p), num_warps=nw, SPLIT=False) for t, p, nw in bwd]
-    split = ((4, 256, 4, 32, 256, 4), (8, 128, 4, 64, 128, 4), (2, 512, 8, 16, 256, 8))  # SPLIT_SHAPE order
+    split = ((4, 256, 4, 32, 128, 4), (8, 128, 4, 64, 128, 4), (2, 512, 8, 16, 256, 8))  # SPLIT_SHAPE order
     cfgs += (cfgs_split := [dict(SPLIT=True, **dict(zip(SPLIT_SHAPE, s))) for s in split])
     sweep(  # the rebuilt runs' bytes as without the rebuild, whose reads of k come on top
         "update_bwd", cfgs, ("update+cc f+b", lambda: fused_run(False, 1), 5 * S + 5 * V),

@@ -42,8 +42,9 @@ from .triton_update import (
 # the host's dispatch and vary between runs: compare launch shapes in a profile of a training step
 # (bench_train.py --profile) before changing them.
 # The launch shapes of the update backward split in two (SPLIT below), untuned: the gk reduction's (GK_*,
-# GK_TOKENS a power of two) and the per-channel kernel's (SPLIT_*: a run of tokens by a block of d).
-SPLIT_SHAPE = dict(GK_TOKENS=4, GK_BLOCK_D=256, GK_WARPS=4, SPLIT_TOKENS=32, SPLIT_BLOCK_D=256, SPLIT_WARPS=4)
+# GK_TOKENS a power of two) and the per-channel kernel's (SPLIT_*: a run of tokens by a block of d; 128, as
+# 256 at 4 warps spills with the TC read-out's 4 taps and their gradient in registers: compile_check.py).
+SPLIT_SHAPE = dict(GK_TOKENS=4, GK_BLOCK_D=256, GK_WARPS=4, SPLIT_TOKENS=32, SPLIT_BLOCK_D=128, SPLIT_WARPS=4)
 LAUNCH = {
     "update_fwd": dict(TOKENS=1, num_warps=4),
     # SPLIT: the general backward in those two kernels instead of the fused per-token one; off (unmeasured)
