@@ -5,7 +5,7 @@ the GB/s against the copy bandwidth measured in the same run; torch.compile of t
 
     python bench/bench_ddl.py                 # fp32 and bf16 state, d 768, d_v 4 and 1, K 4, N = 32,768
     python bench/bench_ddl.py --quick         # Triton, fp32 only
-    python bench/bench_ddl.py --sweeps        # only launch shapes: the CC backward's, the TC forward's
+    python bench/bench_ddl.py --sweeps        # only launch shapes: the CC backward's (fused, split), TC fwd's
 """
 
 import argparse
@@ -41,9 +41,8 @@ def recorder(rows):
         except Exception as e:  # noqa: BLE001
             print(f"{name} FAILED: {type(e).__name__}: {e}"[:300], flush=True)
             return
-        r = dict(name=name, us=ms * 1e3, GB=nbytes / 1e9, GBps=nbytes / ms / 1e6)
+        rows.append(r := dict(name=name, us=ms * 1e3, GB=nbytes / 1e9, GBps=nbytes / ms / 1e6))
         print(f"{name:60s} {r['us']:9.1f} us  {r['GB']:7.3f} GB  {r['GBps']:7.0f} GB/s", flush=True)
-        rows.append(r)
 
     return case
 
@@ -68,21 +67,19 @@ def bench_kernels(args):
 
 
 def sweep_update(case, dtype):
-    """The launch shapes RESULTS.md reports, d_v = 4: the CC backward's (LAUNCH["update_bwd"]: one fused
-    update + CC read-out, forward + backward, and four in a row, each input kept or rebuilt from the first)
-    and the one-pass TC read-out forward's (LAUNCH["tc_fwd"]). Each line names the entry it sets; the
-    shipped one is marked. Bytes: the minimal passes (S over the state, V over a [N, d] vector)."""
+    """Launch shapes, d_v = 4, each line naming the LAUNCH entry it sets (the shipped one marked): the CC
+    backward's (update_bwd: fused, then SPLIT; one update + CC read-out f+b, four in a row, inputs kept or
+    rebuilt from the first), TC's forward (tc_fwd), backward (tc_bwd). Bytes: minimal passes (S state, V)."""
     from kernels import ddl
-    from kernels.ddl.triton import LAUNCH, _cfg
+    from kernels.ddl.triton import LAUNCH, SPLIT_SHAPE, _cfg
 
     d, dv = D, 4
-    # what ships for this state dtype (an entry's per-dtype shape, else its own, without the sub-entries)
-    ship = {key: {n: c for n, c in _cfg(key, dtype).items() if not isinstance(c, dict)} for key in LAUNCH}
-    es = torch.finfo(dtype).bits // 8
+    # what ships for this dtype (_cfg less sub-entries), as (name, value) pairs: a shape is it if a subset
+    ship = {key: {(n, c) for n, c in _cfg(key, dtype).items() if not isinstance(c, dict)} for key in LAUNCH}
     tag = f"{str(dtype).replace('torch.', '')}, N={N}"
     x, k, v, beta, w = state_inputs(dtype, dv)
     gx, gh = torch.randn_like(x), torch.randn_like(k)
-    S, V = N * d * dv * es, N * d * es
+    S, V = (N * d * n * torch.finfo(dtype).bits // 8 for n in (dv, 1))
 
     def sweep(key, cfgs, *cases):
         """Each of cases (label, fn, bytes) with LAUNCH[key] set to each of cfgs in turn, then restored."""
@@ -90,37 +87,36 @@ def sweep_update(case, dtype):
         for cfg in cfgs:
             LAUNCH[key] = cfg
             for label, fn, nbytes in cases:
-                case(f"{label} {key}={cfg}{' (shipped)' if cfg == ship[key] else ''} [{tag}]", fn, nbytes)
+                case(f"{label} {key}={cfg}{' (shipped)' * (cfg.items() <= ship[key])} [{tag}]", fn, nbytes)
         LAUNCH[key] = saved
-
-    def fused():
-        out = ddl.ddl_update_compress_cc(x, k, v, beta, w, backend="triton")
-        return torch.autograd.grad(out, (x, k, v, beta, w), (gx, gh))
 
     def fused_run(rebuild, n=4):  # n fused CC updates in a row; rebuild: keep only x, as the model does
         X, hs, chain = x, [], None
         for _ in range(n):
-            out = ddl.ddl_update_compress_cc(
-                X, k, v, beta, w, backend="triton", rebuild_from=chain, return_step=rebuild
-            )
+            out = ddl.ddl_update_compress_cc(X, k, v, beta, w, backend="triton", rebuild_from=chain,
+                                             return_step=rebuild)  # fmt: skip
             chain = (x, (chain[1] if chain else ()) + (out[2],)) if rebuild else None
             X, hs = out[0], hs + [out[1]]
         return torch.autograd.grad([X, *hs], (x, k, v, beta, w), [gx] + [gh] * n)
 
     # (tokens, pipelined, warps); 32 tokens at 4 warps spill (bench/compile_check.py)
     bwd = ((32, 0, 4), (8, 0, 4), (16, 1, 4), (32, 1, 4), (32, 0, 8), (8, 0, 8), (32, 0, 16), (16, 1, 8))
-    cfgs = [dict(TOKENS=t, PIPELINE=bool(p), num_warps=nw) for t, p, nw in bwd]
+    cfgs = [dict(TOKENS=t, PIPELINE=bool(p), num_warps=nw, SPLIT=False) for t, p, nw in bwd]
+    split = ((4, 256, 4, 32, 128, 4), (8, 128, 4, 64, 128, 4), (2, 512, 8, 16, 256, 8))  # SPLIT_SHAPE order
+    cfgs += (cfgs_split := [dict(SPLIT=True, **dict(zip(SPLIT_SHAPE, s))) for s in split])
     sweep(  # the rebuilt runs' bytes as without the rebuild, whose reads of k come on top
-        "update_bwd", cfgs, ("update+cc f+b", fused, 5 * S + 5 * V),
+        "update_bwd", cfgs, ("update+cc f+b", lambda: fused_run(False, 1), 5 * S + 5 * V),
         ("4 x update+cc f+b, each input kept", lambda: fused_run(False), 4 * (5 * S + 5 * V)),
         ("4 x update+cc f+b, rebuilt from the first", lambda: fused_run(True), 4 * (5 * S + 5 * V)),
     )  # fmt: skip
-    cw = torch.randn(d, dv, 4, device="cuda", requires_grad=True)  # TC: K = 4
-    read = torch.randn(dv, device="cuda", requires_grad=True)
+    cw, read = (torch.randn(*s, device="cuda", requires_grad=True) for s in ((d, dv, 4), (dv,)))  # TC: K = 4
     tc = lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton")  # noqa: E731
     tc_cfgs = ((64, 128, 2, 4), (64, 128, 1, 4), (128, 128, 3, 4), (64, 256, 2, 8), (32, 64, 2, 2))
     cfgs = [dict(TOKENS=t, BLOCK_D=bd, STAGES=st, num_warps=nw) for t, bd, st, nw in tc_cfgs]
     sweep("tc_fwd", cfgs, ("update+tc fwd", tc, 2 * S + 2 * V))
+    cfgs = [dict(TOKENS=t, num_warps=nw, SPLIT=False) for t, nw in ((1, 4), (16, 8))] + cfgs_split
+    tc_fb = lambda: torch.autograd.grad(tc(), (x, k, v, beta, cw, read), (gx, gh))  # noqa: E731
+    sweep("tc_bwd", cfgs, ("update+tc f+b", tc_fb, 6 * S + 6 * V))
 
 
 def bench_kernels_dv1(args, case):
@@ -144,12 +140,10 @@ def bench_kernels_dtype(args, dtype, case):
     from kernels import ddl
 
     dev, d, dv, K, B, T = "cuda", D, 4, 4, N // 1024, 1024
-    es = torch.finfo(dtype).bits // 8
-    S, V = N * d * dv * es, N * d * es  # bytes of one pass over the state, over a [N, d] vector
+    S, V = (N * d * n * torch.finfo(dtype).bits // 8 for n in (dv, 1))  # bytes: a pass over the state, [N, d]
     tag = f"{str(dtype).replace('torch.', '')}, N={N}"
     x, k, v, beta, w = state_inputs(dtype, dv, dtype)
-    cw = torch.randn(d, dv, K, device=dev, requires_grad=True)
-    read = torch.randn(dv, device=dev, requires_grad=True)
+    cw, read = (torch.randn(*s, device=dev, requires_grad=True) for s in ((d, dv, K), (dv,)))
     emb = torch.randn(B, T, d, device=dev, dtype=dtype, requires_grad=True)
     gx, gh = torch.randn_like(x), torch.randn_like(k)
     leaves = (x, k, v, beta, w, cw, read, emb)
@@ -162,8 +156,7 @@ def bench_kernels_dtype(args, dtype, case):
         def run():
             outs = fn()
             outs = outs if isinstance(outs, tuple) else (outs,)
-            ins = [t for t in leaves if t.requires_grad]
-            torch.autograd.grad(outs, ins, grads[: len(outs)], allow_unused=True)
+            torch.autograd.grad(outs, leaves, grads[: len(outs)], allow_unused=True)  # all require grad
 
         return run
 

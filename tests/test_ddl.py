@@ -396,21 +396,119 @@ def run_chain(x0, kvbs, erase, backend):
 def test_triton_update_rebuilt_matches_reference(triton_small, kind, dv, erase, n_steps):
     """n_steps updates, then one that rebuilds its input state from their input in the backward: values
     and gradients of every input (the earlier updates' too) against the reference chain."""
-    x0, kvbs = earlier_updates(n_steps, dv)
-    k, v, b = rand_update_args(lead=(2, 5), d=20, dv=dv)[1:]
-    extra = read_out_weights(kind, dv)
-    inputs = tuple(t.requires_grad_() for t in (x0, *(t for s in kvbs for t in s), k, v, b, *extra))
+    inputs = chain_inputs(kind, dv, n_steps)
+    compare(
+        chained_update(kind, n_steps, erase, "triton", True), chained_update(kind, n_steps, erase), inputs
+    )
 
-    def chain(backend, rebuild):
-        def f(x0, *rest):
-            kvbs = [rest[3 * i : 3 * i + 3] for i in range(n_steps)]
-            k, v, b, *extra = rest[3 * n_steps :]
-            x, steps = run_chain(x0, kvbs, erase, backend)
-            return second_update(kind, x, k, v, b, extra, erase, (x0, steps) if rebuild else None, backend)
 
-        return f
+def chain_inputs(kind, dv, n_steps, dtype=F64, K=3):
+    """The inputs of chained_update, requiring grad: x0, n_steps updates' (k, v, beta), the last update's
+    (k, v, beta) and its read-out's weights (TC: K taps)."""
+    x0, kvbs = earlier_updates(n_steps, dv, dtype)
+    k, v, b = rand_update_args(lead=(2, 5), d=20, dv=dv, dtype=dtype)[1:]
+    extra = [w.to(dtype) for w in read_out_weights(kind, dv, K=K)]
+    return tuple(t.requires_grad_() for t in (x0, *(t for s in kvbs for t in s), k, v, b, *extra))
 
-    compare(chain("triton", True), chain("torch", False), inputs)
+
+def chained_update(kind, n_steps, erase, backend="torch", rebuild=False):
+    """f(*chain_inputs(...)): n_steps updates from x0, then one of kind (second_update), which rebuilds its
+    input state from x0 when rebuild is true (and there is a chain)."""
+
+    def f(x0, *rest):
+        kvbs = [rest[3 * i : 3 * i + 3] for i in range(n_steps)]
+        k, v, b, *extra = rest[3 * n_steps :]
+        x, steps = run_chain(x0, kvbs, erase, backend)
+        rebuild_from = (x0, steps) if rebuild and steps else None
+        return second_update(kind, x, k, v, b, extra, erase, rebuild_from, backend)
+
+    return f
+
+
+# The update backward split in two kernels (LAUNCH["update_bwd"] and ["tc_bwd"] SPLIT): small launch
+# shapes, so that d = 20 spans three d-blocks of 8 (the last ragged) and 10 tokens end in a ragged run (3 a
+# run, 4 per gk program); runs of 3 start before, at and after a sequence's first token (T = 5).
+SPLIT_SMALL = dict(
+    SPLIT=True, GK_TOKENS=4, GK_BLOCK_D=8, GK_WARPS=4, SPLIT_TOKENS=3, SPLIT_BLOCK_D=8, SPLIT_WARPS=4
+)
+
+
+def use_split(monkeypatch, cfg=SPLIT_SMALL):
+    for key in ("update_bwd", "tc_bwd"):
+        monkeypatch.setitem(ddl_triton.LAUNCH, key, cfg)
+
+
+SPLIT_CASES = [("plain", 2), ("plain", 4), ("cc", 1), ("cc", 2), ("cc", 4), ("tc", 1), ("tc", 3), ("tc", 4)]
+
+
+@pytest.mark.parametrize("kind,dv", SPLIT_CASES)
+@pytest.mark.parametrize("erase", [True, False])
+@pytest.mark.parametrize("n_steps", [0, 2])
+def test_triton_update_split_backward_matches_reference(triton_small, monkeypatch, kind, dv, erase, n_steps):
+    """The split backward (no fused-kernel keys in the entry: it must not fall back) against the reference,
+    float64, outputs NaN-filled; with n_steps > 0 the state rebuilt from x0 per d-block."""
+    use_split(monkeypatch)
+    inputs = chain_inputs(kind, dv, n_steps)
+    compare(
+        chained_update(kind, n_steps, erase, "triton", True), chained_update(kind, n_steps, erase), inputs
+    )
+
+
+@pytest.mark.parametrize("K", [1, 6])  # one tap; more taps (6) than tokens in a sequence (5)
+def test_triton_update_split_tc_taps(triton_small, monkeypatch, K):
+    use_split(monkeypatch)
+    inputs = chain_inputs("tc", 4, 1, K=K)
+    compare(chained_update("tc", 1, True, "triton", True), chained_update("tc", 1, True), inputs)
+
+
+def test_triton_update_split_shipped_shapes(monkeypatch):
+    """The shipped split launch shapes (d-blocks wider than d = 20, 42 tokens), float64, NaN-filled."""
+    monkeypatch.setattr(ddl_triton, "_FILL_OUTPUTS_WITH_NAN", True)
+    for key in ("update_bwd", "tc_bwd"):
+        monkeypatch.setitem(ddl_triton.LAUNCH, key, {**ddl_triton.LAUNCH[key], "SPLIT": True})
+    check_update_and_cc(lead=(2, 21), dv=4)
+    inputs = chain_inputs("tc", 4, 0)
+    compare(chained_update("tc", 0, True, "triton"), chained_update("tc", 0, True), inputs)
+
+
+def grads_split_and_fused(monkeypatch, kind, dtype, n_steps=2):
+    """Gradients of chained_update (rebuilt, erase) at the same inputs and upstream gradients, split then
+    fused; the inputs (x0 in dtype, the rest fp32) and the upstream gradients."""
+    inputs = chain_inputs(kind, 4, n_steps, torch.float32)
+    inputs = tuple(t.detach().to(dtype if i == 0 else t.dtype).requires_grad_() for i, t in enumerate(inputs))
+    grads, ups = [], None
+    for split in (True, False):
+        use_split(monkeypatch, {**SPLIT_SMALL, "TOKENS": 3, "num_warps": 4, "SPLIT": split})
+        out = chained_update(kind, n_steps, True, "triton", True)(*inputs)
+        out = out if isinstance(out, tuple) else (out,)
+        ups = ups or [torch.randn_like(o, dtype=torch.float32).to(o.dtype) for o in out]
+        grads.append(torch.autograd.grad(out, inputs, ups))
+    return grads, inputs, ups
+
+
+@pytest.mark.parametrize("kind", ["plain", "cc", "tc"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_update_split_equals_fused(triton_small, monkeypatch, kind, dtype):
+    """Split and fused backward give the same gradients (fp32 sums in another order; a bf16 state's
+    gradient rounded once to bf16 either way)."""
+    (split, fused), _, _ = grads_split_and_fused(monkeypatch, kind, dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(split, fused):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kind", ["plain", "cc", "tc"])
+def test_triton_update_split_bf16_state_against_fp32(triton_small, monkeypatch, kind):
+    """A bf16 state through the split backward (rebuilt from x0 by two updates, rounded to bf16 after
+    each) against the fp32 reference at the same inputs: within the bf16 tolerance of the GPU tests."""
+    (split, _), inputs, ups = grads_split_and_fused(monkeypatch, kind, torch.bfloat16)
+    ref_in = [t.detach().float().requires_grad_() for t in inputs]
+    out = chained_update(kind, 2, True)(*ref_in)
+    out = out if isinstance(out, tuple) else (out,)
+    ref = torch.autograd.grad(out, ref_in, [u.float() for u in ups])
+    for i, (a, b) in enumerate(zip(split, ref)):
+        assert rel_err(a, b) < 1e-2, i
 
 
 @pytest.mark.parametrize("kind", ["plain", "cc", "tc"])
@@ -609,10 +707,12 @@ def rel_err(a, b):
 
 
 @cuda
-@pytest.mark.parametrize("bwd_tokens", [None, 16])
+@pytest.mark.parametrize("bwd_tokens", [None, 16, "split"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_update_compress_tc_realistic(dtype, bwd_tokens, monkeypatch):
-    if bwd_tokens is not None:
+    if bwd_tokens == "split":
+        monkeypatch.setitem(ddl_triton.LAUNCH, "tc_bwd", dict(SPLIT=True, **ddl_triton.SPLIT_SHAPE))
+    elif bwd_tokens is not None:
         monkeypatch.setitem(ddl_triton.LAUNCH, "tc_bwd", dict(TOKENS=bwd_tokens, num_warps=8))
     dev = "cuda"
     B, T, d, dv, K = 8, 1024, 768, 4, 4
@@ -646,8 +746,9 @@ def test_gpu_update_compress_tc_realistic(dtype, bwd_tokens, monkeypatch):
         {},  # the shipped launch shapes
         {"update_bwd": dict(TOKENS=8, PIPELINE=False, num_warps=4), "update_row": dict(ROWS=0, num_warps=4)},
         {"update_bwd": dict(TOKENS=32, PIPELINE=True, num_warps=8), "update_row": dict(ROWS=8, num_warps=8)},
+        {"update_bwd": dict(SPLIT=True, **ddl_triton.SPLIT_SHAPE), "update_row": dict(ROWS=0, num_warps=4)},
     ],
-    ids=["shipped", "plain-general", "pipelined-rows8"],
+    ids=["shipped", "plain-general", "pipelined-rows8", "split"],
 )
 def test_gpu_update_realistic(dtype, fused, dv, cfg, monkeypatch):
     for key, val in cfg.items():
@@ -707,11 +808,15 @@ def test_gpu_compressors_realistic(dtype, monkeypatch):
 
 
 @cuda
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("kind", ["plain", "cc", "tc"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_update_rebuilt_realistic(dtype, kind):
+def test_gpu_update_rebuilt_realistic(dtype, kind, split, monkeypatch):
     """A state rebuilt by 3 updates in the backward kernels gives the gradients of keeping it (GPT-2 small
-    width, 4 sequences of 1024; the state dtype's rounding after each update as in the forward)."""
+    width, 4 sequences of 1024; the state dtype's rounding after each update as in the forward); split:
+    the backward in two kernels (LAUNCH SPLIT)."""
+    for key in ("update_bwd", "tc_bwd"):
+        monkeypatch.setitem(ddl_triton.LAUNCH, key, {**ddl_triton.LAUNCH[key], "SPLIT": split})
     dev, B, T, d, dv = "cuda", 4, 1024, 768, 4
     gen = torch.Generator(dev).manual_seed(0)
 

@@ -1,12 +1,14 @@
 """The DDL update's Triton kernels: forward (+ the fused CC read-out), backward (+ its weight gradient), the
 d_v = 1 row kernels, and the backward of the update fused with the TC read-out. One program owns whole
 tokens (the update reduces over d); the forward stores rs and r for the backward, and a state rebuilt from
-an earlier one goes through the chain of the updates since (`_rebuilt_state`). Launched from triton.py."""
+an earlier one goes through the chain of the updates since (`_rebuilt_state`). The backward split in two
+(with either read-out): the one reduction over d per token (`_update_gk_kernel`), then programs of a run
+of tokens by a block of d (`_update_bwd_chan_kernel`). Launched from triton.py."""
 
 import triton
 import triton.language as tl
 
-from .triton_common import _chan_tile, _token_tile, _vec_mask, _window
+from .triton_common import _chan_tile, _taps, _token_tile, _vec_mask, _window
 
 
 @triton.jit
@@ -81,6 +83,13 @@ def _update_grads(g, x, kh, rs, b, r, v, ERASE: tl.constexpr):
     """The update's backward for one token, given G = dL/dx' (formulas in `_update_bwd_token`):
     dx, dk, dv, dbeta. One reduction over d (khat^T G): khat . dkhat follows from it and the stored r."""
     gk = tl.sum(kh[:, None] * g, axis=0)  # khat^T G  [d_v]
+    dx, dk = _update_dx_dk(g, x, kh, rs, b, r, v, gk, ERASE)
+    return dx, dk, b * gk, tl.sum(gk * r, axis=0)
+
+
+@triton.jit
+def _update_dx_dk(g, x, kh, rs, b, r, v, gk, ERASE: tl.constexpr):
+    # dx and dk of one token given gk = khat^T G: elementwise in d (g, x, kh: all of d or a block of it)
     gr = tl.sum(g * r[None, :], axis=1)  # G r  [d]
     if ERASE:
         dx = g - b * kh[:, None] * gk[None, :]
@@ -91,8 +100,7 @@ def _update_grads(g, x, kh, rs, b, r, v, ERASE: tl.constexpr):
         dx = g
         dkh = b * gr
         kdk = b * tl.sum(gk * r, axis=0)
-    dk = rs * (dkh - kh * kdk)
-    return dx, dk, b * gk, tl.sum(gk * r, axis=0)
+    return dx, rs * (dkh - kh * kdk)
 
 
 @triton.jit
@@ -137,6 +145,14 @@ def _update_fwd_kernel(
 
 
 @triton.jit
+def _cc_read_out_grads(g, x, kh, b, r, w, n, DH, D, offs_d, md, okd, CT: tl.constexpr, OUT_T: tl.constexpr):
+    # the fused CC read-out h = x' w of token n: G + dh w^T, and the token's dh x'^T for dw (x' as stored)
+    dh = tl.load(DH + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
+    xn = (x + b * kh[:, None] * r[None, :]).to(OUT_T).to(CT)
+    return g + dh[:, None] * w, dh[:, None] * xn
+
+
+@triton.jit
 def _update_bwd_token(
     n, X, Kd, V, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D, offs_d, offs_v, md, mv, off2,
     DV: tl.constexpr, ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
@@ -152,10 +168,7 @@ def _update_bwd_token(
     g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
     dw = w * 0.0
     if COMPRESS:
-        dh = tl.load(DH + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
-        xn = (x + b * kh[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)
-        dw = dh[:, None] * xn
-        g = g + dh[:, None] * w
+        g, dw = _cc_read_out_grads(g, x, kh, b, r, w, n, DH, D, offs_d, md, okd, CT, X.dtype.element_ty)
     dx, dk, dv, dbeta = _update_grads(g, x, kh, rs, b, r, v, ERASE)
     _store_update_grads(
         n, ok, okd, m2, off2, dx, dk, dv, dbeta, DX, DK, DVo, DBETA, D, offs_d, offs_v, md, mv, DV
@@ -192,6 +205,95 @@ def _update_bwd_kernel(
             )  # fmt: skip
     if COMPRESS:
         tl.store(DWP + pid * D * DV + off2, dw, mask=md[:, None] & mv[None, :])
+
+
+@triton.jit
+def _update_gk_kernel(
+    Kd, BETA, RS, R, W, G, DH, GK, DVo, DBETA, N, T, D,
+    DV: tl.constexpr, TOKENS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+    COMPRESS: tl.constexpr, TC: tl.constexpr, KW: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    # The split backward's reduction over d: gk = khat^T G [N, d_v] of TOKENS tokens, BLOCK_D channels at a
+    # time (a small tile, many tokens in flight), G + dh w^T with COMPRESS (CC read-out, W [d, d_v]) or
+    # + sum_j W[j] dh[n + KW-1 - j] with TC (W: the KW taps); it needs neither x nor the chain. With gk, a
+    # token's dv = beta gk and dbeta = gk . r, stored here once.
+    rows = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
+    offs_v = tl.arange(0, BLOCK_V)
+    mr, mv = rows < N, offs_v < DV
+    rs = tl.load(RS + rows, mask=mr, other=0.0).to(CT)
+    acc = tl.zeros([TOKENS, BLOCK_V], dtype=CT)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        m_nd = mr[:, None] & (offs_d < D)[None, :]
+        off_nd = rows[:, None] * D + offs_d[None, :]
+        kh = tl.load(Kd + off_nd, mask=m_nd, other=0.0).to(CT) * rs[:, None]
+        off3 = off_nd[:, :, None] * DV + offs_v[None, None, :]
+        g = tl.load(G + off3, mask=m_nd[:, :, None] & mv[None, None, :], other=0.0).to(CT)
+        if COMPRESS:
+            dh = tl.load(DH + off_nd, mask=m_nd, other=0.0).to(CT)
+            mw = (offs_d < D)[:, None] & mv[None, :]
+            w = tl.load(W + offs_d[:, None] * DV + offs_v[None, :], mask=mw, other=0.0).to(CT)
+            g += dh[:, :, None] * w[None, :, :]
+        if TC:  # the read-outs of tokens n .. n+KW-1 of n's sequence read x'[n]
+            for j in tl.static_range(KW):
+                mj = m_nd & ((rows % T) + (KW - 1) - j < T)[:, None]
+                dh = tl.load(DH + off_nd + (KW - 1 - j) * D, mask=mj, other=0.0).to(CT)
+                mw = (offs_d < D)[:, None] & mv[None, :]
+                w = tl.load(W + j * D * DV + offs_d[:, None] * DV + offs_v[None, :], mask=mw, other=0.0)
+                g += dh[:, :, None] * w.to(CT)[None, :, :]
+        acc += tl.sum(kh[:, :, None] * g, axis=1)
+    m2 = mr[:, None] & mv[None, :]
+    off2 = rows[:, None] * DV + offs_v[None, :]
+    b = tl.load(BETA + rows, mask=mr, other=0.0).to(CT)
+    r = tl.load(R + off2, mask=m2, other=0.0).to(CT)
+    tl.store(GK + off2, acc.to(GK.dtype.element_ty), mask=m2)
+    tl.store(DVo + off2, (b[:, None] * acc).to(DVo.dtype.element_ty), mask=m2)
+    tl.store(DBETA + rows, tl.sum(acc * r, axis=1).to(DBETA.dtype.element_ty), mask=mr)
+
+
+@triton.jit
+def _update_bwd_chan_kernel(
+    X, Kd, V, BETA, RS, R, CHAIN, W, G, DH, GK, DX, DK, DWP, N, T, D, TOKENS,
+    DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, ERASE: tl.constexpr,
+    COMPRESS: tl.constexpr, TC: tl.constexpr, KW: tl.constexpr, KP: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    # The split backward's elementwise part, after _update_gk_kernel: a run of TOKENS tokens by a block of
+    # d (x rebuilt through CHAIN per block), dx and dk from the stored gk without a reduction over d, so a
+    # program's tile is BLOCK_D x d_v rather than a token's d x d_v; the read-out's weight gradient
+    # (COMPRESS: CC; TC: the KW taps, as _update_tc_wgrad_kernel's) as partials summed over the run.
+    pid, offs_d, offs_v, offs_j, md, mv, mj, m2w, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
+    if COMPRESS:
+        w = tl.load(W + off2, mask=m2w, other=0.0).to(CT)
+    else:
+        w = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
+    if TC:
+        off3, m3, taps = _taps(W, offs_j, off2, mj, m2w, D, DV, CT)
+    dw = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
+    for tt in range(TOKENS):
+        n = pid * TOKENS + tt
+        ok = n < N
+        okd, m2, rs, kh, x, b, r, v = _update_bwd_inputs(
+            n, ok, X, Kd, V, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV, CT
+        )
+        g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+        if COMPRESS:
+            g, dwn = _cc_read_out_grads(g, x, kh, b, r, w, n, DH, D, offs_d, md, okd, CT, X.dtype.element_ty)
+            dw += dwn[None, :, :]
+        if TC:  # dh of the KW read-outs that read x'[n]: G += sum_j taps[j] dh_j, dWT[j] += dh_j x'[n]
+            dst, valid = _window(n, T, N, offs_j, mj, KW, False)
+            offs_dh = dst[:, None] * D + offs_d[None, :]
+            dh2 = tl.load(DH + offs_dh, mask=valid[:, None] & md[None, :], other=0.0).to(CT)[:, :, None]
+            g += tl.sum(taps * dh2, axis=0)
+            xn = (x + b * kh[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)  # x'[n] as stored
+            dw += dh2 * xn[None, :, :]
+        gk = tl.load(GK + n * DV + offs_v, mask=mv & _vec_mask(ok, offs_v), other=0.0).to(CT)
+        dx, dk = _update_dx_dk(g, x, kh, rs, b, r, v, gk, ERASE)
+        tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
+        tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md & okd)
+    if COMPRESS:
+        tl.store(DWP + pid * D * DV + off2[None, :, :], dw, mask=m2w[None, :, :])
+    if TC:
+        tl.store(DWP + pid * KW * D * DV + off3, dw, mask=m3)
 
 
 @triton.jit
