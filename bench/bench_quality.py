@@ -70,8 +70,8 @@ DEFAULT_ROWS = {
     "shakespeare": [r for r in ROWS if r not in ("ddl-cc-bf16-state", "deltaformer-softmax-beta2")],
     "corpus": ["additive", "ddl", "ddl-tc", "ddl-cc", "ddl-cc-bf16-state", "deltaformer-softmax"],
     "stability": ["additive", "ddl", "ddl-cc", "ddl-tc",
-                  "deltaformer-softmax", "deltaformer-relu", "deltaformer-linear"],  # fmt: skip
-}
+                  "deltaformer-softmax", "deltaformer-relu", "deltaformer-linear"],
+}  # fmt: skip
 
 
 def run_args(setting, row, seed, out_dir, data_dir=None, max_seconds=0.0, lr=None, probe=0, extra=()):
