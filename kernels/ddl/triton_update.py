@@ -229,16 +229,15 @@ def _update_gk_kernel(
         kh = tl.load(Kd + off_nd, mask=m_nd, other=0.0).to(CT) * rs[:, None]
         off3 = off_nd[:, :, None] * DV + offs_v[None, None, :]
         g = tl.load(G + off3, mask=m_nd[:, :, None] & mv[None, None, :], other=0.0).to(CT)
+        mw = (offs_d < D)[:, None] & mv[None, :]  # a [d-block, d_v] weight tile
         if COMPRESS:
             dh = tl.load(DH + off_nd, mask=m_nd, other=0.0).to(CT)
-            mw = (offs_d < D)[:, None] & mv[None, :]
             w = tl.load(W + offs_d[:, None] * DV + offs_v[None, :], mask=mw, other=0.0).to(CT)
             g += dh[:, :, None] * w[None, :, :]
         if TC:  # the read-outs of tokens n .. n+KW-1 of n's sequence read x'[n]
             for j in tl.static_range(KW):
                 mj = m_nd & ((rows % T) + (KW - 1) - j < T)[:, None]
                 dh = tl.load(DH + off_nd + (KW - 1 - j) * D, mask=mj, other=0.0).to(CT)
-                mw = (offs_d < D)[:, None] & mv[None, :]
                 w = tl.load(W + j * D * DV + offs_d[:, None] * DV + offs_v[None, :], mask=mw, other=0.0)
                 g += dh[:, :, None] * w.to(CT)[None, :, :]
         acc += tl.sum(kh[:, :, None] * g, axis=1)
