@@ -27,7 +27,7 @@ SHAPES = [(8, 12, 1024, 64), (8, 6, 1024, 128), (4, 12, 2048, 64), (2, 12, 4096,
 def make(B, H, T, D, kernel="softmax", dtype=torch.bfloat16, seed=0):
     """Random inputs, the same q, k, v, w (seed) for every kernel; beta in (0, beta_max) as in
     tests/test_deltaformer.py (beta_max_for): relu and linear kappa grow u with T for unrelated w and k, so
-    their beta shrinks with T. relu's times include the norms around its kernels (`deltaformer_u_triton`)."""
+    their beta shrinks with T. relu's times include its keys' norms (`deltaformer_u_triton`)."""
     torch.manual_seed(seed)
     q, k, v, w = (torch.randn(B, H, T, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(4))
     beta_max = {"softmax": 1.0, "relu": min(1.0, 256.0 / T), "linear": min(1.0, 8.0 * T**-0.5)}[kernel]

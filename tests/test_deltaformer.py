@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from kernels.deltaformer import (
     KERNELS,
+    NORM_EPS,
     deltaformer_attention,
     deltaformer_reference,
     deltaformer_step,
@@ -351,6 +352,23 @@ def test_triton_head_dim_128_dk_pass(kernel):
         check_triton_against_reference(
             kernel, 1, 1, 45, 128, torch.float16, "cpu", chunk=32, tol=1e-2, lowp=lowp
         )
+
+
+@pytest.mark.parametrize("kernel", ["relu", "linear"])
+@pytest.mark.parametrize("D", [16, 128])  # dK in the backward wavefront, and by its own pass
+def test_triton_norms_in_kernels(kernel, D):
+    # relu / linear: the kernels scale raw scores by the rows' inverse norms and add the norms' gradient
+    # (`_scaled`, `_key_grad`): w rescaled over four decades and keys over one (stage 2 takes k as it is:
+    # much longer keys make its softmax too sharp for fp32), a key and a w below NORM_EPS, where the clamp
+    # passes no gradient through the norm; stage 2 as ours runs it (SDPA in fp32)
+    q, k, v, w, beta = make_inputs(1, 2, 37, D, beta_max=beta_max_for(kernel, 37))
+    k, w = (x * 10.0 ** (n * torch.rand(1, 2, 37, 1, dtype=x.dtype) - n / 2) for x, n in ((k, 1), (w, 4)))
+    for x, i in ((k, 5), (w, 20)):
+        x[:, :, i] *= 0.5 * NORM_EPS / x[:, :, i].norm(dim=-1, keepdim=True)
+    inputs = [q, k, v, w, beta]
+    check_triton_against_reference(
+        kernel, 1, 2, 37, D, torch.float32, "cpu", chunk=16, tol=1e-5, reference="same_stage2", inputs=inputs
+    )
 
 
 def reflection_inputs(B, H, T, D, kernel, device="cpu"):

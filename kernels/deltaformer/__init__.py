@@ -25,10 +25,10 @@ a 2-layer model at init with linear kappa and w a projection overflowed fp32 at 
 
 The public functions (`deltaformer_reference`, `deltaformer_u_torch`, `deltaformer_u_triton`,
 `deltaformer_step`, `deltaformer_attention`) take the raw k and w; their `scale` is softmax kappa's score
-scale (and stage 2's, where they have one), which relu and linear ignore in stage 1. The normalisation
-(`_inv_norm`) is PyTorch, autograd gives its backward: `stage1_keys` forms the unit vectors for the
-reference, the PyTorch path and the decoding step; `deltaformer_u_triton` folds the same norms into beta,
-v and u around the kernels, which score `scale * w.k` of whatever they are given.
+scale (and stage 2's, where they have one), which relu and linear ignore in stage 1. `stage1_keys` forms
+the unit vectors for the reference, the PyTorch path and the decoding step (PyTorch; autograd gives the
+norms' backward); the Triton kernels take the raw k and w with their norms and scale each fp32 score by the
+two inverse norms, the norms' gradient added in the dK / dW passes.
 
 Three implementations of the same function:
 - naive.py: `deltaformer_reference`, the per-token loop, the spec in code (any dtype; tests use float64),

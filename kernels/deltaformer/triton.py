@@ -35,6 +35,9 @@ Backward, with M = I + diag(beta) A, U = M^-1 V, G = M^-T dU:
   softmax: dS_ij = A_ij (dA_ij - sum_j' A_ij' dA_ij') = A_ij (dA_ij + beta_i <G_i, h_i>);
   relu: dS = dA [S > 0];  linear: dS = dA;  then dK = s dS^T W (`_dk_block`, parallel over column
   chunks) and dW = s dS K (`_dw_block`, parallel over row chunks), launched by `_dk_dw_kernel`.
+relu and linear score unit vectors, S_ij = r_i (w_i.k_j) c_j with r, c the inverse norms of w_i and k_j
+(`_scaled`; the norms by one PyTorch reduction, `_row_norms`): dK_j = c_j sum_i dS_ij r_i w_i
+- c_j^2 (sum_i dS_ij S_ij) k_j, and dW likewise (`_key_grad`).
 """
 
 import contextlib
@@ -43,7 +46,7 @@ import torch
 import triton
 
 from ..common import default_scale
-from .naive import KERNELS, _inv_norm
+from .naive import KERNELS
 from .triton_bwd import _bwd_g_kernel, _dk_dw_kernel
 from .triton_fwd import _fwd_kernel, _prep_kernel
 
@@ -94,6 +97,16 @@ def _launch(D, chunk, lowp):
     return launch
 
 
+def _row_norms(k, w, kernel):
+    """relu / linear: the fp32 norms |w_i|, |k_j| the kernels scale the scores by (`_scaled`), one pass when w
+    is k; softmax: unused placeholders."""
+    if kernel == "softmax":
+        return (k.new_empty(0, dtype=torch.float32),) * 2
+    norm = lambda x: torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)  # noqa: E731
+    nk = norm(k)
+    return (nk if w is k else norm(w)), nk
+
+
 def _device_guard(x):
     """Launch on the inputs' device, whatever the current one is."""
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
@@ -110,6 +123,7 @@ def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp):
     B, H, T, D = v.shape
     BH, NC, C = B * H, triton.cdiv(T, chunk), chunk
     prec, xprec, lowp, split, launch = _triton_cfg(v, chunk, lowp)
+    nw, nk = _row_norms(k, w, kernel)
     k, v, w, beta = (x.contiguous() for x in (k, v, w, beta))
     f32 = dict(device=v.device, dtype=torch.float32)
     u = v.new_empty(v.shape)  # contiguous (v is, here), as the fake says
@@ -117,15 +131,16 @@ def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp):
     h = torch.empty(B, H, T, D, **f32)
     lse = torch.empty(B, H, T, **f32) if kernel == "softmax" else torch.zeros(1, **f32)  # placeholder
     xinv = torch.empty(BH, NC, C, C, **f32)
-    kid = _KERNEL_IDS[kernel]
+    kid, norm = _KERNEL_IDS[kernel], kernel != "softmax"
     counters = torch.zeros(BH + 1, device=v.device, dtype=torch.int32)  # progress per (b, h); the ticket
     with _device_guard(v):
         _prep_kernel[(NC, BH)](
-            w, k, beta, lse, xinv, scale, T, NC, KERNEL=kid, D=D, C=C, PREC=prec, XPREC=xprec, **launch,
+            w, k, nw, nk, beta, lse, xinv, scale, T, NC,
+            KERNEL=kid, NORM=norm, D=D, C=C, PREC=prec, XPREC=xprec, **launch,
         )  # fmt: skip
         _fwd_kernel[(BH * NC,)](
-            w, k, v, beta, u, u_lo if split else u, h, lse, xinv, counters, counters[BH:],
-            scale, T, NC, BH, KERNEL=kid, D=D, C=C, SPLIT=split, PREC=prec, XPREC=xprec,
+            w, k, nw, nk, v, beta, u, u_lo if split else u, h, lse, xinv, counters, counters[BH:],
+            scale, T, NC, BH, KERNEL=kid, NORM=norm, D=D, C=C, SPLIT=split, PREC=prec, XPREC=xprec,
             SPIN_LIMIT=_SPIN_LIMIT, **launch,
         )  # fmt: skip
     return u, u_lo, h, lse, xinv
@@ -158,7 +173,8 @@ def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, kernel, scale, chunk, lowp):
     B, H, T, D = k.shape
     BH, NC, C = B * H, triton.cdiv(T, chunk), chunk
     prec, xprec, lowp, split, launch = _triton_cfg(k, chunk, lowp)
-    kid = _KERNEL_IDS[kernel]
+    kid, norm = _KERNEL_IDS[kernel], kernel != "softmax"
+    nw, nk = _row_norms(k, w, kernel)
     k, w, beta, du = (x.contiguous() for x in (k, w, beta, du))
     gb = k.new_empty(k.shape)  # beta G, read by the backward recurrence and by dK / dW (+ its low half)
     gb_lo = k.new_empty(k.shape) if split else gb
@@ -171,12 +187,12 @@ def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, kernel, scale, chunk, lowp):
     dkw = D <= DK_IN_WAVEFRONT_MAX_D
     with _device_guard(k):
         _bwd_g_kernel[(BH * NC,)](
-            w, k, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], u, u_lo, dk,
-            scale, T, NC, BH, KERNEL=kid, D=D, C=C, SPLIT=split, PREC=prec, XPREC=xprec,
-            SPIN_LIMIT=_SPIN_LIMIT, DKW=dkw, LOWP=lowp, **launch,
+            w, k, nw, nk, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], u,
+            u_lo, dk, scale, T, NC, BH, KERNEL=kid, NORM=norm, D=D, C=C, SPLIT=split, PREC=prec,
+            XPREC=xprec, SPIN_LIMIT=_SPIN_LIMIT, DKW=dkw, LOWP=lowp, **launch,
         )  # fmt: skip
-        args = (w, k, u, u_lo, gb, gb_lo, lse, rowterm, dk, dw, scale, T, NC)
-        consts = dict(KERNEL=kid, D=D, C=C, LOWP=lowp, PREC=prec, SPLIT=split)
+        args = (w, k, nw, nk, u, u_lo, gb, gb_lo, lse, rowterm, dk, dw, scale, T, NC)
+        consts = dict(KERNEL=kid, NORM=norm, D=D, C=C, LOWP=lowp, PREC=prec, SPLIT=split)
         if not dkw:  # dK not already done by the wavefront
             dk_launch = {"num_stages": LAUNCH["num_stages_dk"], **launch}
             _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=0, **dk_launch)
@@ -239,8 +255,8 @@ def deltaformer_u_triton(k, v, w, beta, kernel="softmax", scale=None, chunk=64, 
     chunk: rows per tile (power of two, 16..128). lowp: half-precision operands in the non-recurrent
     O(T^2) products of the backward (default: when the inputs are bf16/fp16; lowp=False costs ~30% more GPU
     time and removes their error, see the package docstring); fp32 inputs ignore it. scale: softmax kappa's
-    (default 1/sqrt(D)); relu and linear ignore it: their kappa is that of unit k, w at scale 1, the norms
-    folded into beta, v and u in PyTorch around the kernels (below).
+    (default 1/sqrt(D)); relu and linear ignore it: their kappa is that of unit k, w at scale 1, which the
+    kernels form by scaling the raw scores by the rows' inverse norms (`_scaled`, `_key_grad`).
     """
     if kernel not in KERNELS:
         raise ValueError(f"deltaformer: kernel must be one of {KERNELS}, got {kernel!r}")
@@ -252,19 +268,7 @@ def deltaformer_u_triton(k, v, w, beta, kernel="softmax", scale=None, chunk=64, 
     s = float(default_scale(k.shape[-1], scale))
     half = v.dtype != torch.float32
     lowp = half if lowp is None else bool(lowp) and half
-    if kernel == "softmax":
-        return _u_stage(k, v, w, beta, kernel, s, chunk, lowp)
-    # relu / linear: kappa(w_i, k_j) = r_i kappa(w_i.k_j) c_j with r = 1 / |w|, c = 1 / |k| (`_inv_norm`),
-    # so u = U~ / c with U~ the solution for the raw k, w at scale 1, v~ = c v and beta~ = beta r c (fp32):
-    # the kernels score the inputs exactly. Unit vectors rounded to bf16 instead have kappa(k, k) =
-    # 1 +- ~1e-3, which the reflection regime amplified to ~8e-3 of u at T = 512 (vs 1.7e-3 here: u's own
-    # rounding); what remains is the rounding of v~, ~4e-4 of u before its final rounding.
-    c = _inv_norm(k)
-    r = c if w is k else _inv_norm(w)
-    v_t = (v.to(c.dtype) * c).to(v.dtype)
-    beta_t = beta.to(c.dtype) * (r * c)[..., 0]
-    u_t = _u_stage(k, v_t, w, beta_t, kernel, 1.0, chunk, lowp)
-    return (u_t.to(c.dtype) / c).to(v.dtype)
+    return _u_stage(k, v, w, beta, kernel, s if kernel == "softmax" else 1.0, chunk, lowp)
 
 
 def _u_stage(k, v, w, beta, kernel, scale, chunk, lowp):

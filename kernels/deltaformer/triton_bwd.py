@@ -6,11 +6,14 @@ import triton.language as tl
 
 from .triton_common import (
     _dscores,
+    _inv_norms,
     _kappa,
+    _key_grad,
     _load_published,
     _load_value,
     _mm,
     _mm_rec,
+    _scaled,
     _store_split,
     _wait_progress,
     _wavefront_tile,
@@ -19,9 +22,10 @@ from .triton_common import (
 
 @triton.jit
 def _bwd_g_kernel(
-    W, K, DU, Beta, Hs, LSE, Xinv, GB, GBLO, DV, DBeta, RT, Prog, Ticket, U, ULO, DK, scale, T, NC, BH,
-    KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-    XPREC: tl.constexpr, SPIN_LIMIT: tl.constexpr, DKW: tl.constexpr, LOWP: tl.constexpr,
+    W, K, NW, NK, DU, Beta, Hs, LSE, Xinv, GB, GBLO, DV, DBeta, RT, Prog, Ticket, U, ULO, DK, scale, T, NC,
+    BH, KERNEL: tl.constexpr, NORM: tl.constexpr, D: tl.constexpr, C: tl.constexpr, SPLIT: tl.constexpr,
+    PREC: tl.constexpr, XPREC: tl.constexpr, SPIN_LIMIT: tl.constexpr, DKW: tl.constexpr,
+    LOWP: tl.constexpr,
 ):  # fmt: skip
     """G_c for one column chunk c (module docstring). DKW (D <= 64, `_u_bwd`): also
     dK_c = s sum_{i >= c} dS_ic^T w_i, from the S and A of the pairs this program forms anyway (then
@@ -29,12 +33,14 @@ def _bwd_g_kernel(
     in this launch)."""
     c, bh, bh64, offs_c, offs_d, cols, cmask, tile = _wavefront_tile(Ticket, T, NC, BH, D, C, True)
     k_c = tl.load(K + tile, mask=cmask[:, None], other=0.0)
+    rk = _inv_norms(NK, bh64 * T + cols, cmask, NORM)
     xt = Xinv + (bh64 * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :]
     x = tl.load(xt)
     du_c = tl.load(DU + tile, mask=cmask[:, None], other=0.0).to(tl.float32)
     b_c = tl.load(Beta + bh64 * T + cols, mask=cmask, other=0.0).to(tl.float32)
     acc = tl.zeros((C, D), dtype=tl.float32)  # sum_{i in later chunks} A_ij beta_i G_i
     dk = tl.zeros((C, D), dtype=tl.float32)
+    gk = tl.zeros((C,), dtype=tl.float32)  # NORM: sum_i dS_ij s_ij
     if DKW:
         u_c = _load_value(U, ULO, tile, cmask[:, None], LOWP, SPLIT)
     done = c * 0  # later chunks consumed, counted from the end
@@ -47,13 +53,15 @@ def _bwd_g_kernel(
             rows = (NC - 1 - it) * C + offs_c  # a later chunk, in the order they were published
             rmask = rows < T
             later = bh64 * T * D + rows[:, None] * D + offs_d[None, :]
-            w_r, s, a = _later_scores(W, LSE, later, bh64 * T + rows, rmask, k_c, scale, C, KERNEL, PREC)
+            w_r, rw, s, a = _later_scores(
+                W, NW, LSE, later, bh64 * T + rows, rmask, k_c, rk, scale, C, KERNEL, NORM, PREC
+            )  # fmt: skip
             gb_hi, gb_lo = _load_published(GB, GBLO, later, rmask[:, None], SPLIT)
             acc += _mm_rec(tl.trans(a), gb_hi, gb_lo, W, SPLIT, PREC)
             if DKW:
                 ds = _pair_ds(a, s, gb_hi, gb_lo, u_c, RT, bh64 * T + rows, rmask, W,
                               C, KERNEL, LOWP, SPLIT, PREC)  # fmt: skip
-                dk += _mm(tl.trans(ds), w_r, W, LOWP, PREC)
+                dk, gk = _dk_terms(dk, gk, ds, s, rw, w_r, W, LOWP, PREC, NORM)
         done = ready
     g_c = tl.dot(tl.trans(x), du_c - acc, input_precision=XPREC)
     g_c = tl.where(ok != 0, g_c, float("nan"))
@@ -76,25 +84,40 @@ def _bwd_g_kernel(
         gb_own = gb_c
         if LOWP:  # as the dK pass reads it: the stored half
             gb_own = gb_c.to(W.dtype.element_ty)
-        ds = _dscores_block(
-            w_c, gb_own, lse_c, rt_c, cols, k_c, u_c, cols, T, scale, W, KERNEL, LOWP, PREC
+        rw_c = _inv_norms(NW, bh64 * T + cols, cmask, NORM)
+        ds, s = _dscores_block(
+            w_c, gb_own, lse_c, rt_c, rw_c, cols, k_c, u_c, rk, cols, T, scale, W, KERNEL, NORM, LOWP, PREC
         )  # fmt: skip
-        dk += _mm(tl.trans(ds), w_c, W, LOWP, PREC)
-        tl.store(DK + tile, (dk * scale).to(DK.dtype.element_ty), mask=cmask[:, None])
+        dk, gk = _dk_terms(dk, gk, ds, s, rw_c, w_c, W, LOWP, PREC, NORM)
+        dk = _key_grad(dk, gk, k_c, NK, bh64 * T + cols, cmask, scale, NORM)
+        tl.store(DK + tile, dk.to(DK.dtype.element_ty), mask=cmask[:, None])
+
+
+@triton.jit
+def _dk_terms(dk, gk, ds, s, rw, w_r, W, LOWP: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr):
+    """dK's sums over one block of rows (`_key_grad`): dk += dS^T w (NORM: dS scaled by the rows' inverse
+    norms) and, NORM, gk += the column sums of dS S."""
+    if NORM:
+        gk += tl.sum(ds * s, axis=0)
+        ds = ds * rw[:, None]
+    dk += _mm(tl.trans(ds), w_r, W, LOWP, PREC)
+    return dk, gk
 
 
 @triton.jit
 def _later_scores(
-    W, LSE, later, rowoffs, rmask, k_c, scale,
-    C: tl.constexpr, KERNEL: tl.constexpr, PREC: tl.constexpr,
+    W, NW, LSE, later, rowoffs, rmask, k_c, rk, scale,
+    C: tl.constexpr, KERNEL: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """For a later row chunk of the backward wavefront: (w_r, S, A) against this tile's columns k_c."""
+    """For a later row chunk of the backward wavefront: (w_r, its inverse norms, S, A) against this tile's
+    columns k_c."""
     w_r = tl.load(W + later, mask=rmask[:, None], other=0.0)
+    rw = _inv_norms(NW, rowoffs, rmask, NORM)
     lse_r = tl.zeros((C,), dtype=tl.float32)
     if KERNEL == 0:
         lse_r = tl.load(LSE + rowoffs, mask=rmask, other=0.0)
-    s = tl.dot(w_r, tl.trans(k_c), input_precision=PREC) * scale  # [rows i, cols j]
-    return w_r, s, _kappa(s, rmask[:, None], lse_r, KERNEL)
+    s = _scaled(tl.dot(w_r, tl.trans(k_c), input_precision=PREC), scale, rw, rk, NORM)  # [rows i, cols j]
+    return w_r, rw, s, _kappa(s, rmask[:, None], lse_r, KERNEL)
 
 
 @triton.jit
@@ -125,10 +148,12 @@ def _row_term(Hs, RT, tile, rowoffs, gb_c, cmask):
 
 @triton.jit
 def _load_rows(
-    W, GB, GBLO, LSE, RT, bh, T, rows,
-    D: tl.constexpr, C: tl.constexpr, KERNEL: tl.constexpr, LOWP: tl.constexpr, SPLIT: tl.constexpr,
+    W, NW, GB, GBLO, LSE, RT, bh, T, rows,
+    D: tl.constexpr, C: tl.constexpr, KERNEL: tl.constexpr, NORM: tl.constexpr, LOWP: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """What dS needs of a block of rows i: w_i, beta_i G_i and, for softmax, lse_i and the row term."""
+    """What dS needs of a block of rows i: w_i, beta_i G_i, for softmax lse_i and the row term, and the
+    inverse norms of w_i (NORM)."""
     rmask = rows < T
     tile = bh * T * D + rows[:, None] * D + tl.arange(0, D)[None, :]
     w = tl.load(W + tile, mask=rmask[:, None], other=0.0)
@@ -138,74 +163,94 @@ def _load_rows(
     if KERNEL == 0:
         lse = tl.load(LSE + bh * T + rows, mask=rmask, other=0.0)
         rt = tl.load(RT + bh * T + rows, mask=rmask, other=0.0)
-    return w, gb, lse, rt
+    return w, gb, lse, rt, _inv_norms(NW, bh * T + rows, rmask, NORM)
 
 
 @triton.jit
-def _load_cols(K, U, ULO, bh, T, cols, D: tl.constexpr, LOWP: tl.constexpr, SPLIT: tl.constexpr):
-    """What dS needs of a block of columns j: k_j and u_j."""
+def _load_cols(
+    K, NK, U, ULO, bh, T, cols, D: tl.constexpr, NORM: tl.constexpr, LOWP: tl.constexpr, SPLIT: tl.constexpr
+):  # fmt: skip
+    """What dS needs of a block of columns j: k_j, u_j and the inverse norms of k_j (NORM)."""
     tile = bh * T * D + cols[:, None] * D + tl.arange(0, D)[None, :]
     cmask = (cols < T)[:, None]
-    return tl.load(K + tile, mask=cmask, other=0.0), _load_value(U, ULO, tile, cmask, LOWP, SPLIT)
+    k, u = tl.load(K + tile, mask=cmask, other=0.0), _load_value(U, ULO, tile, cmask, LOWP, SPLIT)
+    return k, u, _inv_norms(NK, bh * T + cols, cols < T, NORM)
 
 
 @triton.jit
 def _dscores_block(
-    w_r, gb_r, lse_r, rt_r, rows, k_c, u_c, cols, T, scale, W,
-    KERNEL: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+    w_r, gb_r, lse_r, rt_r, rw, rows, k_c, u_c, rk, cols, T, scale, W,
+    KERNEL: tl.constexpr, NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """dS of a block of rows i against a block of columns j (0 unless j < i < T): S and A recomputed,
-    dA_ij = -beta_i <G_i, u_j>."""
+    """(dS, S) of a block of rows i against a block of columns j (dS 0 unless j < i < T): S and A
+    recomputed, dA_ij = -beta_i <G_i, u_j>."""
     valid = (rows[:, None] > cols[None, :]) & (rows < T)[:, None]
-    s = tl.dot(w_r, tl.trans(k_c), input_precision=PREC) * scale
+    s = _scaled(tl.dot(w_r, tl.trans(k_c), input_precision=PREC), scale, rw, rk, NORM)
     a = _kappa(s, valid, lse_r, KERNEL)
     da = -_mm(gb_r, tl.trans(u_c), W, LOWP, PREC)
-    return _dscores(a, s, da, rt_r, valid, KERNEL)
+    return _dscores(a, s, da, rt_r, valid, KERNEL), s
 
 
 @triton.jit
 def _dk_block(
-    W, K, U, ULO, GB, GBLO, LSE, RT, DK, scale, T, NC, c, bh,
-    KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-    SPLIT: tl.constexpr,
+    W, K, NW, NK, U, ULO, GB, GBLO, LSE, RT, DK, scale, T, NC, c, bh,
+    KERNEL: tl.constexpr, NORM: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOWP: tl.constexpr,
+    PREC: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """dK_j = s sum_{i > j} dS_ij w_i for a block c of columns j, over the row blocks from its own on."""
+    """dK_j = s sum_{i > j} dS_ij w_i (NORM: `_key_grad`) for a block c of columns j, over the row blocks
+    from its own on."""
     cols = c * C + tl.arange(0, C)
-    k_c, u_c = _load_cols(K, U, ULO, bh, T, cols, D, LOWP, SPLIT)
+    k_c, u_c, rk = _load_cols(K, NK, U, ULO, bh, T, cols, D, NORM, LOWP, SPLIT)
     dk = tl.zeros((C, D), dtype=tl.float32)
+    gk = tl.zeros((C,), dtype=tl.float32)
     for cp in range(c, NC):
         rows = cp * C + tl.arange(0, C)
-        w_r, gb_r, lse_r, rt_r = _load_rows(W, GB, GBLO, LSE, RT, bh, T, rows, D, C, KERNEL, LOWP, SPLIT)
-        ds = _dscores_block(w_r, gb_r, lse_r, rt_r, rows, k_c, u_c, cols, T, scale, W, KERNEL, LOWP, PREC)
-        dk += _mm(tl.trans(ds), w_r, W, LOWP, PREC)
+        w_r, gb_r, lse_r, rt_r, rw = _load_rows(
+            W, NW, GB, GBLO, LSE, RT, bh, T, rows, D, C, KERNEL, NORM, LOWP, SPLIT
+        )  # fmt: skip
+        ds, s = _dscores_block(
+            w_r, gb_r, lse_r, rt_r, rw, rows, k_c, u_c, rk, cols, T, scale, W, KERNEL, NORM, LOWP, PREC
+        )  # fmt: skip
+        dk, gk = _dk_terms(dk, gk, ds, s, rw, w_r, W, LOWP, PREC, NORM)
     tile = bh * T * D + cols[:, None] * D + tl.arange(0, D)[None, :]
-    tl.store(DK + tile, (dk * scale).to(DK.dtype.element_ty), mask=(cols < T)[:, None])
+    dk = _key_grad(dk, gk, k_c, NK, bh * T + cols, cols < T, scale, NORM)
+    tl.store(DK + tile, dk.to(DK.dtype.element_ty), mask=(cols < T)[:, None])
 
 
 @triton.jit
 def _dw_block(
-    W, K, U, ULO, GB, GBLO, LSE, RT, DW, scale, T, c, bh,
-    KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-    SPLIT: tl.constexpr,
+    W, K, NW, NK, U, ULO, GB, GBLO, LSE, RT, DW, scale, T, c, bh,
+    KERNEL: tl.constexpr, NORM: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOWP: tl.constexpr,
+    PREC: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """dW_i = s sum_{j < i} dS_ij k_j for one block c of rows i, over the column blocks up to its own."""
+    """dW_i = s sum_{j < i} dS_ij k_j (NORM: `_key_grad`) for one block c of rows i, over the column blocks
+    up to its own."""
     rows = c * C + tl.arange(0, C)
-    w_c, gb_c, lse_c, rt_c = _load_rows(W, GB, GBLO, LSE, RT, bh, T, rows, D, C, KERNEL, LOWP, SPLIT)
+    w_c, gb_c, lse_c, rt_c, rw = _load_rows(
+        W, NW, GB, GBLO, LSE, RT, bh, T, rows, D, C, KERNEL, NORM, LOWP, SPLIT
+    )  # fmt: skip
     dw = tl.zeros((C, D), dtype=tl.float32)
+    gw = tl.zeros((C,), dtype=tl.float32)  # NORM: sum_j dS_ij s_ij
     for cp in range(0, c + 1):
         cols = cp * C + tl.arange(0, C)
-        k_p, u_p = _load_cols(K, U, ULO, bh, T, cols, D, LOWP, SPLIT)
-        ds = _dscores_block(w_c, gb_c, lse_c, rt_c, rows, k_p, u_p, cols, T, scale, W, KERNEL, LOWP, PREC)
+        k_p, u_p, rk = _load_cols(K, NK, U, ULO, bh, T, cols, D, NORM, LOWP, SPLIT)
+        ds, s = _dscores_block(
+            w_c, gb_c, lse_c, rt_c, rw, rows, k_p, u_p, rk, cols, T, scale, W, KERNEL, NORM, LOWP, PREC
+        )  # fmt: skip
+        if NORM:
+            gw += tl.sum(ds * s, axis=1)
+            ds = ds * rk[None, :]
         dw += _mm(ds, k_p, W, LOWP, PREC)
     tile = bh * T * D + rows[:, None] * D + tl.arange(0, D)[None, :]
-    tl.store(DW + tile, (dw * scale).to(DW.dtype.element_ty), mask=(rows < T)[:, None])
+    dw = _key_grad(dw, gw, w_c, NW, bh * T + rows, rows < T, scale, NORM)
+    tl.store(DW + tile, dw.to(DW.dtype.element_ty), mask=(rows < T)[:, None])
 
 
 @triton.jit
 def _dk_dw_kernel(
-    W, K, U, ULO, GB, GBLO, LSE, RT, DK, DW, scale, T, NC,
-    KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-    SPLIT: tl.constexpr, ROLE: tl.constexpr,
+    W, K, NW, NK, U, ULO, GB, GBLO, LSE, RT, DK, DW, scale, T, NC,
+    KERNEL: tl.constexpr, NORM: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOWP: tl.constexpr,
+    PREC: tl.constexpr, SPLIT: tl.constexpr, ROLE: tl.constexpr,
 ):  # fmt: skip
     """ROLE 0: dK over column blocks, 1: dW over row blocks; grid (NC, BH), the longest blocks first (dK's
     first columns, dW's last rows): a shorter tail. Two launches: both roles in one launch (programs
@@ -214,10 +259,11 @@ def _dk_dw_kernel(
     bh = tl.program_id(1).to(tl.int64)
     if ROLE == 0:
         _dk_block(
-            W, K, U, ULO, GB, GBLO, LSE, RT, DK, scale, T, NC, i, bh, KERNEL, D, C, LOWP, PREC, SPLIT,
+            W, K, NW, NK, U, ULO, GB, GBLO, LSE, RT, DK, scale, T, NC, i, bh,
+            KERNEL, NORM, D, C, LOWP, PREC, SPLIT,
         )  # fmt: skip
     else:
         _dw_block(
-            W, K, U, ULO, GB, GBLO, LSE, RT, DW, scale, T, NC - 1 - i, bh,
-            KERNEL, D, C, LOWP, PREC, SPLIT,
+            W, K, NW, NK, U, ULO, GB, GBLO, LSE, RT, DW, scale, T, NC - 1 - i, bh,
+            KERNEL, NORM, D, C, LOWP, PREC, SPLIT,
         )  # fmt: skip

@@ -5,6 +5,10 @@ kappa scores and their derivatives, the in-chunk unit lower-triangular inverse, 
 import triton
 import triton.language as tl
 
+from .naive import NORM_EPS as _EPS
+
+NORM_EPS = tl.constexpr(_EPS)  # relu / linear keys: x / max(|x|, NORM_EPS)
+
 
 @triton.jit
 def _read_progress(ptr):
@@ -81,13 +85,52 @@ def _load_cg(ptr, mask):
 
 
 @triton.jit
-def _scores(a, B, mask, scale, PREC: tl.constexpr):
-    """scale * a @ b^T with the block b loaded at pointers B (masked rows 0 unless mask is None)."""
+def _scores(a, B, mask, scale, ra, rb, PREC: tl.constexpr, NORM: tl.constexpr):
+    """The scores of a against the block b loaded at pointers B (masked rows 0 unless mask is None), scaled
+    as `_scaled` does."""
     if mask is None:
         b = tl.load(B)
     else:
         b = tl.load(B, mask=mask, other=0.0)
-    return tl.dot(a, tl.trans(b), input_precision=PREC) * scale
+    return _scaled(tl.dot(a, tl.trans(b), input_precision=PREC), scale, ra, rb, NORM)
+
+
+@triton.jit
+def _scaled(s, scale, r, c, NORM: tl.constexpr):
+    """Raw scores w_i.k_j as kappa takes them: scale * s (softmax), or (NORM: relu, linear) the scores of
+    the unit vectors, s_ij r_i c_j with r, c the rows' and columns' inverse norms (`_inv_norms`). Scaling
+    the fp32 product, not the operands, keeps the scores exact: unit vectors rounded to bf16 have
+    kappa(k, k) = 1 +- ~1e-3, which the reflection regime amplifies."""
+    if NORM:
+        s = s * r[:, None] * c[None, :]
+    else:
+        s = s * scale
+    return s
+
+
+@triton.jit
+def _inv_norms(N, offs, mask, NORM: tl.constexpr):
+    """NORM: 1 / max(|x|, NORM_EPS) of the rows at offs, from their norms |x| (fp32, `_row_norms`); else
+    unused zeros."""
+    r = (offs * 0).to(tl.float32)
+    if NORM:
+        r = 1.0 / tl.maximum(tl.load(N + offs, mask=mask, other=1.0), NORM_EPS)
+    return r
+
+
+@triton.jit
+def _key_grad(acc, g, x, N, offs, mask, scale, NORM: tl.constexpr):
+    """The gradient of a block of raw keys x (k_j, or w_i) from what the dK / dW loops summed over the other
+    side: softmax, acc = sum dS_ij (the other side's key): scale * acc. NORM, acc the same with dS_ij times
+    the other side's inverse norm, and g = sum dS_ij s_ij: with c = 1 / max(|x|, eps) (no gradient through
+    the clamp), d(c x.y)/dx = c y - c^3 (x.y) x, so the gradient is c acc - c^2 g x."""
+    if NORM:
+        n = tl.load(N + offs, mask=mask, other=1.0)
+        c = 1.0 / tl.maximum(n, NORM_EPS)
+        acc = c[:, None] * acc - tl.where(n >= NORM_EPS, c * c * g, 0.0)[:, None] * x.to(tl.float32)
+    else:
+        acc = acc * scale
+    return acc
 
 
 @triton.jit

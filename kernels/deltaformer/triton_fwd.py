@@ -6,11 +6,13 @@ import triton
 import triton.language as tl
 
 from .triton_common import (
+    _inv_norms,
     _kappa,
     _load_published,
     _lse_of,
     _lse_update,
     _mm_rec,
+    _scaled,
     _scores,
     _store_split,
     _unit_lower_inverse,
@@ -21,8 +23,9 @@ from .triton_common import (
 
 @triton.jit
 def _prep_kernel(
-    W, K, Beta, LSE, Xinv, scale, T, NC,
-    KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr,
+    W, K, NW, NK, Beta, LSE, Xinv, scale, T, NC,
+    KERNEL: tl.constexpr, NORM: tl.constexpr, D: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr,
+    XPREC: tl.constexpr,
 ):  # fmt: skip
     """Chunk c of head bh: the softmax lse of its rows over every j < i, and X_c (module docstring)."""
     c = NC - 1 - tl.program_id(0)  # the longest rows (most earlier chunks) first: a shorter tail
@@ -36,7 +39,8 @@ def _prep_kernel(
     k_c = tl.load(K + tile, mask=rmask[:, None], other=0.0)
     b = tl.load(Beta + bh * T + rows, mask=rmask, other=0.0).to(tl.float32)
     lower = offs_c[:, None] > offs_c[None, :]
-    s_cc = tl.dot(w, tl.trans(k_c), input_precision=PREC) * scale
+    rw, rk = _inv_norms(NW, bh * T + rows, rmask, NORM), _inv_norms(NK, bh * T + rows, rmask, NORM)
+    s_cc = _scaled(tl.dot(w, tl.trans(k_c), input_precision=PREC), scale, rw, rk, NORM)
     lse = tl.zeros((C,), dtype=tl.float32)
     if KERNEL == 0:
         m = tl.full((C,), -1e30, dtype=tl.float32)
@@ -44,7 +48,7 @@ def _prep_kernel(
         m, l = _lse_update(m, l, tl.where(lower, s_cc, float("-inf")))
         for cp in range(0, c):
             keys = K + bh * T * D + (cp * C + offs_c)[:, None] * D + offs_d[None, :]
-            m, l = _lse_update(m, l, _scores(w, keys, None, scale, PREC))
+            m, l = _lse_update(m, l, _scores(w, keys, None, scale, rw, rk, PREC, False))
         lse = _lse_of(m, l)
         tl.store(LSE + bh * T + rows, lse, mask=rmask)
     a_cc = _kappa(s_cc, lower, lse, KERNEL)
@@ -54,13 +58,14 @@ def _prep_kernel(
 
 @triton.jit
 def _fwd_kernel(
-    W, K, V, Beta, U, ULO, Hs, LSE, Xinv, Prog, Ticket, scale, T, NC, BH,
-    KERNEL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-    XPREC: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+    W, K, NW, NK, V, Beta, U, ULO, Hs, LSE, Xinv, Prog, Ticket, scale, T, NC, BH,
+    KERNEL: tl.constexpr, NORM: tl.constexpr, D: tl.constexpr, C: tl.constexpr, SPLIT: tl.constexpr,
+    PREC: tl.constexpr, XPREC: tl.constexpr, SPIN_LIMIT: tl.constexpr,
 ):  # fmt: skip
     """The wavefront tile of chunk c, head bh (module docstring)."""
     c, bh, bh64, offs_c, offs_d, rows, rmask, tile = _wavefront_tile(Ticket, T, NC, BH, D, C, False)
     w = tl.load(W + tile, mask=rmask[:, None], other=0.0)
+    rw = _inv_norms(NW, bh64 * T + rows, rmask, NORM)
     lse = tl.zeros((C,), dtype=tl.float32)
     if KERNEL == 0:
         lse = tl.load(LSE + bh64 * T + rows, mask=rmask, other=0.0)
@@ -79,7 +84,8 @@ def _fwd_kernel(
         ready = tl.where(seen > done, tl.minimum(seen, c), c)
         for cp in range(done, ready):
             prev = bh64 * T * D + (cp * C + offs_c)[:, None] * D + offs_d[None, :]
-            p = _kappa(_scores(w, K + prev, None, scale, PREC), everything, lse, KERNEL)
+            rk = _inv_norms(NK, bh64 * T + cp * C + offs_c, offs_c < C, NORM)
+            p = _kappa(_scores(w, K + prev, None, scale, rw, rk, PREC, NORM), everything, lse, KERNEL)
             u_hi, u_lo = _load_published(U, ULO, prev, None, SPLIT)
             acc += _mm_rec(p, u_hi, u_lo, W, SPLIT, PREC)
         done = ready
@@ -90,7 +96,8 @@ def _fwd_kernel(
     tl.atomic_xchg(Prog + bh, c + 1, sem="release")
     # off the critical path: h = sum_{j<i} A_ij u_j, for the backward
     k_c = tl.load(K + tile, mask=rmask[:, None], other=0.0)
-    s_cc = tl.dot(w, tl.trans(k_c), input_precision=PREC) * scale
+    rk = _inv_norms(NK, bh64 * T + rows, rmask, NORM)
+    s_cc = _scaled(tl.dot(w, tl.trans(k_c), input_precision=PREC), scale, rw, rk, NORM)
     a_cc = _kappa(s_cc, offs_c[:, None] > offs_c[None, :], lse, KERNEL)
     h = acc + tl.dot(a_cc, u, input_precision=PREC)
     tl.store(Hs + tile, h, mask=rmask[:, None])
