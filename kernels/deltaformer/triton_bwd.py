@@ -89,7 +89,7 @@ def _bwd_g_kernel(
             w_c, gb_own, lse_c, rt_c, rw_c, cols, k_c, u_c, rk, cols, T, scale, W, KERNEL, NORM, LOWP, PREC
         )  # fmt: skip
         dk, gk = _dk_terms(dk, gk, ds, s, rw_c, w_c, W, LOWP, PREC, NORM)
-        dk = _key_grad(dk, gk, k_c, NK, bh64 * T + cols, cmask, scale, NORM)
+        dk = _key_grad(dk, gk, k_c, rk, scale, NORM)
         tl.store(DK + tile, dk.to(DK.dtype.element_ty), mask=cmask[:, None])
 
 
@@ -213,7 +213,7 @@ def _dk_block(
         )  # fmt: skip
         dk, gk = _dk_terms(dk, gk, ds, s, rw, w_r, W, LOWP, PREC, NORM)
     tile = bh * T * D + cols[:, None] * D + tl.arange(0, D)[None, :]
-    dk = _key_grad(dk, gk, k_c, NK, bh * T + cols, cols < T, scale, NORM)
+    dk = _key_grad(dk, gk, k_c, rk, scale, NORM)
     tl.store(DK + tile, dk.to(DK.dtype.element_ty), mask=(cols < T)[:, None])
 
 
@@ -242,7 +242,7 @@ def _dw_block(
             ds = ds * rk[None, :]
         dw += _mm(ds, k_p, W, LOWP, PREC)
     tile = bh * T * D + rows[:, None] * D + tl.arange(0, D)[None, :]
-    dw = _key_grad(dw, gw, w_c, NW, bh * T + rows, rows < T, scale, NORM)
+    dw = _key_grad(dw, gw, w_c, rw, scale, NORM)
     tl.store(DW + tile, dw.to(DW.dtype.element_ty), mask=(rows < T)[:, None])
 
 

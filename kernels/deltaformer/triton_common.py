@@ -8,6 +8,7 @@ import triton.language as tl
 from .naive import NORM_EPS as _EPS
 
 NORM_EPS = tl.constexpr(_EPS)  # relu / linear keys: x / max(|x|, NORM_EPS)
+CLAMPED = tl.constexpr(1.0 / _EPS)  # the inverse norm of a key at or below NORM_EPS
 
 
 @triton.jit
@@ -119,15 +120,14 @@ def _inv_norms(N, offs, mask, NORM: tl.constexpr):
 
 
 @triton.jit
-def _key_grad(acc, g, x, N, offs, mask, scale, NORM: tl.constexpr):
+def _key_grad(acc, g, x, c, scale, NORM: tl.constexpr):
     """The gradient of a block of raw keys x (k_j, or w_i) from what the dK / dW loops summed over the other
     side: softmax, acc = sum dS_ij (the other side's key): scale * acc. NORM, acc the same with dS_ij times
-    the other side's inverse norm, and g = sum dS_ij s_ij: with c = 1 / max(|x|, eps) (no gradient through
-    the clamp), d(c x.y)/dx = c y - c^3 (x.y) x, so the gradient is c acc - c^2 g x."""
+    the other side's inverse norm, and g = sum dS_ij s_ij: with c = 1 / max(|x|, eps) the keys' inverse
+    norms (`_inv_norms`; no gradient through the clamp), d(c x.y)/dx = c y - c^3 (x.y) x, so the gradient
+    is c acc - c^2 g x."""
     if NORM:
-        n = tl.load(N + offs, mask=mask, other=1.0)
-        c = 1.0 / tl.maximum(n, NORM_EPS)
-        acc = c[:, None] * acc - tl.where(n >= NORM_EPS, c * c * g, 0.0)[:, None] * x.to(tl.float32)
+        acc = c[:, None] * acc - tl.where(c < CLAMPED, c * c * g, 0.0)[:, None] * x.to(tl.float32)
     else:
         acc = acc * scale
     return acc
