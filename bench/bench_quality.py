@@ -6,17 +6,18 @@
     python bench/bench_quality.py --setting stability --lr 2e-3 --seeds 1 2 --out DIR --data-dir D
     python bench/bench_quality.py --table DIR [DIR ...]   # the table of finished runs
 
-Each (row, seed) is one `train.py` run in DIR/<setting>/<row>-s<seed> (log.jsonl, train.out; its ckpt.pt
-removed at its end), --parallel at a time; a run that ended there is kept, so rerunning a command resumes it.
-Settings: SETTINGS, with RECIPE (AdamW, warmup + cosine to lr / 10); --lr sets the peak lr (to
-DIR/<setting>-lr<lr>). The table: per row, the best and final validation loss (mean and half-range over seeds)
-and the best's difference from additive; for stability, a line per run (finished or stopped, the largest loss
-spike over the running minimum, the best validation loss). --probe N records every N iterations each
-Deltaformer layer's stage 1 (max |u| / max |v|, beta, softmax kappa's weight on the previous token) and the
-first non-finite u into probe.jsonl, summarised in the table.
+Each (row, seed) is one `train.py` run in DIR/<setting>/<row>-s<seed> (log.jsonl, train.out; no checkpoint
+kept), --parallel at a time; a run that ended there (finished, or stopped on a non-finite loss) is kept, so
+rerunning a command reruns the others (cut short). Settings: SETTINGS, with RECIPE (AdamW, warmup + cosine to
+lr / 10); --lr sets the peak lr (to DIR/<setting>-lr<lr>). The table: per row, the best and final validation
+loss (mean and half-range over seeds) and the best's difference from additive; for stability, a line per run
+(finished, stopped, failed or cut short; the largest loss spike over the running minimum; the best validation
+loss). --probe N records every N iterations each Deltaformer layer's stage 1 (max |u| / max |v|, beta, softmax
+kappa's weight on token i - 1) and the first non-finite u into probe.jsonl, summarised in the table.
 """
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -166,8 +167,8 @@ def launch_all(jobs, parallel, on_finish=lambda: None):
 
 def read_run(out_dir):
     """dict(vals: val loss by iteration, train: train losses in order, lr: the peak learning rate, last_iter,
-    final: finished?, why: what stopped it) from out_dir/log.jsonl and train.out."""
-    run = dict(vals={}, train=[], lr=0.0, last_iter=-1, final=False, why="")
+    final: finished?, diverged: stopped on a non-finite loss?, why) from log.jsonl and train.out."""
+    run = dict(vals={}, train=[], lr=0.0, last_iter=-1, final=False, diverged=False, why="")
     for rec in read_jsonl(os.path.join(out_dir, "log.jsonl")):
         run["last_iter"] = max(run["last_iter"], rec.get("iter", -1))
         if "val_loss" in rec:
@@ -179,29 +180,27 @@ def read_run(out_dir):
     if os.path.exists(console):
         lines = pathlib.Path(console).read_text(errors="replace").splitlines()
         run["final"] = any(line.startswith("done:") for line in lines)
-        errors = [line[:60] for line in lines if "Error" in line]  # the last one names the cause
-        nonfinite = any("stopping before the update" in line for line in lines)  # train.py's divergence stop
-        run["why"] = "non-finite loss" if nonfinite else errors[-1] if errors else ""
+        errors = [line[:90] for line in lines if "Error" in line or ": error: " in line]  # the last: why
+        run["diverged"] = any("stopping before the update" in line for line in lines)  # train.py's stop
+        run["why"] = "non-finite loss" if run["diverged"] else errors[-1] if errors else ""
     return run
+
+
+def mean(xs):
+    xs = [x for x in xs if math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
 
 
 def mean_spread(xs):
     xs = [x for x in xs if math.isfinite(x)]
-    if not xs:
-        return "—"
-    mean = sum(xs) / len(xs)
-    return f"{mean:.4f} ± {(max(xs) - min(xs)) / 2:.4f}" if len(xs) > 1 else f"{mean:.4f}"
+    return (f"{mean(xs):.4f}" + (f" ± {(max(xs) - min(xs)) / 2:.4f}" if len(xs) > 1 else "")) if xs else "—"
 
 
 def largest_spike(losses):
     """max over steps of the train loss minus its running minimum (0 for a loss that never rises)."""
-    spike, low = 0.0, math.inf
-    for x in losses:
-        if not math.isfinite(x):
-            return math.inf
-        low = min(low, x)
-        spike = max(spike, x - low)
-    return spike
+    if not all(map(math.isfinite, losses)):
+        return math.inf
+    return max((x - low for x, low in zip(losses, itertools.accumulate(losses, min))), default=0.0)
 
 
 def probe_summary(out_dir):
@@ -256,17 +255,14 @@ def table(dirs):
         if setting == "stability":
             lines += stability_table(folder, rows, runs)
             continue
-        base = runs.get((folder, "additive"))
-        base_best = sum(r[2] for r in base) / len(base) if base else float("nan")
+        base_best = mean([x[2] for x in runs.get((folder, "additive"), [])])
         cells = []
         for r in rows:
             rs = runs[(folder, r)]
-            bests = [x[2] for x in rs if math.isfinite(x[2])]
-            mean_best = sum(bests) / len(bests) if bests else float("nan")
-            stops = [f"s{x[0]} stopped at iter {x[1]['last_iter']}" for x in rs if not finished(x[1])]
-            notes = "; ".join(stops) or "ok"
+            notes = "; ".join(f"s{x[0]} {status(x[1])}" for x in rs if not finished(x[1])) or "ok"
             best, final = mean_spread([x[2] for x in rs]), mean_spread([x[3] for x in rs])
-            cells.append([r, ",".join(x[0] for x in rs), best, final, f"{mean_best - base_best:+.4f}", notes])
+            diff = mean([x[2] for x in rs]) - base_best
+            cells.append([r, ",".join(x[0] for x in rs), best, final, f"{diff:+.4f}", notes])
         lines.append(
             f"\n**{folder}** ({SETTINGS[setting]['max_iters']} iterations; best and final validation loss, "
             "mean ± half-range over seeds)\n"
@@ -280,20 +276,24 @@ def finished(run):
     return run["final"] and all(map(math.isfinite, run["vals"].values()))
 
 
+def status(run):
+    """'finished', or how it ended and where: stopped (a non-finite loss), failed (an error), cut short."""
+    how = "stopped" if run["diverged"] else "failed" if run["why"] else "cut short"
+    why = f" ({run['why']})" if run["why"] else ""
+    return "finished" if finished(run) else f"{how} at iter {run['last_iter'] + 1}{why}"
+
+
 def stability_table(folder, rows, runs):
     every = [x for r in rows for x in runs[(folder, r)]]
     lrs = sorted({f"{x[1]['lr']:g}" for x in every})
-    stopped = sum(not finished(x[1]) for x in every)
-    cells = []
-    for r in rows:
-        for seed, run, best, _ in runs[(folder, r)]:
-            why = f" ({run['why']})" if run["why"] else ""
-            status = "finished" if finished(run) else f"stopped at iter {run['last_iter'] + 1}{why}"
-            cells.append([r, seed, status, f"{largest_spike(run['train']):.3f}", f"{best:.4f}", run["probe"]])
+    done, stopped = sum(finished(x[1]) for x in every), sum(x[1]["diverged"] for x in every)
+    cells = [[r, seed, status(run), f"{largest_spike(run['train']):.3f}", f"{best:.4f}", run["probe"]]
+             for r in rows for seed, run, best, _ in runs[(folder, r)]]  # fmt: skip
     head = ["row", "seed", "run", "largest loss spike", "best val", "probe (u/v: max abs u / max abs v)"]
+    rest = f", {len(every) - done - stopped} failed or cut short" if len(every) > done + stopped else ""
     return [
         f"\n**{folder}** ({SETTINGS['stability']['max_iters']} iterations, peak lr {', '.join(lrs)}): "
-        f"{len(every) - stopped} of {len(every)} runs finished, {stopped} stopped\n",
+        f"{done} of {len(every)} runs finished, {stopped} stopped{rest}\n",
         *markdown(head, cells),
     ]
 
@@ -321,7 +321,7 @@ def main(argv=None):
         folder = os.path.join(args.out, args.setting + (f"-lr{args.lr:g}" if args.lr else ""))
         runs = [(row, seed, os.path.join(folder, f"{row}-s{seed}"))
                 for seed in args.seeds for row in args.rows or DEFAULT_ROWS[args.setting]]  # fmt: skip
-        runs = [run for run in runs if not read_run(run[2])["final"]]  # one that ended there is kept
+        runs = [run for run in runs if not ((r := read_run(run[2]))["final"] or r["diverged"])]  # ended: kept
         extra = (args.data_dir, args.max_seconds, args.lr, args.probe)
         jobs = [(run_args(args.setting, row, seed, out_dir, *extra), out_dir) for row, seed, out_dir in runs]
     header = f"command: `{command(__file__, argv)}`"

@@ -36,7 +36,7 @@ def test_table_means_spreads_and_baseline(tmp_path):
     # ddl-cc: bests 3.9 and 5.0 (the finite minimum of a run that went NaN) -> 4.45 ± 0.55, 0.25 above
     # additive; finals 3.9 and NaN -> 3.9 over the finite one; the NaN run is marked
     assert "| 4.4500 ± 0.5500 | 3.9000 | +0.2500 |" in lines["ddl-cc"]
-    assert "s2 stopped at iter 1" in lines["ddl-cc"]
+    assert "s2 cut short at iter 2" in lines["ddl-cc"]  # no error line: killed
 
 
 def test_table_of_a_setting_folder_and_of_nothing(tmp_path, capsys):
@@ -130,13 +130,16 @@ def write_stability_run(top, folder, name, train, vals, console):
     return d
 
 
+NONFINITE = "iteration 3: train loss nan, gradient norm nan: stopping before the update."
+
+
 def test_stability_table_has_a_line_per_run(tmp_path):
     top = str(tmp_path)
     write_stability_run(top, "stability-lr0.002", "additive-s1", [9.0, 7.0, 8.5, 6.0], [(0, 9.5), (4, 6.1)],
                         "done: 4 iterations\n")  # fmt: skip
     d = write_stability_run(
         top, "stability-lr0.002", "deltaformer-softmax-beta2-s3", [9.0, 6.0, 9.9], [(0, 9.4)],
-        "train.py: error: iteration 3: train loss nan, gradient norm nan: stopping before the update.\n",
+        f"train.py: error: {NONFINITE}\n",
     )  # fmt: skip
     with open(os.path.join(d, "probe.jsonl"), "w") as f:
         rec = dict(finite=True, v_finite=True, beta_mean=1.2, beta_max=1.9, beta_over_1=0.6)
@@ -152,6 +155,23 @@ def test_stability_table_has_a_line_per_run(tmp_path):
     assert "u/v 40 (iter 2, layer 0, beta mean 1.20 max 1.90, kappa(i-1) 0.50)" in text
     assert "first non-finite u: iter 3 layer 5 (v finite: True)" in text
     assert "|u|" not in text  # no bare pipes inside a cell
+
+
+def test_stability_table_tells_a_crash_from_a_divergence(tmp_path):
+    """Only train.py's stop on a non-finite loss counts as stopped; a run that an error (here a shard gone
+    from under it) or a kill cut short is counted apart, with the error's line."""
+    top, losses = str(tmp_path), [9.0, 7.0, 6.5]
+    write_stability_run(top, "stability", "ddl-s1", losses, [(0, 9.0)], f"train.py: error: {NONFINITE}\n")
+    missing = "train.py: error: dataset='fineweb_edu': D/x_train_000001.bin: cannot read shard (No such file)"
+    write_stability_run(top, "stability", "ddl-s2", losses, [(0, 9.0)], f"iter 0: loss 9.0\n{missing}\n")
+    write_stability_run(top, "stability", "ddl-s3", losses, [(0, 9.0)], "iter 0: loss 9.0\n")  # killed
+    write_stability_run(top, "stability", "ddl-s4", losses, [(0, 9.0), (3, 6.4)], "done: 3 iterations\n")
+    text = bq.table([top])
+    assert ": 1 of 4 runs finished, 1 stopped, 2 failed or cut short\n" in text
+    cells = [line.split(" | ") for line in text.splitlines() if line.startswith("| ddl")]
+    runs = {seed: status for _, seed, status, *_ in cells}
+    assert runs == {"1": "stopped at iter 3 (non-finite loss)", "2": f"failed at iter 3 ({missing[:90]})",
+                    "3": "cut short at iter 3", "4": "finished"}  # fmt: skip
 
 
 def test_run_args_lr_and_probe():
@@ -201,7 +221,9 @@ def test_rerunning_a_command_keeps_the_runs_that_ended(tmp_path, monkeypatch):
     top = str(tmp_path)
     write_run(top, "stability", "additive-s1", [(0, 5.0), (1, 4.0)])
     write_run(top, "stability", "additive-s2", [(0, 5.0)], done=False)  # crashed: runs again
+    write_stability_run(top, "stability", "additive-s4", [9.0, 7.0, float("nan")], [(0, 9.5)],
+                        f"train.py: error: {NONFINITE}\n")  # stopped on a non-finite loss: kept  # fmt: skip
     launched = []
     monkeypatch.setattr(bq, "launch_all", lambda jobs, n, on_finish: launched.extend(d for _, d in jobs))
-    bq.main(["--setting", "stability", "--rows", "additive", "--seeds", "1", "2", "3", "--out", top])
+    bq.main(["--setting", "stability", "--rows", "additive", "--seeds", "1", "2", "3", "4", "--out", top])
     assert launched == [os.path.join(top, "stability", f"additive-s{s}") for s in (2, 3)]
