@@ -180,7 +180,7 @@ def read_run(out_dir):
     if os.path.exists(console):
         lines = pathlib.Path(console).read_text(errors="replace").splitlines()
         run["final"] = any(line.startswith("done:") for line in lines)
-        errors = [line[:90] for line in lines if "Error" in line or ": error: " in line]  # the last: why
+        errors = [line[:160] for line in lines if "Error" in line or ": error: " in line]  # the last: why
         run["diverged"] = any("stopping before the update" in line for line in lines)  # train.py's stop
         run["why"] = "non-finite loss" if run["diverged"] else errors[-1] if errors else ""
     return run
