@@ -5,7 +5,7 @@ the GB/s against the copy bandwidth measured in the same run; torch.compile of t
 
     python bench/bench_ddl.py                 # fp32 and bf16 state, d 768, d_v 4 and 1, K 4, N = 32,768
     python bench/bench_ddl.py --quick         # Triton, fp32 only
-    python bench/bench_ddl.py --sweeps        # only launch shapes: the CC backward's (fused, split), TC fwd's
+    python bench/bench_ddl.py --sweeps        # only launch shapes (CC backward: fused, split; TC), GPU time
 """
 
 import argparse
@@ -15,7 +15,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from common import command, median_ms, versions, write_json  # noqa: E402  (bench/common.py)
+from common import command, graph_ms, median_ms, versions, write_json  # noqa: E402  (bench/common.py)
 
 N, D = 32768, 768  # tokens (as [N / 1024, 1024]), width
 
@@ -30,14 +30,14 @@ def state_inputs(dtype, dv, small=torch.float32):
     return x, k, v, beta, make(torch.randn, D, dv, dt=small)
 
 
-def recorder(rows):
-    """case(name, fn, nbytes): times fn (median_ms after one call that compiles it), prints its line and
+def recorder(rows, timer=median_ms):
+    """case(name, fn, nbytes): times fn (timer after one call that compiles it), prints its line and
     appends its row to rows; a case that fails prints why and the run goes on."""
 
     def case(name, fn, nbytes):
         try:
             fn()
-            ms = median_ms(fn)
+            ms = timer(fn)
         except Exception as e:  # noqa: BLE001
             print(f"{name} FAILED: {type(e).__name__}: {e}"[:300], flush=True)
             return
@@ -49,7 +49,7 @@ def recorder(rows):
 
 def bench_kernels(args):
     rows = []
-    case = recorder(rows)
+    case = recorder(rows, graph_ms if args.sweeps else median_ms)  # sweeps: GPU time (host dispatch varies)
     bufs = [torch.randint(0, 255, (2**30,), dtype=torch.uint8, device="cuda"), None]
     bufs[1] = torch.empty_like(bufs[0])
     case("copy 1 GiB (read + write)", lambda: bufs[1].copy_(bufs[0]), 2 * 2**30)
@@ -192,7 +192,7 @@ def bench_kernels_dtype(args, dtype, case):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="Triton only, fp32 state")
-    p.add_argument("--sweeps", action="store_true", help="only the CC backward's, TC forward's launch shapes")
+    p.add_argument("--sweeps", action="store_true", help="only launch shapes, as CUDA graph replays")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_ddl.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
