@@ -261,8 +261,8 @@ def table(dirs):
             rs = runs[(folder, r)]
             notes = "; ".join(f"s{x[0]} {status(x[1])}" for x in rs if not finished(x[1])) or "ok"
             best, final = mean_spread([x[2] for x in rs]), mean_spread([x[3] for x in rs])
-            diff = mean([x[2] for x in rs]) - base_best
-            cells.append([r, ",".join(x[0] for x in rs), best, final, f"{diff:+.4f}", notes])
+            diff = f"{mean([x[2] for x in rs]) - base_best:+.4f}".replace("+nan", "—")  # "—": no additive run
+            cells.append([r, ",".join(x[0] for x in rs), best, final, diff, notes])
         lines.append(
             f"\n**{folder}** ({SETTINGS[setting]['max_iters']} iterations; best and final validation loss, "
             "mean ± half-range over seeds)\n"

@@ -37,6 +37,8 @@ def test_table_means_spreads_and_baseline(tmp_path):
     # additive; finals 3.9 and NaN -> 3.9 over the finite one; the NaN run is marked
     assert "| 4.4500 ± 0.5500 | 3.9000 | +0.2500 |" in lines["ddl-cc"]
     assert "s2 cut short at iter 2" in lines["ddl-cc"]  # no error line: killed
+    write_run(top, "corpus", "ddl-s1", [(0, 5.0), (1, 3.5)])  # a setting without its additive run
+    assert "| ddl | 1 | 3.5000 | 3.5000 | — | ok |" in bq.table([top])
 
 
 def test_table_of_a_setting_folder_and_of_nothing(tmp_path, capsys):
