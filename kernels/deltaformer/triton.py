@@ -36,8 +36,8 @@ Backward, with M = I + diag(beta) A, U = M^-1 V, G = M^-T dU:
   relu: dS = dA [S > 0];  linear: dS = dA;  then dK = s dS^T W (`_dk_block`, parallel over column
   chunks) and dW = s dS K (`_dw_block`, parallel over row chunks), launched by `_dk_dw_kernel`.
 relu and linear score unit vectors, S_ij = r_i (w_i.k_j) c_j with r, c the inverse norms of w_i and k_j
-(`_scaled`; the norms by one PyTorch reduction, `_row_norms`): dK_j = c_j sum_i dS_ij r_i w_i
-- c_j^2 (sum_i dS_ij S_ij) k_j, and dW likewise (`_key_grad`).
+(`_scaled`; the norms by one PyTorch reduction, `_row_norms`): with acc_j = sum_i dS_ij r_i w_i,
+dK_j = c_j acc_j - c_j^3 (k_j . acc_j) k_j, and dW likewise (`_key_grad`).
 """
 
 import contextlib

@@ -40,7 +40,6 @@ def _bwd_g_kernel(
     b_c = tl.load(Beta + bh64 * T + cols, mask=cmask, other=0.0).to(tl.float32)
     acc = tl.zeros((C, D), dtype=tl.float32)  # sum_{i in later chunks} A_ij beta_i G_i
     dk = tl.zeros((C, D), dtype=tl.float32)
-    gk = tl.zeros((C,), dtype=tl.float32)  # NORM: sum_i dS_ij s_ij
     if DKW:
         u_c = _load_value(U, ULO, tile, cmask[:, None], LOWP, SPLIT)
     done = c * 0  # later chunks consumed, counted from the end
@@ -61,7 +60,7 @@ def _bwd_g_kernel(
             if DKW:
                 ds = _pair_ds(a, s, gb_hi, gb_lo, u_c, RT, bh64 * T + rows, rmask, W,
                               C, KERNEL, LOWP, SPLIT, PREC)  # fmt: skip
-                dk, gk = _dk_terms(dk, gk, ds, s, rw, w_r, W, LOWP, PREC, NORM)
+                dk = _dk_terms(dk, ds, rw, w_r, W, LOWP, PREC, NORM)
         done = ready
     g_c = tl.dot(tl.trans(x), du_c - acc, input_precision=XPREC)
     g_c = tl.where(ok != 0, g_c, float("nan"))
@@ -85,23 +84,21 @@ def _bwd_g_kernel(
         if LOWP:  # as the dK pass reads it: the stored half
             gb_own = gb_c.to(W.dtype.element_ty)
         rw_c = _inv_norms(NW, bh64 * T + cols, cmask, NORM)
-        ds, s = _dscores_block(
+        ds = _dscores_block(
             w_c, gb_own, lse_c, rt_c, rw_c, cols, k_c, u_c, rk, cols, T, scale, W, KERNEL, NORM, LOWP, PREC
         )  # fmt: skip
-        dk, gk = _dk_terms(dk, gk, ds, s, rw_c, w_c, W, LOWP, PREC, NORM)
-        dk = _key_grad(dk, gk, k_c, rk, scale, NORM)
+        dk = _dk_terms(dk, ds, rw_c, w_c, W, LOWP, PREC, NORM)
+        dk = _key_grad(dk, k_c, rk, scale, NORM)
         tl.store(DK + tile, dk.to(DK.dtype.element_ty), mask=cmask[:, None])
 
 
 @triton.jit
-def _dk_terms(dk, gk, ds, s, rw, w_r, W, LOWP: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr):
-    """dK's sums over one block of rows (`_key_grad`): dk += dS^T w (NORM: dS scaled by the rows' inverse
-    norms) and, NORM, gk += the column sums of dS S."""
+def _dk_terms(dk, ds, rw, w_r, W, LOWP: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr):
+    """dK's sum over one block of rows (`_key_grad`): dk += dS^T w (NORM: dS scaled by the rows' inverse
+    norms)."""
     if NORM:
-        gk += tl.sum(ds * s, axis=0)
         ds = ds * rw[:, None]
-    dk += _mm(tl.trans(ds), w_r, W, LOWP, PREC)
-    return dk, gk
+    return dk + _mm(tl.trans(ds), w_r, W, LOWP, PREC)
 
 
 @triton.jit
@@ -182,13 +179,13 @@ def _dscores_block(
     w_r, gb_r, lse_r, rt_r, rw, rows, k_c, u_c, rk, cols, T, scale, W,
     KERNEL: tl.constexpr, NORM: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """(dS, S) of a block of rows i against a block of columns j (dS 0 unless j < i < T): S and A
-    recomputed, dA_ij = -beta_i <G_i, u_j>."""
+    """dS of a block of rows i against a block of columns j (0 unless j < i < T): S and A recomputed,
+    dA_ij = -beta_i <G_i, u_j>."""
     valid = (rows[:, None] > cols[None, :]) & (rows < T)[:, None]
     s = _scaled(tl.dot(w_r, tl.trans(k_c), input_precision=PREC), scale, rw, rk, NORM)
     a = _kappa(s, valid, lse_r, KERNEL)
     da = -_mm(gb_r, tl.trans(u_c), W, LOWP, PREC)
-    return _dscores(a, s, da, rt_r, valid, KERNEL), s
+    return _dscores(a, s, da, rt_r, valid, KERNEL)
 
 
 @triton.jit
@@ -202,18 +199,17 @@ def _dk_block(
     cols = c * C + tl.arange(0, C)
     k_c, u_c, rk = _load_cols(K, NK, U, ULO, bh, T, cols, D, NORM, LOWP, SPLIT)
     dk = tl.zeros((C, D), dtype=tl.float32)
-    gk = tl.zeros((C,), dtype=tl.float32)
     for cp in range(c, NC):
         rows = cp * C + tl.arange(0, C)
         w_r, gb_r, lse_r, rt_r, rw = _load_rows(
             W, NW, GB, GBLO, LSE, RT, bh, T, rows, D, C, KERNEL, NORM, LOWP, SPLIT
         )  # fmt: skip
-        ds, s = _dscores_block(
+        ds = _dscores_block(
             w_r, gb_r, lse_r, rt_r, rw, rows, k_c, u_c, rk, cols, T, scale, W, KERNEL, NORM, LOWP, PREC
         )  # fmt: skip
-        dk, gk = _dk_terms(dk, gk, ds, s, rw, w_r, W, LOWP, PREC, NORM)
+        dk = _dk_terms(dk, ds, rw, w_r, W, LOWP, PREC, NORM)
     tile = bh * T * D + cols[:, None] * D + tl.arange(0, D)[None, :]
-    dk = _key_grad(dk, gk, k_c, rk, scale, NORM)
+    dk = _key_grad(dk, k_c, rk, scale, NORM)
     tl.store(DK + tile, dk.to(DK.dtype.element_ty), mask=(cols < T)[:, None])
 
 
@@ -230,19 +226,17 @@ def _dw_block(
         W, NW, GB, GBLO, LSE, RT, bh, T, rows, D, C, KERNEL, NORM, LOWP, SPLIT
     )  # fmt: skip
     dw = tl.zeros((C, D), dtype=tl.float32)
-    gw = tl.zeros((C,), dtype=tl.float32)  # NORM: sum_j dS_ij s_ij
     for cp in range(0, c + 1):
         cols = cp * C + tl.arange(0, C)
         k_p, u_p, rk = _load_cols(K, NK, U, ULO, bh, T, cols, D, NORM, LOWP, SPLIT)
-        ds, s = _dscores_block(
+        ds = _dscores_block(
             w_c, gb_c, lse_c, rt_c, rw, rows, k_p, u_p, rk, cols, T, scale, W, KERNEL, NORM, LOWP, PREC
         )  # fmt: skip
         if NORM:
-            gw += tl.sum(ds * s, axis=1)
             ds = ds * rk[None, :]
         dw += _mm(ds, k_p, W, LOWP, PREC)
     tile = bh * T * D + rows[:, None] * D + tl.arange(0, D)[None, :]
-    dw = _key_grad(dw, gw, w_c, rw, scale, NORM)
+    dw = _key_grad(dw, w_c, rw, scale, NORM)
     tl.store(DW + tile, dw.to(DW.dtype.element_ty), mask=(rows < T)[:, None])
 
 

@@ -120,14 +120,16 @@ def _inv_norms(N, offs, mask, NORM: tl.constexpr):
 
 
 @triton.jit
-def _key_grad(acc, g, x, c, scale, NORM: tl.constexpr):
+def _key_grad(acc, x, c, scale, NORM: tl.constexpr):
     """The gradient of a block of raw keys x (k_j, or w_i) from what the dK / dW loops summed over the other
     side: softmax, acc = sum dS_ij (the other side's key): scale * acc. NORM, acc the same with dS_ij times
-    the other side's inverse norm, and g = sum dS_ij s_ij: with c = 1 / max(|x|, eps) the keys' inverse
-    norms (`_inv_norms`; no gradient through the clamp), d(c x.y)/dx = c y - c^3 (x.y) x, so the gradient
-    is c acc - c^2 g x."""
+    the other side's inverse norm: with c = 1 / max(|x|, eps) the keys' inverse norms (`_inv_norms`; no
+    gradient through the clamp), d(c x.y)/dx = c y - c^3 (x.y) x, so the gradient is c acc - c^3 (x.acc) x
+    (x.acc = sum dS_ij S_ij / c: no sum over the score blocks of its own)."""
     if NORM:
-        acc = c[:, None] * acc - tl.where(c < CLAMPED, c * c * g, 0.0)[:, None] * x.to(tl.float32)
+        xf = x.to(tl.float32)
+        radial = tl.where(c < CLAMPED, c * c * c * tl.sum(xf * acc, axis=1), 0.0)
+        acc = c[:, None] * acc - radial[:, None] * xf
     else:
         acc = acc * scale
     return acc
