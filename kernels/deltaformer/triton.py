@@ -36,8 +36,8 @@ Backward, with M = I + diag(beta) A, U = M^-1 V, G = M^-T dU:
   relu: dS = dA [S > 0];  linear: dS = dA;  then dK = s dS^T W (`_dk_block`, parallel over column
   chunks) and dW = s dS K (`_dw_block`, parallel over row chunks), launched by `_dk_dw_kernel`.
 relu and linear score unit vectors, S_ij = r_i (w_i.k_j) c_j with r, c the inverse norms of w_i and k_j
-(`_scaled`; the norms by one PyTorch reduction, `_row_norms`): with acc_j = sum_i dS_ij r_i w_i,
-dK_j = c_j acc_j - c_j^3 (k_j . acc_j) k_j, and dW likewise (`_key_grad`).
+(`_scaled`; the norms by one PyTorch reduction in the forward, `_row_norms`): with
+acc_j = sum_i dS_ij r_i w_i, dK_j = c_j acc_j - c_j^3 (k_j . acc_j) k_j, and dW likewise (`_key_grad`).
 """
 
 import contextlib
@@ -98,13 +98,13 @@ def _launch(D, chunk, lowp):
 
 
 def _row_norms(k, w, kernel):
-    """relu / linear: the fp32 norms |w_i|, |k_j| the kernels scale the scores by (`_scaled`), one pass when w
-    is k; softmax: unused placeholders."""
+    """relu / linear: the fp32 norms [|w_i|, |k_j|] [2, B, H, T] the kernels scale the scores by (`_scaled`),
+    one pass when w is k; made by the forward, saved for the backward. softmax: an empty placeholder."""
     if kernel == "softmax":
-        return (k.new_empty(0, dtype=torch.float32),) * 2
+        return k.new_empty(0, dtype=torch.float32)
     norm = lambda x: torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)  # noqa: E731
     nk = norm(k)
-    return (nk if w is k else norm(w)), nk
+    return torch.stack([nk if w is k else norm(w), nk])
 
 
 def _device_guard(x):
@@ -119,11 +119,13 @@ def _device_guard(x):
 
 
 def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp):
-    """Launch the forward kernels: (u, u_lo, h, lse, xinv), what the backward needs."""
+    """Launch the forward kernels: (u, u_lo, h, lse, xinv, norms), what the backward needs."""
     B, H, T, D = v.shape
     BH, NC, C = B * H, triton.cdiv(T, chunk), chunk
     prec, xprec, lowp, split, launch = _triton_cfg(v, chunk, lowp)
-    nw, nk = _row_norms(k, w, kernel)
+    kid, norm = _KERNEL_IDS[kernel], kernel != "softmax"
+    norms = _row_norms(k, w, kernel)
+    nw, nk = norms if norm else (norms, norms)
     k, v, w, beta = (x.contiguous() for x in (k, v, w, beta))
     f32 = dict(device=v.device, dtype=torch.float32)
     u = v.new_empty(v.shape)  # contiguous (v is, here), as the fake says
@@ -131,7 +133,6 @@ def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp):
     h = torch.empty(B, H, T, D, **f32)
     lse = torch.empty(B, H, T, **f32) if kernel == "softmax" else torch.zeros(1, **f32)  # placeholder
     xinv = torch.empty(BH, NC, C, C, **f32)
-    kid, norm = _KERNEL_IDS[kernel], kernel != "softmax"
     counters = torch.zeros(BH + 1, device=v.device, dtype=torch.int32)  # progress per (b, h); the ticket
     with _device_guard(v):
         _prep_kernel[(NC, BH)](
@@ -143,14 +144,14 @@ def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp):
             scale, T, NC, BH, KERNEL=kid, NORM=norm, D=D, C=C, SPLIT=split, PREC=prec, XPREC=xprec,
             SPIN_LIMIT=_SPIN_LIMIT, **launch,
         )  # fmt: skip
-    return u, u_lo, h, lse, xinv
+    return u, u_lo, h, lse, xinv, norms
 
 
 @torch.library.custom_op("deltaformer::u_fwd", mutates_args=())
 def _u_fwd_op(
     k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, beta: torch.Tensor,
     kernel: str, scale: float, chunk: int, lowp: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     return _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp)
 
 
@@ -165,16 +166,17 @@ def _(k, v, w, beta, kernel, scale, chunk, lowp):
         torch.empty(B, H, T, D, **f32),
         torch.empty((B, H, T) if kernel == "softmax" else (1,), **f32),
         torch.empty(B * H, NC, chunk, chunk, **f32),
+        torch.empty((2, B, H, T) if kernel != "softmax" else (0,), **f32),
     )
 
 
-def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, kernel, scale, chunk, lowp):
+def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, norms, kernel, scale, chunk, lowp):
     """Launch the backward kernels: (dk, dv, dw, dbeta)."""
     B, H, T, D = k.shape
     BH, NC, C = B * H, triton.cdiv(T, chunk), chunk
     prec, xprec, lowp, split, launch = _triton_cfg(k, chunk, lowp)
     kid, norm = _KERNEL_IDS[kernel], kernel != "softmax"
-    nw, nk = _row_norms(k, w, kernel)
+    nw, nk = norms if norm else (norms, norms)
     k, w, beta, du = (x.contiguous() for x in (k, w, beta, du))
     gb = k.new_empty(k.shape)  # beta G, read by the backward recurrence and by dK / dW (+ its low half)
     gb_lo = k.new_empty(k.shape) if split else gb
@@ -203,21 +205,21 @@ def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, kernel, scale, chunk, lowp):
 @torch.library.custom_op("deltaformer::u_bwd", mutates_args=())
 def _u_bwd_op(
     du: torch.Tensor, k: torch.Tensor, w: torch.Tensor, beta: torch.Tensor, u: torch.Tensor,
-    u_lo: torch.Tensor, h: torch.Tensor, lse: torch.Tensor, xinv: torch.Tensor,
+    u_lo: torch.Tensor, h: torch.Tensor, lse: torch.Tensor, xinv: torch.Tensor, norms: torch.Tensor,
     kernel: str, scale: float, chunk: int, lowp: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    return _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, kernel, scale, chunk, lowp)
+    return _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, norms, kernel, scale, chunk, lowp)
 
 
 @_u_bwd_op.register_fake
-def _(du, k, w, beta, u, u_lo, h, lse, xinv, kernel, scale, chunk, lowp):
+def _(du, k, w, beta, u, u_lo, h, lse, xinv, norms, kernel, scale, chunk, lowp):
     return k.new_empty(k.shape), k.new_empty(k.shape), w.new_empty(w.shape), beta.new_empty(beta.shape)
 
 
 def _u_setup(ctx, inputs, output):
     k, v, w, beta, kernel, scale, chunk, lowp = inputs
-    u, u_lo, h, lse, xinv = output
-    ctx.save_for_backward(k, w, beta, u, u_lo, h, lse, xinv)
+    u, u_lo, h, lse, xinv, norms = output
+    ctx.save_for_backward(k, w, beta, u, u_lo, h, lse, xinv, norms)
     ctx.cfg = (kernel, scale, chunk, lowp)
 
 
@@ -226,7 +228,7 @@ def _u_grads(ctx, du, bwd):
     return *bwd(du, *ctx.saved_tensors, *ctx.cfg), None, None, None, None
 
 
-def _u_backward(ctx, du, *_unused):  # u_lo, h, lse, xinv are saved state, not differentiated
+def _u_backward(ctx, du, *_unused):  # u_lo, h, lse, xinv, norms are saved state, not differentiated
     return _u_grads(ctx, du, _u_bwd_op)
 
 
