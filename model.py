@@ -144,13 +144,14 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim, eps):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(xf.dtype)
-        return y.to(x.dtype)
+        return (xf * self.inv_rms(xf) * self.weight.to(xf.dtype)).to(x.dtype)
+
+    def inv_rms(self, xf):  # 1 / rms(x) [..., 1]
+        return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
 def rope_tables(length, D, base):
@@ -169,10 +170,14 @@ def apply_rope(x, cos, sin):
 
 
 def fp32_linear(x, weight, bias=None):
-    """F.linear in fp32 (float64 stays float64) even under autocast: for the gates' and v's logits."""
+    """x W^T + b in fp32 (float64 stays float64) even under autocast: for the gates' and v's logits. Up to two
+    outputs as a product summed over the last dim, which the compiler fuses into the norm's pass over x; more
+    as a GEMV, whose weight gradient then runs faster (bench/RESULTS.md, Training throughput)."""
     dt = torch.promote_types(x.dtype, torch.float32)
+    x, weight = x.to(dt), weight.to(dt)
     with torch.autocast(x.device.type, enabled=False):
-        return F.linear(x.to(dt), weight.to(dt), None if bias is None else bias.to(dt))
+        y = (x.unsqueeze(-2) * weight).sum(-1) if len(weight) <= 2 else F.linear(x, weight)
+    return y if bias is None else y + bias.to(dt)
 
 
 class MLP(nn.Module):
@@ -194,8 +199,7 @@ class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
-        width = cfg.n_head * cfg.head_dim
+        self.n_head, self.head_dim, width = cfg.n_head, cfg.head_dim, cfg.n_head * cfg.head_dim
         self.deltaformer = cfg.attention == "deltaformer"
         n_proj = 4 if (self.deltaformer and cfg.deltaformer_w == "proj") else 3  # q, k, v (, w)
         self.c_attn = nn.Linear(cfg.n_embd, n_proj * width, bias=False)
@@ -234,20 +238,16 @@ class Attention(nn.Module):
             cache.store[self] = (k, v)
         T, S = q.shape[2], k.shape[2]
         dropout = self.cfg.dropout if self.training else 0.0
-        mask = (
-            None if S == T else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-        )  # t at S-T+t
+        mask = None if S == T else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # t: S-T+t
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=S == T)
 
     def _deltaformer(self, c, q, k, v, w, cache):
-        cfg = self.cfg
+        cfg, kernel = self.cfg, self.cfg.deltaformer_kernel
         beta = cfg.deltaformer_beta_max * torch.sigmoid(fp32_linear(c, self.beta.weight, self.beta.bias))
         beta = beta.transpose(1, 2)  # [B, H, T], fp32
         if cache is None:
-            return deltaformer_attention(q, k, v, w, beta, kernel=cfg.deltaformer_kernel, backend=cfg.backend)
-        y, cache.store[self] = deltaformer_decode(
-            q, k, v, w, beta, cache.store.get(self), cfg.deltaformer_kernel
-        )
+            return deltaformer_attention(q, k, v, w, beta, kernel=kernel, backend=cfg.backend)
+        y, cache.store[self] = deltaformer_decode(q, k, v, w, beta, cache.store.get(self), kernel)
         return y
 
 
@@ -278,17 +278,18 @@ class Residual(Additive):
 
     def forward(self, stream, sublayer):
         x_in = stream.read().to(self.norm.weight.dtype)  # a bf16 state's read joins the parameter dtype
-        c = self.norm(x_in)
-        h = self.drop(sublayer(c))
-        v, beta = self.value_and_gate(x_in, c)
-        return stream.write(h, v, beta)  # khat = h / sqrt(|h|^2 + eps^2), in the update
+        h = self.drop(sublayer(self.norm(x_in)))  # F(c), c = RMSNorm(x_in)
+        return stream.write(h, *self.value_and_gate(x_in))  # khat = h / sqrt(|h|^2 + eps^2), in the update
 
-    def value_and_gate(self, x_in, c):
-        """(v [B, T, d_v], beta [B, T]) in fp32, as in the module docstring."""
-        beta = 2.0 * torch.sigmoid(fp32_linear(c, self.beta.weight, self.beta.bias)[..., 0])
-        if self.cfg.ddl_v == "linear":
-            return fp32_linear(c, self.v_proj.weight), beta
-        return DDL_V_SCALE * torch.sigmoid(fp32_linear(x_in, self.v_proj.weight, self.v_proj.bias)), beta
+    def value_and_gate(self, x_in):
+        """(v [B, T, d_v], beta [B, T]) in fp32, as in the module docstring. Both logits come from one product
+        of x_in (one pass over it, forward and backward): W c = (W g) x_in / rms(x_in) for c's norm g."""
+        g, linear = self.norm.weight, self.cfg.ddl_v == "linear"  # x_in: fp32 (or float64), as g
+        z = fp32_linear(x_in, torch.cat([self.v_proj.weight * (g if linear else 1), self.beta.weight * g]))
+        inv_rms = self.norm.inv_rms(x_in)
+        beta = 2.0 * torch.sigmoid(z[..., -1] * inv_rms[..., 0] + self.beta.bias)
+        v = z[..., :-1] * inv_rms if linear else DDL_V_SCALE * torch.sigmoid(z[..., :-1] + self.v_proj.bias)
+        return v, beta
 
 
 RESIDUALS.update({"additive": Additive, "ddl": Residual, "ddl-tc": Residual, "ddl-cc": Residual})
@@ -402,8 +403,7 @@ class GPT(nn.Module):
     def hidden_states(self, idx, cache=None):
         """Final-normed features [B, T, d] of tokens idx; with a cache, idx continues the cached sequence."""
         cfg = self.config
-        B, T = idx.shape
-        pos = 0 if cache is None else cache.pos
+        T, pos = idx.shape[1], 0 if cache is None else cache.pos
         if pos + T > cfg.block_size:
             raise ValueError(f"sequence of {pos + T} tokens exceeds block_size {cfg.block_size}")
         x = self.embed(idx, cache)  # [B, T, d], or X0 [B, T, d, d_v] for the stream that runs the DDL ops

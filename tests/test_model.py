@@ -116,7 +116,7 @@ def test_bf16_autocast_close_to_fp32():
     res = model.blocks[0].res_attn
     hook = res.register_forward_hook(lambda m, args, out: seen.update(X=out.X.dtype))
     orig = res.value_and_gate
-    res.value_and_gate = lambda x_in, c: seen.setdefault("v_beta", orig(x_in, c))
+    res.value_and_gate = lambda x_in: seen.setdefault("v_beta", orig(x_in))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, loss16 = model(idx, targets)
     hook.remove()
@@ -233,9 +233,26 @@ def value(m, x_in, c):
     return 4 * torch.sigmoid(x_in @ m.v_proj.weight.T + m.v_proj.bias)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_fp32_linear_against_float64(rows):
+    """x W^T + b in fp32 under bf16 autocast, by either path (a summed product up to two rows, a GEMV
+    above), against float64; float64 stays float64."""
+    torch.manual_seed(rows)
+    x, w, b = torch.randn(3, 5, 48), torch.randn(rows, 48), torch.randn(rows)
+    want = x.double() @ w.double().T + b.double()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, no_bias = model_module.fp32_linear(x, w, b), model_module.fp32_linear(x, w)
+    assert got.dtype == no_bias.dtype == torch.float32 and got.shape == (3, 5, rows)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(no_bias.double(), want - b.double(), rtol=1e-5, atol=1e-5)
+    exact = model_module.fp32_linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(exact, want, rtol=1e-13, atol=1e-13)
+
+
 @pytest.mark.parametrize(
     "residual,erase,ddl_v",
-    [(r, e, "sigmoid") for r in DDL_RESIDUALS for e in (True, False)] + [("ddl-cc", True, "linear")],
+    [(r, e, "sigmoid") for r in DDL_RESIDUALS for e in (True, False)]
+    + [("ddl-cc", True, "linear"), ("ddl", True, "linear")],
 )
 def test_ddl_sublayer_matches_formula(residual, erase, ddl_v):
     """Every sublayer: x_in = compress(X), c = RMSNorm(x_in), X' = X + beta khat (v^T - khat^T X) with
@@ -552,7 +569,7 @@ def test_flops_per_token_against_counted_matmuls(attention, monkeypatch):
     beta gate's bias), so the count must equal (flops_per_token - 6 * their number) * B * T exactly.
     Deltaformer's stage 1 is counted through dense_deltaformer (checked against the model's own path
     first). The DDL residuals' update term is elementwise work the counter does not see: not checked."""
-    cfg = tiny(attention=attention, head_dim=8, block_size=32)  # 2 heads of 8 in a width of 32
+    cfg = tiny(attention=attention, n_head=3, head_dim=8, block_size=32)  # 3 heads of 8 in a width of 32
     if attention == "deltaformer":
         m = make(cfg)
         idx = tokens(T=12)
