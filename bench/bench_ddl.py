@@ -5,7 +5,7 @@ the GB/s against the copy bandwidth measured in the same run; torch.compile of t
 
     python bench/bench_ddl.py                 # fp32 and bf16 state, d 768, d_v 4 and 1, K 4, N = 32,768
     python bench/bench_ddl.py --quick         # Triton, fp32 only
-    python bench/bench_ddl.py --sweeps        # only launch shapes (CC backward: fused, split; TC), GPU time
+    python bench/bench_ddl.py --sweeps        # only launch shapes (CC backward, TC fwd and bwd), GPU time
 """
 
 import argparse
@@ -68,10 +68,10 @@ def bench_kernels(args):
 
 def sweep_update(case, dtype):
     """Launch shapes, d_v = 4, each line naming the LAUNCH entry it sets (the shipped one marked): the CC
-    backward's (update_bwd: fused, then SPLIT; one update + CC read-out f+b, four in a row, inputs kept or
-    rebuilt from the first), TC's forward (tc_fwd), backward (tc_bwd). Bytes: minimal passes (S state, V)."""
+    backward's (update_bwd; one update + CC read-out f+b, four in a row, inputs kept or rebuilt from the
+    first), TC's forward (tc_fwd), backward (tc_bwd). Bytes: minimal passes (S state, V)."""
     from kernels import ddl
-    from kernels.ddl.triton import LAUNCH, SPLIT_SHAPE, _cfg
+    from kernels.ddl.triton import LAUNCH, _cfg
 
     d, dv = D, 4
     # what ships for this dtype (_cfg less sub-entries), as (name, value) pairs: a shape is it if a subset
@@ -99,11 +99,9 @@ def sweep_update(case, dtype):
             X, hs = out[0], hs + [out[1]]
         return torch.autograd.grad([X, *hs], (x, k, v, beta, w), [gx] + [gh] * n)
 
-    # (tokens, pipelined, warps); 32 tokens at 4 warps spill (bench/compile_check.py)
-    bwd = ((32, 0, 4), (8, 0, 4), (16, 1, 4), (32, 1, 4), (32, 0, 8), (8, 0, 8), (32, 0, 16), (16, 1, 8))
-    cfgs = [dict(TOKENS=t, PIPELINE=bool(p), num_warps=nw, SPLIT=False) for t, p, nw in bwd]
-    split = ((4, 256, 4, 32, 128, 4), (8, 128, 4, 64, 128, 4), (2, 512, 8, 16, 256, 8))  # SPLIT_SHAPE order
-    cfgs += (cfgs_split := [dict(SPLIT=True, **dict(zip(SPLIT_SHAPE, s))) for s in split])
+    # (tokens, pipelined, warps)
+    bwd = ((32, 0, 4), (16, 1, 4), (32, 1, 4), (64, 1, 4), (32, 0, 8), (16, 1, 8), (32, 1, 8))
+    cfgs = [dict(TOKENS=t, PIPELINE=bool(p), num_warps=nw) for t, p, nw in bwd]
     sweep(  # the rebuilt runs' bytes as without the rebuild, whose reads of k come on top
         "update_bwd", cfgs, ("update+cc f+b", lambda: fused_run(False, 1), 5 * S + 5 * V),
         ("4 x update+cc f+b, each input kept", lambda: fused_run(False), 4 * (5 * S + 5 * V)),
@@ -114,7 +112,14 @@ def sweep_update(case, dtype):
     tc_cfgs = ((64, 128, 2, 4), (64, 128, 1, 4), (128, 128, 3, 4), (64, 256, 2, 8), (32, 64, 2, 2))
     cfgs = [dict(TOKENS=t, BLOCK_D=bd, STAGES=st, num_warps=nw) for t, bd, st, nw in tc_cfgs]
     sweep("tc_fwd", cfgs, ("update+tc fwd", tc, 2 * S + 2 * V))
-    cfgs = [dict(TOKENS=t, num_warps=nw, SPLIT=False) for t, nw in ((1, 4), (16, 8))] + cfgs_split
+    keys = ("GK_TOKENS", "GK_BLOCK_D", "GK_WARPS", "TOKENS", "BLOCK_D", "num_warps")
+    split = (  # in the order of keys
+        (4, 256, 4, 32, 128, 4),
+        (8, 128, 4, 64, 128, 4),
+        (4, 256, 4, 16, 128, 4),
+        (4, 128, 4, 32, 64, 2),
+    )
+    cfgs = [dict(zip(keys, s)) for s in split]
     tc_fb = lambda: torch.autograd.grad(tc(), (x, k, v, beta, cw, read), (gx, gh))  # noqa: E731
     sweep("tc_bwd", cfgs, ("update+tc f+b", tc_fb, 6 * S + 6 * V))
 

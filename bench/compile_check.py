@@ -5,12 +5,11 @@ Triton is importable, so that another version's frontend errors show up before a
 
 Each `kernel[grid](...)` launch is compiled, not run, with its argument types and constexprs: a forward and
 backward of every model variant (gpt2-small width, four blocks: states rebuilt by 1-7 updates; fp32 and
-bf16 DDL state; the update backward fused and split) and the Deltaformer u-stage (every kernel, head dim
+bf16 DDL state) and the Deltaformer u-stage (every kernel, head dim
 64 and 128, each dtype, both `lowp`).
 Prints each distinct compile (shared memory; registers and spill stack from the triton wheel's cuobjdump)
 or its error; exit 1 if any failed."""
 
-import itertools
 import os
 import re
 import subprocess
@@ -112,7 +111,6 @@ def compile_launch(fn, args, kwargs):
 
 def run_model_variants():
     from kernels.common import set_auto_backend
-    from kernels.ddl.triton import LAUNCH
     from model import GPT, GPTConfig
 
     set_auto_backend("triton")
@@ -123,13 +121,11 @@ def run_model_variants():
     variants += [dict(residual=r) for r in ("ddl", "ddl-cc", "ddl-tc")]
     variants += [dict(residual="ddl-cc", ddl_ec=False)]
     variants += [dict(residual=r, ddl_erase=False) for r in ("ddl", "ddl-tc")]  # the write-only control
-    shipped = {key: LAUNCH[key] for key in ("update_bwd", "tc_bwd")}
     for overrides in variants:
         ddl = overrides["residual"] != "additive"
-        # DDL: 4 blocks (states rebuilt by 1-7 updates), the update backward fused and split (LAUNCH's SPLIT)
-        for state, split in itertools.product(("float32", "bfloat16")[: ddl + 1], (False, True)[: ddl + 1]):
-            LAUNCH.update({key: {**cfg, "SPLIT": split} for key, cfg in shipped.items()})
-            print(f"--- model {overrides} ddl_state_dtype={state} SPLIT={split}", flush=True)
+        # DDL: 4 blocks (states rebuilt by 1-7 updates)
+        for state in ("float32", "bfloat16")[: ddl + 1]:
+            print(f"--- model {overrides} ddl_state_dtype={state}", flush=True)
             extra = dict(ddl_state_dtype=state, ddl_keep_state_every=4) if ddl else {}
             cfg = GPTConfig.preset("gpt2-small", n_layer=4, block_size=64, backend="triton",
                                    **overrides, **extra)  # fmt: skip
@@ -138,7 +134,6 @@ def run_model_variants():
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 _, loss = model(idx, idx)
             loss.backward()
-    LAUNCH.update(shipped)
 
 
 def run_deltaformer_variants():

@@ -232,6 +232,12 @@ def test_bad_inputs_raise_naming_the_argument():
 # launch shapes shrunk so that several programs, partial weight-gradient sums and ragged tails occur.
 
 
+# The TC backward's small launch shape: d = 20 spans three d-blocks of 8 (the last ragged) and 10 tokens
+# end in a ragged run (3 a run, 4 per gk program); runs of 3 start before, at and after a sequence's first
+# token (T = 5).
+TC_BWD_SMALL = dict(GK_TOKENS=4, GK_BLOCK_D=8, GK_WARPS=4, TOKENS=3, BLOCK_D=8, num_warps=4)
+
+
 @pytest.fixture
 def triton_small(monkeypatch):
     monkeypatch.setattr(ddl_triton, "_FILL_OUTPUTS_WITH_NAN", True)
@@ -242,7 +248,7 @@ def triton_small(monkeypatch):
     # the TC forward takes 3 tokens per run, so that runs start before, at and after a sequence's first
     # token (T = 5) and the last run is ragged
     monkeypatch.setitem(ddl_triton.LAUNCH, "tc_fwd", dict(TOKENS=3, BLOCK_D=8, STAGES=2, num_warps=4))
-    monkeypatch.setitem(ddl_triton.LAUNCH, "tc_bwd", dict(TOKENS=3, num_warps=4))
+    monkeypatch.setitem(ddl_triton.LAUNCH, "tc_bwd", TC_BWD_SMALL)
 
 
 def compare(fn_triton, fn_ref, inputs, rtol=1e-10, atol=1e-10):
@@ -314,7 +320,7 @@ def test_launch_shape_per_state_dtype(monkeypatch):
 @pytest.mark.parametrize("dv", [1, 4])
 def test_triton_update_bf16_launch_shapes_exact(dv, monkeypatch):
     """The launch shapes shipped for a bf16 state, run on float64 inputs (exact comparison): 42 tokens
-    give several programs of the pipelined 16-token backward and a ragged last one."""
+    give several programs of the pipelined 32-token backward and a ragged last one."""
     monkeypatch.setattr(ddl_triton, "_FILL_OUTPUTS_WITH_NAN", True)
     for key in ("update_bwd", "update_row"):
         entry = ddl_triton.LAUNCH[key]
@@ -322,7 +328,7 @@ def test_triton_update_bf16_launch_shapes_exact(dv, monkeypatch):
             ddl_triton.LAUNCH, key, {**entry, "float64": ddl_triton._cfg(key, torch.bfloat16)}
         )
     assert (
-        ddl_triton._cfg("update_bwd", F64)["TOKENS"] == 16 and ddl_triton._cfg("update_bwd", F64)["PIPELINE"]
+        ddl_triton._cfg("update_bwd", F64)["TOKENS"] == 32 and ddl_triton._cfg("update_bwd", F64)["PIPELINE"]
     )
     check_update_and_cc(lead=(2, 21), dv=dv)
 
@@ -425,89 +431,51 @@ def chained_update(kind, n_steps, erase, backend="torch", rebuild=False):
     return f
 
 
-# The update backward split in two kernels (LAUNCH["update_bwd"] and ["tc_bwd"] SPLIT): small launch
-# shapes, so that d = 20 spans three d-blocks of 8 (the last ragged) and 10 tokens end in a ragged run (3 a
-# run, 4 per gk program); runs of 3 start before, at and after a sequence's first token (T = 5).
-SPLIT_SMALL = dict(
-    SPLIT=True, GK_TOKENS=4, GK_BLOCK_D=8, GK_WARPS=4, SPLIT_TOKENS=3, SPLIT_BLOCK_D=8, SPLIT_WARPS=4
-)
+# The TC backward (two kernels: gk per token, then runs of tokens by blocks of d) at TC_BWD_SMALL.
 
 
-def use_split(monkeypatch, cfg=SPLIT_SMALL):
-    for key in ("update_bwd", "tc_bwd"):
-        monkeypatch.setitem(ddl_triton.LAUNCH, key, cfg)
-
-
-SPLIT_CASES = [("plain", 2), ("plain", 4), ("cc", 1), ("cc", 2), ("cc", 4), ("tc", 1), ("tc", 3), ("tc", 4)]
-
-
-@pytest.mark.parametrize("kind,dv", SPLIT_CASES)
+@pytest.mark.parametrize("dv", [1, 3, 4])
 @pytest.mark.parametrize("erase", [True, False])
 @pytest.mark.parametrize("n_steps", [0, 2])
-def test_triton_update_split_backward_matches_reference(triton_small, monkeypatch, kind, dv, erase, n_steps):
-    """The split backward (no fused-kernel keys in the entry: it must not fall back) against the reference,
-    float64, outputs NaN-filled; with n_steps > 0 the state rebuilt from x0 per d-block."""
-    use_split(monkeypatch)
-    inputs = chain_inputs(kind, dv, n_steps)
+def test_triton_update_tc_backward_matches_reference(triton_small, dv, erase, n_steps):
+    """Against the reference, float64, outputs NaN-filled; with n_steps > 0 the state rebuilt from x0 per
+    d-block."""
+    inputs = chain_inputs("tc", dv, n_steps)
     compare(
-        chained_update(kind, n_steps, erase, "triton", True), chained_update(kind, n_steps, erase), inputs
+        chained_update("tc", n_steps, erase, "triton", True), chained_update("tc", n_steps, erase), inputs
     )
 
 
 @pytest.mark.parametrize("K", [1, 6])  # one tap; more taps (6) than tokens in a sequence (5)
-def test_triton_update_split_tc_taps(triton_small, monkeypatch, K):
-    use_split(monkeypatch)
+def test_triton_update_tc_taps(triton_small, K):
     inputs = chain_inputs("tc", 4, 1, K=K)
     compare(chained_update("tc", 1, True, "triton", True), chained_update("tc", 1, True), inputs)
 
 
-def test_triton_update_split_shipped_shapes(monkeypatch):
-    """The shipped split launch shapes (d-blocks wider than d = 20, 42 tokens), float64, NaN-filled."""
+def test_triton_update_tc_shipped_shapes(monkeypatch):
+    """The shipped TC backward shape (d-blocks wider than d = 20, 42 tokens), float64, NaN-filled."""
     monkeypatch.setattr(ddl_triton, "_FILL_OUTPUTS_WITH_NAN", True)
-    for key in ("update_bwd", "tc_bwd"):
-        monkeypatch.setitem(ddl_triton.LAUNCH, key, {**ddl_triton.LAUNCH[key], "SPLIT": True})
-    check_update_and_cc(lead=(2, 21), dv=4)
     inputs = chain_inputs("tc", 4, 0)
     compare(chained_update("tc", 0, True, "triton"), chained_update("tc", 0, True), inputs)
 
 
-def grads_split_and_fused(monkeypatch, kind, dtype, n_steps=2):
-    """Gradients of chained_update (rebuilt, erase) at the same inputs and upstream gradients, split then
-    fused; the inputs (x0 in dtype, the rest fp32) and the upstream gradients."""
-    inputs = chain_inputs(kind, 4, n_steps, torch.float32)
-    inputs = tuple(t.detach().to(dtype if i == 0 else t.dtype).requires_grad_() for i, t in enumerate(inputs))
-    grads, ups = [], None
-    for split in (True, False):
-        use_split(monkeypatch, {**SPLIT_SMALL, "TOKENS": 3, "num_warps": 4, "SPLIT": split})
-        out = chained_update(kind, n_steps, True, "triton", True)(*inputs)
-        out = out if isinstance(out, tuple) else (out,)
-        ups = ups or [torch.randn_like(o, dtype=torch.float32).to(o.dtype) for o in out]
-        grads.append(torch.autograd.grad(out, inputs, ups))
-    return grads, inputs, ups
-
-
 @pytest.mark.parametrize("kind", ["plain", "cc", "tc"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_update_split_equals_fused(triton_small, monkeypatch, kind, dtype):
-    """Split and fused backward give the same gradients (fp32 sums in another order; a bf16 state's
-    gradient rounded once to bf16 either way)."""
-    (split, fused), _, _ = grads_split_and_fused(monkeypatch, kind, dtype)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for a, b in zip(split, fused):
-        assert a.dtype == b.dtype
-        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
-
-
-@pytest.mark.parametrize("kind", ["plain", "cc", "tc"])
-def test_triton_update_split_bf16_state_against_fp32(triton_small, monkeypatch, kind):
-    """A bf16 state through the split backward (rebuilt from x0 by two updates, rounded to bf16 after
-    each) against the fp32 reference at the same inputs: within the bf16 tolerance of the GPU tests."""
-    (split, _), inputs, ups = grads_split_and_fused(monkeypatch, kind, torch.bfloat16)
+def test_triton_update_bf16_state_against_fp32(triton_small, kind):
+    """A bf16 state through the backward (rebuilt from x0 by two updates, rounded to bf16 after each)
+    against the fp32 reference at the same inputs: within the bf16 tolerance of the GPU tests."""
+    inputs = chain_inputs(kind, 4, 2, torch.float32)
+    inputs = tuple(
+        t.detach().to(torch.bfloat16 if i == 0 else t.dtype).requires_grad_() for i, t in enumerate(inputs)
+    )
+    out = chained_update(kind, 2, True, "triton", True)(*inputs)
+    out = out if isinstance(out, tuple) else (out,)
+    ups = [torch.randn_like(o, dtype=torch.float32).to(o.dtype) for o in out]
+    grads = torch.autograd.grad(out, inputs, ups)
     ref_in = [t.detach().float().requires_grad_() for t in inputs]
     out = chained_update(kind, 2, True)(*ref_in)
     out = out if isinstance(out, tuple) else (out,)
     ref = torch.autograd.grad(out, ref_in, [u.float() for u in ups])
-    for i, (a, b) in enumerate(zip(split, ref)):
+    for i, (a, b) in enumerate(zip(grads, ref)):
         assert rel_err(a, b) < 1e-2, i
 
 
@@ -707,13 +675,8 @@ def rel_err(a, b):
 
 
 @cuda
-@pytest.mark.parametrize("bwd_tokens", [None, 16, "split"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_update_compress_tc_realistic(dtype, bwd_tokens, monkeypatch):
-    if bwd_tokens == "split":
-        monkeypatch.setitem(ddl_triton.LAUNCH, "tc_bwd", dict(SPLIT=True, **ddl_triton.SPLIT_SHAPE))
-    elif bwd_tokens is not None:
-        monkeypatch.setitem(ddl_triton.LAUNCH, "tc_bwd", dict(TOKENS=bwd_tokens, num_warps=8))
+def test_gpu_update_compress_tc_realistic(dtype):
     dev = "cuda"
     B, T, d, dv, K = 8, 1024, 768, 4, 4
     x = torch.randn(B, T, d, dv, device=dev, dtype=dtype, requires_grad=True)
@@ -745,10 +708,9 @@ def test_gpu_update_compress_tc_realistic(dtype, bwd_tokens, monkeypatch):
     [
         {},  # the shipped launch shapes
         {"update_bwd": dict(TOKENS=8, PIPELINE=False, num_warps=4), "update_row": dict(ROWS=0, num_warps=4)},
-        {"update_bwd": dict(TOKENS=32, PIPELINE=True, num_warps=8), "update_row": dict(ROWS=8, num_warps=8)},
-        {"update_bwd": dict(SPLIT=True, **ddl_triton.SPLIT_SHAPE), "update_row": dict(ROWS=0, num_warps=4)},
+        {"update_bwd": dict(TOKENS=16, PIPELINE=True, num_warps=8), "update_row": dict(ROWS=8, num_warps=8)},
     ],
-    ids=["shipped", "plain-general", "pipelined-rows8", "split"],
+    ids=["shipped", "plain-general", "pipelined-rows8"],
 )
 def test_gpu_update_realistic(dtype, fused, dv, cfg, monkeypatch):
     for key, val in cfg.items():
@@ -808,15 +770,11 @@ def test_gpu_compressors_realistic(dtype, monkeypatch):
 
 
 @cuda
-@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("kind", ["plain", "cc", "tc"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_update_rebuilt_realistic(dtype, kind, split, monkeypatch):
+def test_gpu_update_rebuilt_realistic(dtype, kind):
     """A state rebuilt by 3 updates in the backward kernels gives the gradients of keeping it (GPT-2 small
-    width, 4 sequences of 1024; the state dtype's rounding after each update as in the forward); split:
-    the backward in two kernels (LAUNCH SPLIT)."""
-    for key in ("update_bwd", "tc_bwd"):
-        monkeypatch.setitem(ddl_triton.LAUNCH, key, {**ddl_triton.LAUNCH[key], "SPLIT": split})
+    width, 4 sequences of 1024; the state dtype's rounding after each update as in the forward)."""
     dev, B, T, d, dv = "cuda", 4, 1024, 768, 4
     gen = torch.Generator(dev).manual_seed(0)
 

@@ -5,7 +5,7 @@ TC, EC), and the functions that flatten the public functions' arguments for them
 The state is memory-bound work: each kernel reads and writes every [d, d_v] tile once and keeps all
 arithmetic in registers (fp32, or float64 for float64 inputs so tests can be exact). The update needs
 whole-token reductions over d (|k|, khat^T x; its backward, khat^T G), so one program owns whole tokens
-(the forward stores rs and r for the backward to read), or its backward runs split (LAUNCH SPLIT): khat^T G
+(the forward stores rs and r for the backward to read), except the TC backward, which runs split: khat^T G
 per token, then per-channel programs; compressors and EC are per-channel, so their programs take a block of
 d and a run of tokens. Weight gradients are reduced over tokens inside a program into fp32 partials, summed
 by torch.
@@ -24,32 +24,22 @@ from .triton_channel import (
     _tc_fwd_kernel,
 )
 from .triton_update import (
-    _update_bwd_chan_kernel,
     _update_bwd_kernel,
     _update_fwd_kernel,
-    _update_gk_kernel,
     _update_row_bwd_kernel,
     _update_row_fwd_kernel,
     _update_tc_bwd_kernel,
-    _update_tc_wgrad_kernel,
+    _update_tc_gk_kernel,
 )
 
 # Launch shapes (tokens per program, warps, channel block for the per-channel kernels), tuned on an H200
-# (update_bwd and tc_fwd: `python bench/bench_ddl.py --sweeps`; the other entries' sweeps: git history).
-# An entry may hold a whole launch shape for one state dtype under that dtype's name ("bfloat16"), used
-# instead of the entry's own for that dtype (`_cfg`). PIPELINE: the backward's loop over a program's tokens
-# software-pipelined (two stages) or plain. Single-call timings of the small (d_v = 1, bf16) cases include
-# the host's dispatch and vary between runs: compare launch shapes in a profile of a training step
-# (bench_train.py --profile) before changing them.
-# The launch shapes of the update backward split in two (SPLIT below), untuned: the gk reduction's (GK_*,
-# GK_TOKENS a power of two) and the per-channel kernel's (SPLIT_*: a run of tokens by a block of d; 128, as
-# 256 at 4 warps spills with the TC read-out's 4 taps and their gradient in registers: compile_check.py).
-SPLIT_SHAPE = dict(GK_TOKENS=4, GK_BLOCK_D=256, GK_WARPS=4, SPLIT_TOKENS=32, SPLIT_BLOCK_D=128, SPLIT_WARPS=4)
+# (update_bwd, tc_fwd and tc_bwd: `python bench/bench_ddl.py --sweeps`, CUDA-graph GPU time; the other
+# entries' sweeps: git history). An entry may hold a whole launch shape for one state dtype under that
+# dtype's name ("bfloat16"), used instead of the entry's own for that dtype (`_cfg`). PIPELINE: the
+# backward's loop over a program's tokens software-pipelined (two stages) or plain.
 LAUNCH = {
     "update_fwd": dict(TOKENS=1, num_warps=4),
-    # SPLIT: the general backward in those two kernels instead of the fused per-token one; off (unmeasured)
-    # until `python bench/bench_ddl.py --sweeps` has timed the two against each other
-    "update_bwd": dict(TOKENS=16, PIPELINE=True, num_warps=8, SPLIT=False, **SPLIT_SHAPE),
+    "update_bwd": dict(TOKENS=32, PIPELINE=True, num_warps=4),
     "update_row": dict(  # d_v = 1 without a fused read-out; ROWS=0: the general kernel
         ROWS=2, num_warps=4, bfloat16=dict(ROWS=4, num_warps=8)
     ),
@@ -57,16 +47,11 @@ LAUNCH = {
     "chan_bwd": dict(TOKENS=64, BLOCK_D=256, num_warps=4),
     # the TC read-out's forward (_tc_fwd_kernel, one pass over the state in token order; the fused update +
     # TC read-out runs as the update kernel followed by it); STAGES: its loads in flight
-    "tc_fwd": dict(
-        TOKENS=128,
-        BLOCK_D=128,
-        STAGES=3,
-        num_warps=4,
-        bfloat16=dict(TOKENS=64, BLOCK_D=256, STAGES=2, num_warps=8),
-    ),  # fmt: skip
-    # the fused update + TC read-out's backward: per token (its weight gradient per channel), or SPLIT (off,
-    # as update_bwd's; the weight gradient then in the per-channel kernel)
-    "tc_bwd": dict(TOKENS=1, num_warps=4, SPLIT=False, **SPLIT_SHAPE),
+    "tc_fwd": dict(TOKENS=128, BLOCK_D=128, STAGES=3, num_warps=4),
+    # the fused update + TC read-out's backward, split: the gk reduction's shape (GK_*, GK_TOKENS a power of
+    # two), then the per-channel kernel's, a run of TOKENS by a block of d (128: 256 at 4 warps spills with
+    # the 4 taps and their gradient in registers, bench/compile_check.py)
+    "tc_bwd": dict(GK_TOKENS=4, GK_BLOCK_D=256, GK_WARPS=4, TOKENS=32, BLOCK_D=128, num_warps=4),
 }
 # Tests set this: every output starts as NaN, so that an element a kernel fails to write cannot pass.
 _FILL_OUTPUTS_WITH_NAN = False
@@ -172,7 +157,7 @@ def _update_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     N, D, DV = x.shape
     cfg = _cfg("update_bwd", x.dtype)
-    dx, dk, dv, dbeta = outs = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
+    dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
     ct = _ct(x, k, v, beta, g)
     if _use_rows(DV, weight, x.dtype) and not ks:
         rcfg = _cfg("update_row", x.dtype)
@@ -183,8 +168,6 @@ def _update_bwd_op(
         return dx, dk, dv, dbeta, x.new_empty(0)
     compress = weight is not None
     chain = _chain(ks, betas, rss, rr)
-    if cfg.get("SPLIT", False):
-        return *outs, _update_bwd_split(x, k, v, beta, rs, r, chain, weight, g, dh, outs, cfg, ct, erase)
     nprog = triton.cdiv(N, cfg["TOKENS"])
     dwp = _new((nprog, D, DV) if compress else (0,), x, dtype=acc_dtype(x))
     _update_bwd_kernel[(nprog,)](
@@ -201,31 +184,6 @@ def _update_bwd_op(
 def _(x, k, v, beta, rs, r, weight, g, dh, erase, ks, betas, rss, rr):
     dw = torch.empty_like(weight) if weight is not None else x.new_empty(0)
     return torch.empty_like(x), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta), dw
-
-
-def _update_bwd_split(x, k, v, beta, rs, r, chain, w, g, dh, outs, cfg, ct, erase, wt=None, T=1):
-    """The update's backward in two kernels (LAUNCH SPLIT) into outs = (dx, dk, dv, dbeta): gk = khat^T G
-    per token, with dv and dbeta (_update_gk_kernel), then dx, dk and the read-out's weight-gradient
-    partials on runs of tokens by blocks of d (_update_bwd_chan_kernel). The read-out: CC (w [d, d_v]), TC
-    (taps wt [K, d, d_v] over sequences of T) or none. Returns its weight gradient (else empty)."""
-    N, D, DV = x.shape
-    dx, dk, dv, dbeta = outs
-    read = w if wt is None else wt
-    kw = dict(COMPRESS=w is not None, TC=wt is not None, KW=1 if wt is None else wt.shape[0], CT=ct)
-    reads = (x, g, g) if read is None else (read, g, dh)  # W, G, DH (the first and last unread without)
-    gk = _new((N, DV), x, dtype=acc_dtype(x))
-    _update_gk_kernel[(triton.cdiv(N, cfg["GK_TOKENS"]),)](
-        k, beta, rs, r, *reads, gk, dv, dbeta, N, T, D, DV=DV, TOKENS=cfg["GK_TOKENS"],
-        BLOCK_D=min(cfg["GK_BLOCK_D"], _pow2(D)), BLOCK_V=_pow2(DV), num_warps=cfg["GK_WARPS"], **kw,
-    )  # fmt: skip
-    bd = min(cfg["SPLIT_BLOCK_D"], _pow2(D))
-    grid = (triton.cdiv(N, cfg["SPLIT_TOKENS"]), triton.cdiv(D, bd))
-    dwp = _new((grid[0], *read.shape) if read is not None else (0,), x, dtype=acc_dtype(x))
-    _update_bwd_chan_kernel[grid](
-        x, k, v, beta, rs, r, chain, *reads, gk, dx, dk, dwp, N, T, D, cfg["SPLIT_TOKENS"], DV=DV, BLOCK_D=bd,
-        BLOCK_V=_pow2(DV), ERASE=erase, KP=_pow2(kw["KW"]), num_warps=cfg["SPLIT_WARPS"], **kw,
-    )  # fmt: skip
-    return dwp.sum(0).to(read.dtype) if read is not None else x.new_empty(0)
 
 
 def _update_setup(ctx, inputs, output):
@@ -400,27 +358,23 @@ def _update_tc_bwd_op(
     wt: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, T: int, erase: bool, ks: list[torch.Tensor],
     betas: list[torch.Tensor], rss: list[torch.Tensor], rr: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    # in two kernels: gk = khat^T G per token, with dv and dbeta (_update_tc_gk_kernel), then dx, dk and
+    # the taps' gradient partials on runs of tokens by blocks of d, x' rebuilt in registers
     N, D, DV = x.shape
-    KW = wt.shape[0]
-    chain = _chain(ks, betas, rss, rr)
-    dx, dk, dv, dbeta = outs = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
-    ct = _ct(x, k, v, beta, g)
-    bcfg = _cfg("tc_bwd", x.dtype)
-    if bcfg.get("SPLIT", False):  # the TC weight gradient in the per-channel kernel, from x' in registers
-        return *outs, _update_bwd_split(
-            x, k, v, beta, rs, r, chain, None, g, dh, outs, bcfg, ct, erase, wt, T
-        )
-    _update_tc_bwd_kernel[(triton.cdiv(N, bcfg["TOKENS"]),)](
-        x, k, v, beta, rs, r, chain, wt, g, dh, dx, dk, dv, dbeta, N, T, D, TOKENS=bcfg["TOKENS"], KW=KW,
-        DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), ERASE=erase, CT=ct, num_warps=bcfg["num_warps"],
+    KW, cfg, ct = wt.shape[0], _cfg("tc_bwd", x.dtype), _ct(x, k, v, beta, g)
+    dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
+    gk = _new((N, DV), x, dtype=acc_dtype(x))
+    _update_tc_gk_kernel[(triton.cdiv(N, cfg["GK_TOKENS"]),)](
+        k, beta, rs, r, wt, g, dh, gk, dv, dbeta, N, T, D, DV=DV, TOKENS=cfg["GK_TOKENS"],
+        BLOCK_D=min(cfg["GK_BLOCK_D"], _pow2(D)), BLOCK_V=_pow2(DV), KW=KW, CT=ct, num_warps=cfg["GK_WARPS"],
     )  # fmt: skip
-    cfg = LAUNCH["chan_bwd"]
     bd = min(cfg["BLOCK_D"], _pow2(D))
-    grid = _chan_grid(N, D, {**cfg, "BLOCK_D": bd})
-    dwp = _new((grid[0], KW, D, DV), x, dtype=rs.dtype)
-    _update_tc_wgrad_kernel[grid](
-        x, k, beta, rs, r, chain, dh, dwp, N, T, D, cfg["TOKENS"], KW=KW, KP=_pow2(KW), DV=DV, BLOCK_D=bd,
-        BLOCK_V=_pow2(DV), CT=ct, num_warps=cfg["num_warps"],
+    grid = (triton.cdiv(N, cfg["TOKENS"]), triton.cdiv(D, bd))
+    dwp = _new((grid[0], *wt.shape), x, dtype=acc_dtype(x))
+    _update_tc_bwd_kernel[grid](
+        x, k, v, beta, rs, r, _chain(ks, betas, rss, rr), wt, g, dh, gk, dx, dk, dwp, N, T, D, cfg["TOKENS"],
+        DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), ERASE=erase, KW=KW, KP=_pow2(KW), CT=ct,
+        num_warps=cfg["num_warps"],
     )  # fmt: skip
     return dx, dk, dv, dbeta, dwp.sum(0).to(wt.dtype)
 

@@ -1,9 +1,9 @@
 """The DDL update's Triton kernels: forward (+ the fused CC read-out), backward (+ its weight gradient), the
 d_v = 1 row kernels, and the backward of the update fused with the TC read-out. One program owns whole
 tokens (the update reduces over d); the forward stores rs and r for the backward, and a state rebuilt from
-an earlier one goes through the chain of the updates since (`_rebuilt_state`). The backward split in two
-(with either read-out): the one reduction over d per token (`_update_gk_kernel`), then programs of a run
-of tokens by a block of d (`_update_bwd_chan_kernel`). Launched from triton.py."""
+an earlier one goes through the chain of the updates since (`_rebuilt_state`). The TC backward runs in two
+kernels: the one reduction over d per token (`_update_tc_gk_kernel`), then programs of a run of tokens by
+a block of d (`_update_tc_bwd_kernel`). Launched from triton.py."""
 
 import triton
 import triton.language as tl
@@ -208,15 +208,15 @@ def _update_bwd_kernel(
 
 
 @triton.jit
-def _update_gk_kernel(
-    Kd, BETA, RS, R, W, G, DH, GK, DVo, DBETA, N, T, D,
-    DV: tl.constexpr, TOKENS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-    COMPRESS: tl.constexpr, TC: tl.constexpr, KW: tl.constexpr, CT: tl.constexpr,
+def _update_tc_gk_kernel(
+    Kd, BETA, RS, R, WT, G, DH, GK, DVo, DBETA, N, T, D,
+    DV: tl.constexpr, TOKENS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, KW: tl.constexpr,
+    CT: tl.constexpr,
 ):  # fmt: skip
-    # The split backward's reduction over d: gk = khat^T G [N, d_v] of TOKENS tokens, BLOCK_D channels at a
-    # time (a small tile, many tokens in flight), G + dh w^T with COMPRESS (CC read-out, W [d, d_v]) or
-    # + sum_j W[j] dh[n + KW-1 - j] with TC (W: the KW taps); it needs neither x nor the chain. With gk, a
-    # token's dv = beta gk and dbeta = gk . r, stored here once.
+    # The TC backward's reduction over d: gk = khat^T G [N, d_v] of TOKENS tokens, BLOCK_D channels at a
+    # time (a small tile, many tokens in flight), G + sum_j WT[j] dh[n + KW-1 - j] (the read-outs of tokens
+    # n .. n+KW-1 of n's sequence read x'[n]); it needs neither x nor the chain. With gk, a token's
+    # dv = beta gk and dbeta = gk . r, stored here once.
     rows = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
     offs_v = tl.arange(0, BLOCK_V)
     mr, mv = rows < N, offs_v < DV
@@ -229,17 +229,12 @@ def _update_gk_kernel(
         kh = tl.load(Kd + off_nd, mask=m_nd, other=0.0).to(CT) * rs[:, None]
         off3 = off_nd[:, :, None] * DV + offs_v[None, None, :]
         g = tl.load(G + off3, mask=m_nd[:, :, None] & mv[None, None, :], other=0.0).to(CT)
-        mw = (offs_d < D)[:, None] & mv[None, :]  # a [d-block, d_v] weight tile
-        if COMPRESS:
-            dh = tl.load(DH + off_nd, mask=m_nd, other=0.0).to(CT)
-            w = tl.load(W + offs_d[:, None] * DV + offs_v[None, :], mask=mw, other=0.0).to(CT)
-            g += dh[:, :, None] * w[None, :, :]
-        if TC:  # the read-outs of tokens n .. n+KW-1 of n's sequence read x'[n]
-            for j in tl.static_range(KW):
-                mj = m_nd & ((rows % T) + (KW - 1) - j < T)[:, None]
-                dh = tl.load(DH + off_nd + (KW - 1 - j) * D, mask=mj, other=0.0).to(CT)
-                w = tl.load(W + j * D * DV + offs_d[:, None] * DV + offs_v[None, :], mask=mw, other=0.0)
-                g += dh[:, :, None] * w.to(CT)[None, :, :]
+        mw = (offs_d < D)[:, None] & mv[None, :]  # a [d-block, d_v] tap tile
+        for j in tl.static_range(KW):
+            mj = m_nd & ((rows % T) + (KW - 1) - j < T)[:, None]
+            dh = tl.load(DH + off_nd + (KW - 1 - j) * D, mask=mj, other=0.0).to(CT)
+            w = tl.load(WT + j * D * DV + offs_d[:, None] * DV + offs_v[None, :], mask=mw, other=0.0)
+            g += dh[:, :, None] * w.to(CT)[None, :, :]
         acc += tl.sum(kh[:, :, None] * g, axis=1)
     m2 = mr[:, None] & mv[None, :]
     off2 = rows[:, None] * DV + offs_v[None, :]
@@ -251,22 +246,17 @@ def _update_gk_kernel(
 
 
 @triton.jit
-def _update_bwd_chan_kernel(
-    X, Kd, V, BETA, RS, R, CHAIN, W, G, DH, GK, DX, DK, DWP, N, T, D, TOKENS,
-    DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, ERASE: tl.constexpr,
-    COMPRESS: tl.constexpr, TC: tl.constexpr, KW: tl.constexpr, KP: tl.constexpr, CT: tl.constexpr,
+def _update_tc_bwd_kernel(
+    X, Kd, V, BETA, RS, R, CHAIN, WT, G, DH, GK, DX, DK, DWP, N, T, D, TOKENS,
+    DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, ERASE: tl.constexpr, KW: tl.constexpr,
+    KP: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
-    # The split backward's elementwise part, after _update_gk_kernel: a run of TOKENS tokens by a block of
-    # d (x rebuilt through CHAIN per block), dx and dk from the stored gk without a reduction over d, so a
-    # program's tile is BLOCK_D x d_v rather than a token's d x d_v; the read-out's weight gradient
-    # (COMPRESS: CC; TC: the KW taps, as _update_tc_wgrad_kernel's) as partials summed over the run.
+    # The TC backward's elementwise part, after _update_tc_gk_kernel: a run of TOKENS tokens by a block of d
+    # (x rebuilt through CHAIN per block), dx and dk from the stored gk without a reduction over d, so a
+    # program's tile is BLOCK_D x d_v rather than a token's d x d_v; the taps' gradient as partials summed
+    # over the run.
     pid, offs_d, offs_v, offs_j, md, mv, mj, m2w, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
-    if COMPRESS:
-        w = tl.load(W + off2, mask=m2w, other=0.0).to(CT)
-    else:
-        w = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
-    if TC:
-        off3, m3, taps = _taps(W, offs_j, off2, mj, m2w, D, DV, CT)
+    off3, m3, taps = _taps(WT, offs_j, off2, mj, m2w, D, DV, CT)
     dw = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
     for tt in range(TOKENS):
         n = pid * TOKENS + tt
@@ -275,24 +265,18 @@ def _update_bwd_chan_kernel(
             n, ok, X, Kd, V, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV, CT
         )
         g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-        if COMPRESS:
-            g, dwn = _cc_read_out_grads(g, x, kh, b, r, w, n, DH, D, offs_d, md, okd, CT, X.dtype.element_ty)
-            dw += dwn[None, :, :]
-        if TC:  # dh of the KW read-outs that read x'[n]: G += sum_j taps[j] dh_j, dWT[j] += dh_j x'[n]
-            dst, valid = _window(n, T, N, offs_j, mj, KW, False)
-            offs_dh = dst[:, None] * D + offs_d[None, :]
-            dh2 = tl.load(DH + offs_dh, mask=valid[:, None] & md[None, :], other=0.0).to(CT)[:, :, None]
-            g += tl.sum(taps * dh2, axis=0)
-            xn = (x + b * kh[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)  # x'[n] as stored
-            dw += dh2 * xn[None, :, :]
+        # dh of the KW read-outs that read x'[n]: G += sum_j taps[j] dh_j, dWT[j] += dh_j x'[n]
+        dst, valid = _window(n, T, N, offs_j, mj, KW, False)
+        offs_dh = dst[:, None] * D + offs_d[None, :]
+        dh2 = tl.load(DH + offs_dh, mask=valid[:, None] & md[None, :], other=0.0).to(CT)[:, :, None]
+        g += tl.sum(taps * dh2, axis=0)
+        xn = (x + b * kh[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)  # x'[n] as stored
+        dw += dh2 * xn[None, :, :]
         gk = tl.load(GK + n * DV + offs_v, mask=mv & _vec_mask(ok, offs_v), other=0.0).to(CT)
         dx, dk = _update_dx_dk(g, x, kh, rs, b, r, v, gk, ERASE)
         tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
         tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md & okd)
-    if COMPRESS:
-        tl.store(DWP + pid * D * DV + off2[None, :, :], dw, mask=m2w[None, :, :])
-    if TC:
-        tl.store(DWP + pid * KW * D * DV + off3, dw, mask=m3)
+    tl.store(DWP + pid * KW * D * DV + off3, dw, mask=m3)
 
 
 @triton.jit
@@ -353,58 +337,3 @@ def _update_row_bwd_kernel(
     tl.store(DK + off, dk.to(DK.dtype.element_ty), mask=m2)
     tl.store(DVo + rows, (b * gk).to(DVo.dtype.element_ty), mask=mr)
     tl.store(DBETA + rows, (gk * r).to(DBETA.dtype.element_ty), mask=mr)
-
-
-@triton.jit
-def _update_tc_bwd_kernel(
-    X, Kd, V, BETA, RS, R, CHAIN, WT, G, DH, DX, DK, DVo, DBETA, N, T, D,
-    TOKENS: tl.constexpr, KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-    ERASE: tl.constexpr, CT: tl.constexpr,
-):  # fmt: skip
-    # As _update_bwd_kernel, with G += sum_j WT[j] * dh[n + KW-1 - j] (x'[n] feeds the read-outs of
-    # tokens n .. n+KW-1 of its sequence); TOKENS consecutive tokens per program, which read the same taps,
-    # unrolled: as a loop (even of one token) ptxas spills up to 4 KB of registers per thread on sm_90
-    # (bench/compile_check.py), unrolled next to none.
-    pid = tl.program_id(0).to(tl.int64)
-    offs_d, offs_v, md, mv, off2 = _token_tile(D, DV, BLOCK_D, BLOCK_V)
-    for tt in tl.static_range(TOKENS):
-        n = pid * TOKENS + tt
-        t = n % T
-        ok = n < N
-        okd, m2, rs, kh, x, b, r, v = _update_bwd_inputs(
-            n, ok, X, Kd, V, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV, CT
-        )
-        g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-        for j in tl.static_range(KW):
-            okj = md & okd & (offs_d * 0 + t + (KW - 1) - j < T)
-            dh = tl.load(DH + (n + (KW - 1) - j) * D + offs_d, mask=okj, other=0.0).to(CT)
-            w = tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT)
-            g += w * dh[:, None]
-        dx, dk, dv, dbeta = _update_grads(g, x, kh, rs, b, r, v, ERASE)
-        _store_update_grads(
-            n, ok, okd, m2, off2, dx, dk, dv, dbeta, DX, DK, DVo, DBETA, D, offs_d, offs_v, md, mv, DV
-        )
-
-
-@triton.jit
-def _update_tc_wgrad_kernel(
-    X, Kd, BETA, RS, R, CHAIN, DH, DWP, N, T, D, TOKENS,
-    KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-    CT: tl.constexpr,
-):  # fmt: skip
-    # dWT[j] = sum_n dh[n + KW-1 - j] x'[n], x'[n] = x + beta khat r^T rebuilt per channel block from the
-    # stored terms (from x0 through the updates of CHAIN first)
-    pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
-    acc = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
-    for tt in range(TOKENS):
-        n = pid * TOKENS + tt
-        ok = n < N
-        okd = _vec_mask(ok, offs_d)
-        dst, valid = _window(n, T, N, offs_j, mj, KW, False)
-        dh2 = tl.load(DH + dst[:, None] * D + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
-        x = tl.load(X + n * D * DV + off2, mask=m2 & okd[:, None], other=0.0).to(CT)
-        x = _rebuilt_state(x, n, ok, CHAIN, D, offs_d, offs_v, md, mv, DV, CT, X.dtype.element_ty)
-        xn = _rebuilt_update(x, n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV, CT)
-        acc += dh2.to(CT)[:, :, None] * xn.to(X.dtype.element_ty).to(CT)[None, :, :]
-    off3 = offs_j[:, None, None] * D * DV + off2[None]
-    tl.store(DWP + pid * KW * D * DV + off3, acc, mask=mj[:, None, None] & m2[None])
