@@ -5,8 +5,7 @@ Triton is importable, so that another version's frontend errors show up before a
 
 Each `kernel[grid](...)` launch is compiled, not run, with its argument types and constexprs: a forward and
 backward of every model variant (gpt2-small width, four blocks: states rebuilt by 1-7 updates; fp32 and
-bf16 DDL state) and the Deltaformer u-stage (every kernel, head dim
-64 and 128, each dtype, both `lowp`).
+bf16 DDL state) and the Deltaformer u-stage (every kernel, head dim 64 and 128, each dtype, both `lowp`).
 Prints each distinct compile (shared memory; registers and spill stack from the triton wheel's cuobjdump)
 or its error; exit 1 if any failed."""
 
@@ -142,6 +141,7 @@ def run_deltaformer_variants():
     for D, dtype in ((64, torch.bfloat16), (128, torch.bfloat16), (64, torch.float32), (64, torch.float16),
                      (128, torch.float32)):  # fmt: skip
         k, v, w = (torch.randn(1, 2, 70, D, dtype=dtype, requires_grad=True) for _ in range(3))
+        w = k if dtype == torch.float16 else w  # once w is k, as in the model by default
         beta = torch.rand(1, 2, 70, dtype=dtype, requires_grad=True)
         for kernel in KERNELS:
             for lowp in (True, False):  # fp32 ignores it

@@ -36,7 +36,7 @@ Backward, with M = I + diag(beta) A, U = M^-1 V, G = M^-T dU:
   relu: dS = dA [S > 0];  linear: dS = dA;  then dK = s dS^T W (`_dk_block`, parallel over column
   chunks) and dW = s dS K (`_dw_block`, parallel over row chunks), launched by `_dk_dw_kernel`.
 relu and linear score unit vectors, S_ij = r_i (w_i.k_j) c_j with r, c the inverse norms of w_i and k_j
-(`_scaled`; the norms by one PyTorch reduction in the forward, `_row_norms`): with
+(`_scaled`; the norms by one small kernel in the forward, `_row_norms`): with
 acc_j = sum_i dS_ij r_i w_i, dK_j = c_j acc_j - c_j^3 (k_j . acc_j) k_j, and dW likewise (`_key_grad`).
 """
 
@@ -48,7 +48,7 @@ import triton
 from ..common import default_scale
 from .naive import KERNELS
 from .triton_bwd import _bwd_g_kernel, _dk_dw_kernel
-from .triton_fwd import _fwd_kernel, _prep_kernel
+from .triton_fwd import _fwd_kernel, _prep_kernel, _row_norms_kernel
 
 _KERNEL_IDS = {"softmax": 0, "relu": 1, "linear": 2}
 _SPIN_LIMIT = 20_000_000  # ~10 s of spinning: only a bug gets there
@@ -64,6 +64,7 @@ LAUNCH = {
     },  # by chunk (at D = 128 and chunk 64, 8 warps: 1.19 vs 0.78 ms)
     "num_stages_large_tiles": 2,  # fp32 operands or D = 128: three stages overflow shared memory
     "num_stages_dk": 2,  # the dK pass: 131 -> 104 us, where two stages cost the wavefronts 4%
+    "norm_rows": 16,  # rows a program of `_row_norms_kernel` takes (untuned; 64 held 204-250 registers)
 }
 # dK accumulated by the backward wavefront (`_bwd_g_kernel` DKW) instead of its own pass up to this head dim:
 # -49 us softmax, -32 us relu at D = 64; at D = 128 it cost +80 and +77 us (the extra [C, D] accumulator).
@@ -97,14 +98,16 @@ def _launch(D, chunk, lowp):
     return launch
 
 
-def _row_norms(k, w, kernel):
-    """relu / linear: the fp32 norms [|w_i|, |k_j|] [2, B, H, T] the kernels scale the scores by (`_scaled`),
-    one pass when w is k; made by the forward, saved for the backward. softmax: an empty placeholder."""
-    if kernel == "softmax":
-        return k.new_empty(0, dtype=torch.float32)
-    norm = lambda x: torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)  # noqa: E731
-    nk = norm(k)
-    return torch.stack([nk if w is k else norm(w), nk])
+def _row_norms(k, w, same):
+    """relu / linear: the fp32 norms [|w_i|, |k_j|] [2, B, H, T] of contiguous k, w the kernels scale the
+    scores by (`_scaled`), k read once when w is k (same); made by the forward, saved for the backward."""
+    B, H, T, D = k.shape
+    norms = torch.empty(2, B, H, T, device=k.device, dtype=torch.float32)
+    rows = B * H * T
+    _row_norms_kernel[(triton.cdiv(rows, LAUNCH["norm_rows"]),)](
+        w, k, norms, rows, D=D, ROWS=LAUNCH["norm_rows"], SAME=same, num_warps=4
+    )
+    return norms
 
 
 def _device_guard(x):
@@ -123,9 +126,7 @@ def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp):
     B, H, T, D = v.shape
     BH, NC, C = B * H, triton.cdiv(T, chunk), chunk
     prec, xprec, lowp, split, launch = _triton_cfg(v, chunk, lowp)
-    kid, norm = _KERNEL_IDS[kernel], kernel != "softmax"
-    norms = _row_norms(k, w, kernel)
-    nw, nk = norms if norm else (norms, norms)
+    kid, norm, same = _KERNEL_IDS[kernel], kernel != "softmax", w is k
     k, v, w, beta = (x.contiguous() for x in (k, v, w, beta))
     f32 = dict(device=v.device, dtype=torch.float32)
     u = v.new_empty(v.shape)  # contiguous (v is, here), as the fake says
@@ -135,6 +136,8 @@ def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp):
     xinv = torch.empty(BH, NC, C, C, **f32)
     counters = torch.zeros(BH + 1, device=v.device, dtype=torch.int32)  # progress per (b, h); the ticket
     with _device_guard(v):
+        norms = _row_norms(k, w, same) if norm else v.new_empty(0, dtype=torch.float32)  # softmax: unused
+        nw, nk = norms if norm else (norms, norms)
         _prep_kernel[(NC, BH)](
             w, k, nw, nk, beta, lse, xinv, scale, T, NC,
             KERNEL=kid, NORM=norm, D=D, C=C, PREC=prec, XPREC=xprec, **launch,

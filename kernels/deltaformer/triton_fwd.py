@@ -101,3 +101,21 @@ def _fwd_kernel(
     a_cc = _kappa(s_cc, offs_c[:, None] > offs_c[None, :], lse, KERNEL)
     h = acc + tl.dot(a_cc, u, input_precision=PREC)
     tl.store(Hs + tile, h, mask=rmask[:, None])
+
+
+@triton.jit
+def _row_norms_kernel(W, K, NORMS, R, D: tl.constexpr, ROWS: tl.constexpr, SAME: tl.constexpr):
+    # relu / linear: the fp32 norms of ROWS rows of w and k into NORMS [2, R] (|w_i|, then |k_j|); SAME: w is
+    # k, read once
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    m = rows < R
+    tile = rows[:, None] * D + tl.arange(0, D)[None, :]
+    k = tl.load(K + tile, mask=m[:, None], other=0.0).to(tl.float32)
+    nk = tl.sqrt(tl.sum(k * k, axis=1))
+    if SAME:
+        nw = nk
+    else:
+        w = tl.load(W + tile, mask=m[:, None], other=0.0).to(tl.float32)
+        nw = tl.sqrt(tl.sum(w * w, axis=1))
+    tl.store(NORMS + rows, nw, mask=m)
+    tl.store(NORMS + R + rows, nk, mask=m)
