@@ -90,14 +90,16 @@ def sweep_update(case, dtype):
                 case(f"{label} {key}={cfg}{' (shipped)' * (cfg.items() <= ship[key])} [{tag}]", fn, nbytes)
         LAUNCH[key] = saved
 
-    def fused_run(rebuild, n=4):  # n fused CC updates in a row; rebuild: keep only x, as the model does
+    cw, read = (torch.randn(*s, device="cuda", requires_grad=True) for s in ((d, dv, 4), (dv,)))  # TC: K = 4
+
+    def fused_run(rebuild, n=4, tc=False):  # n fused CC (TC) updates in a row; rebuild: keep x only (model)
+        op, ws = (ddl.ddl_update_compress_tc, (cw, read)) if tc else (ddl.ddl_update_compress_cc, (w,))
         X, hs, chain = x, [], None
         for _ in range(n):
-            out = ddl.ddl_update_compress_cc(X, k, v, beta, w, backend="triton", rebuild_from=chain,
-                                             return_step=rebuild)  # fmt: skip
+            out = op(X, k, v, beta, *ws, backend="triton", rebuild_from=chain, return_step=rebuild)
             chain = (x, (chain[1] if chain else ()) + (out[2],)) if rebuild else None
             X, hs = out[0], hs + [out[1]]
-        return torch.autograd.grad([X, *hs], (x, k, v, beta, w), [gx] + [gh] * n)
+        return torch.autograd.grad([X, *hs], (x, k, v, beta, *ws), [gx] + [gh] * n)
 
     # (tokens, pipelined, warps)
     bwd = ((32, 0, 4), (16, 1, 4), (32, 1, 4), (64, 1, 4), (32, 0, 8), (16, 1, 8), (32, 1, 8))
@@ -107,21 +109,18 @@ def sweep_update(case, dtype):
         ("4 x update+cc f+b, each input kept", lambda: fused_run(False), 4 * (5 * S + 5 * V)),
         ("4 x update+cc f+b, rebuilt from the first", lambda: fused_run(True), 4 * (5 * S + 5 * V)),
     )  # fmt: skip
-    cw, read = (torch.randn(*s, device="cuda", requires_grad=True) for s in ((d, dv, 4), (dv,)))  # TC: K = 4
     tc = lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton")  # noqa: E731
     tc_cfgs = ((64, 128, 2, 4), (64, 128, 1, 4), (128, 128, 3, 4), (64, 256, 2, 8), (32, 64, 2, 2))
     cfgs = [dict(TOKENS=t, BLOCK_D=bd, STAGES=st, num_warps=nw) for t, bd, st, nw in tc_cfgs]
     sweep("tc_fwd", cfgs, ("update+tc fwd", tc, 2 * S + 2 * V))
     keys = ("GK_TOKENS", "GK_BLOCK_D", "GK_WARPS", "TOKENS", "BLOCK_D", "num_warps")
-    split = (  # in the order of keys
-        (4, 256, 4, 32, 128, 4),
-        (8, 128, 4, 64, 128, 4),
-        (4, 256, 4, 16, 128, 4),
-        (4, 128, 4, 32, 64, 2),
-    )
-    cfgs = [dict(zip(keys, s)) for s in split]
-    tc_fb = lambda: torch.autograd.grad(tc(), (x, k, v, beta, cw, read), (gx, gh))  # noqa: E731
-    sweep("tc_bwd", cfgs, ("update+tc f+b", tc_fb, 6 * S + 6 * V))
+    split = ((4, 256, 4, 32, 128, 4), (8, 128, 4, 64, 128, 4),  # in the order of keys
+             (4, 256, 4, 16, 128, 4), (4, 128, 4, 32, 64, 2))  # fmt: skip
+    sweep(
+        "tc_bwd", [dict(zip(keys, s)) for s in split],
+        ("update+tc f+b", lambda: fused_run(False, 1, True), 6 * S + 6 * V),
+        ("4 x update+tc f+b, rebuilt from the first", lambda: fused_run(True, 4, True), 4 * (6 * S + 6 * V)),
+    )  # fmt: skip
 
 
 def bench_kernels_dv1(args, case):
