@@ -49,9 +49,9 @@ LAUNCH = {
     # TC read-out runs as the update kernel followed by it); STAGES: its loads in flight
     "tc_fwd": dict(TOKENS=128, BLOCK_D=128, STAGES=3, num_warps=4),
     # the fused update + TC read-out's backward, split: the gk reduction's shape (GK_*, GK_TOKENS a power of
-    # two), then the per-channel kernel's, a run of TOKENS by a block of d, BLOCK_T tokens (a power of two
-    # dividing TOKENS) at a time
-    "tc_bwd": dict(GK_TOKENS=4, GK_BLOCK_D=128, GK_WARPS=4, TOKENS=64, BLOCK_T=8, BLOCK_D=64, num_warps=8),
+    # two), then the per-channel kernel's, a run of TOKENS by a block of d (128: 256 at 4 warps spills with
+    # the 4 taps and their gradient in registers, bench/compile_check.py)
+    "tc_bwd": dict(GK_TOKENS=4, GK_BLOCK_D=256, GK_WARPS=4, TOKENS=32, BLOCK_D=128, num_warps=4),
 }
 # Tests set this: every output starts as NaN, so that an element a kernel fails to write cannot pass.
 _FILL_OUTPUTS_WITH_NAN = False
@@ -368,15 +368,13 @@ def _update_tc_bwd_op(
         k, beta, rs, r, wt, g, dh, gk, dv, dbeta, N, T, D, DV=DV, TOKENS=cfg["GK_TOKENS"],
         BLOCK_D=min(cfg["GK_BLOCK_D"], _pow2(D)), BLOCK_V=_pow2(DV), KW=KW, CT=ct, num_warps=cfg["GK_WARPS"],
     )  # fmt: skip
-    bd, tokens, bt = min(cfg["BLOCK_D"], _pow2(D)), cfg["TOKENS"], cfg["BLOCK_T"]
-    if bt != _pow2(bt) or tokens % bt:
-        raise ValueError(f"LAUNCH['tc_bwd']: BLOCK_T must be a power of two dividing TOKENS, got {cfg}")
-    grid = (triton.cdiv(N, tokens), triton.cdiv(D, bd))
+    bd = min(cfg["BLOCK_D"], _pow2(D))
+    grid = (triton.cdiv(N, cfg["TOKENS"]), triton.cdiv(D, bd))
     dwp = _new((grid[0], *wt.shape), x, dtype=acc_dtype(x))
     _update_tc_bwd_kernel[grid](
-        x, k, v, beta, rs, r, _chain(ks, betas, rss, rr), wt, g, dh, gk, dx, dk, dwp, N, T, D, TOKENS=tokens,
-        BLOCK_T=bt, DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), ERASE=erase, KW=KW, KP=_pow2(KW), CT=ct,
-        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
+        x, k, v, beta, rs, r, _chain(ks, betas, rss, rr), wt, g, dh, gk, dx, dk, dwp, N, T, D, cfg["TOKENS"],
+        DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), ERASE=erase, KW=KW, KP=_pow2(KW), CT=ct,
+        num_warps=cfg["num_warps"],
     )  # fmt: skip
     return dx, dk, dv, dbeta, dwp.sum(0).to(wt.dtype)
 

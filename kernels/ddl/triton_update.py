@@ -8,7 +8,7 @@ a block of d (`_update_tc_bwd_kernel`). Launched from triton.py."""
 import triton
 import triton.language as tl
 
-from .triton_common import _chan_tile, _taps, _token_tile, _vec_mask
+from .triton_common import _chan_tile, _taps, _token_tile, _vec_mask, _window
 
 
 @triton.jit
@@ -247,67 +247,35 @@ def _update_tc_gk_kernel(
 
 @triton.jit
 def _update_tc_bwd_kernel(
-    X, Kd, V, BETA, RS, R, CHAIN, WT, G, DH, GK, DX, DK, DWP, N, T, D,
-    TOKENS: tl.constexpr, BLOCK_T: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_V: tl.constexpr, ERASE: tl.constexpr, KW: tl.constexpr, KP: tl.constexpr, CT: tl.constexpr,
+    X, Kd, V, BETA, RS, R, CHAIN, WT, G, DH, GK, DX, DK, DWP, N, T, D, TOKENS,
+    DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, ERASE: tl.constexpr, KW: tl.constexpr,
+    KP: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
-    # The TC backward's elementwise part, after _update_tc_gk_kernel: a run of TOKENS tokens by a block of
-    # d, BLOCK_T tokens at a time as one [BLOCK_T, BLOCK_D, d_v] tile (x rebuilt through CHAIN), dx and dk
-    # from the stored gk without a reduction over d; the taps' gradient as partials summed over the run.
-    # The formulas are _update_bwd_token's with a token axis in front.
+    # The TC backward's elementwise part, after _update_tc_gk_kernel: a run of TOKENS tokens by a block of d
+    # (x rebuilt through CHAIN per block), dx and dk from the stored gk without a reduction over d, so a
+    # program's tile is BLOCK_D x d_v rather than a token's d x d_v; the taps' gradient as partials summed
+    # over the run.
     pid, offs_d, offs_v, offs_j, md, mv, mj, m2w, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
-    off3, m3, _ = _taps(WT, offs_j, off2, mj, m2w, D, DV, CT)
-    ks, bs, rss, rr = CHAIN
-    first = pid * TOKENS  # the run's first token: 64-bit bases, 32-bit offsets within the run
-    S, Vec = first * D * DV, first * D  # the run's offsets in a state and in a d-vector tensor
-    X, G, DX, Kd, DK, DH = X + S, G + S, DX + S, Kd + Vec, DK + Vec, DH + Vec
-    V, R, GK, BETA, RS = V + first * DV, R + first * DV, GK + first * DV, BETA + first, RS + first
+    off3, m3, taps = _taps(WT, offs_j, off2, mj, m2w, D, DV, CT)
     dw = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
-    for t0 in range(0, TOKENS, BLOCK_T):
-        i_t = t0 + tl.arange(0, BLOCK_T)  # within the run
-        n = first + i_t
+    for tt in range(TOKENS):
+        n = pid * TOKENS + tt
         ok = n < N
-        m_nd = ok[:, None] & md[None, :]  # [BLOCK_T, BLOCK_D]
-        m_nv = ok[:, None] & mv[None, :]  # [BLOCK_T, BLOCK_V]
-        m3t = m_nd[:, :, None] & mv[None, None, :]
-        off_nd, off_nv = i_t[:, None] * D + offs_d[None, :], i_t[:, None] * DV + offs_v[None, :]
-        off3t = i_t[:, None, None] * (D * DV) + off2[None]
-        x = tl.load(X + off3t, mask=m3t, other=0.0).to(CT)
-        for i in tl.static_range(len(ks)):  # _rebuilt_state's chain: x + beta khat r^T, rounded as stored
-            kb = tl.load(bs[i] + n, mask=ok, other=0.0).to(CT)[:, None] * (
-                tl.load(ks[i] + Vec + off_nd, mask=m_nd, other=0.0).to(CT)
-                * tl.load(rss[i] + n, mask=ok, other=0.0).to(CT)[:, None]
-            )
-            ri = tl.load(rr[i] + first * DV + off_nv, mask=m_nv, other=0.0).to(CT)
-            x = (x + kb[:, :, None] * ri[:, None, :]).to(X.dtype.element_ty).to(CT)
-        rs = tl.load(RS + i_t, mask=ok, other=0.0).to(CT)
-        kh = tl.load(Kd + off_nd, mask=m_nd, other=0.0).to(CT) * rs[:, None]
-        b = tl.load(BETA + i_t, mask=ok, other=0.0).to(CT)
-        r = tl.load(R + off_nv, mask=m_nv, other=0.0).to(CT)
-        v = tl.load(V + off_nv, mask=m_nv, other=0.0).to(CT)
-        gk = tl.load(GK + off_nv, mask=m_nv, other=0.0).to(CT)
-        g = tl.load(G + off3t, mask=m3t, other=0.0).to(CT)
-        xn = (x + (b[:, None] * kh)[:, :, None] * r[:, None, :]).to(X.dtype.element_ty).to(CT)  # x' as stored
-        # dh of the KW read-outs that read x'[n], n + KW-1 - j within n's sequence: G += WT[j] dh_j,
-        # dWT[j] += dh_j x'[n]
-        for j in tl.static_range(KW):
-            mj_nd = m_nd & ((n % T) + (KW - 1 - j) < T)[:, None]
-            dh = tl.load(DH + off_nd + (KW - 1 - j) * D, mask=mj_nd, other=0.0).to(CT)[:, :, None]
-            g += dh * tl.load(WT + j * D * DV + off2, mask=m2w, other=0.0).to(CT)[None]
-            dw += tl.where(offs_j[:, None, None] == j, tl.sum(dh * xn, axis=0)[None], 0.0)
-        gr = tl.sum(g * r[:, None, :], axis=2)  # G r  [BLOCK_T, BLOCK_D]
-        bk = b[:, None] * kh
-        if ERASE:
-            dx = g - bk[:, :, None] * gk[:, None, :]
-            dkh = b[:, None] * (gr - tl.sum(x * gk[:, None, :], axis=2))
-            kdk = b * tl.sum(gk * (2.0 * r - v), axis=1)  # khat . dkhat, as in _update_dx_dk
-        else:
-            dx = g
-            dkh = b[:, None] * gr
-            kdk = b * tl.sum(gk * r, axis=1)
-        dk = rs[:, None] * (dkh - kh * kdk[:, None])
-        tl.store(DX + off3t, dx.to(DX.dtype.element_ty), mask=m3t)
-        tl.store(DK + off_nd, dk.to(DK.dtype.element_ty), mask=m_nd)
+        okd, m2, rs, kh, x, b, r, v = _update_bwd_inputs(
+            n, ok, X, Kd, V, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV, CT
+        )
+        g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
+        # dh of the KW read-outs that read x'[n]: G += sum_j taps[j] dh_j, dWT[j] += dh_j x'[n]
+        dst, valid = _window(n, T, N, offs_j, mj, KW, False)
+        offs_dh = dst[:, None] * D + offs_d[None, :]
+        dh2 = tl.load(DH + offs_dh, mask=valid[:, None] & md[None, :], other=0.0).to(CT)[:, :, None]
+        g += tl.sum(taps * dh2, axis=0)
+        xn = (x + b * kh[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)  # x'[n] as stored
+        dw += dh2 * xn[None, :, :]
+        gk = tl.load(GK + n * DV + offs_v, mask=mv & _vec_mask(ok, offs_v), other=0.0).to(CT)
+        dx, dk = _update_dx_dk(g, x, kh, rs, b, r, v, gk, ERASE)
+        tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
+        tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md & okd)
     tl.store(DWP + pid * KW * D * DV + off3, dw, mask=m3)
 
 
