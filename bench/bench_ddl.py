@@ -68,8 +68,9 @@ def bench_kernels(args):
 
 def sweep_update(case, dtype):
     """Launch shapes, d_v = 4, each line naming the LAUNCH entry it sets (the shipped one marked): the CC
-    backward's (update_bwd; one update + CC read-out f+b, four in a row, inputs kept or rebuilt from the
-    first), TC's forward (tc_fwd), backward (tc_bwd). Bytes: minimal passes (S state, V)."""
+    backward's (update_bwd; one update + CC read-out f+b, four in a row with inputs kept, eight rebuilt from
+    the first: chains of 0-7 as the model's at every 4th block's state), TC's forward (tc_fwd), backward
+    (tc_bwd). Bytes: minimal passes (S state, V)."""
     from kernels import ddl
     from kernels.ddl.triton import LAUNCH, _cfg
 
@@ -107,7 +108,7 @@ def sweep_update(case, dtype):
     sweep(  # the rebuilt runs' bytes as without the rebuild, whose reads of k come on top
         "update_bwd", cfgs, ("update+cc f+b", lambda: fused_run(False, 1), 5 * S + 5 * V),
         ("4 x update+cc f+b, each input kept", lambda: fused_run(False), 4 * (5 * S + 5 * V)),
-        ("4 x update+cc f+b, rebuilt from the first", lambda: fused_run(True), 4 * (5 * S + 5 * V)),
+        ("8 x update+cc f+b, rebuilt from the first", lambda: fused_run(True, 8), 8 * (5 * S + 5 * V)),
     )  # fmt: skip
     tc = lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton")  # noqa: E731
     tc_cfgs = ((64, 128, 2, 4), (64, 128, 1, 4), (128, 128, 3, 4), (64, 256, 2, 8), (32, 64, 2, 2))
@@ -119,7 +120,7 @@ def sweep_update(case, dtype):
     sweep(
         "tc_bwd", [dict(zip(keys, s)) for s in split],
         ("update+tc f+b", lambda: fused_run(False, 1, True), 6 * S + 6 * V),
-        ("4 x update+tc f+b, rebuilt from the first", lambda: fused_run(True, 4, True), 4 * (6 * S + 6 * V)),
+        ("8 x update+tc f+b, rebuilt from the first", lambda: fused_run(True, 8, True), 8 * (6 * S + 6 * V)),
     )  # fmt: skip
 
 
