@@ -43,29 +43,32 @@ VARIANTS = {
 }
 
 
-def train_steps(model, opt, B, T, steps, vocab, device, host=None):
-    """Run `steps` optimizer steps on random tokens; return each step's seconds on the device's clock (Span).
-    host: a list to append, per step, the host's seconds to issue the forward, the backward and the
-    optimizer, and then to wait for the GPU (a step whose host never waits is bound by the host)."""
+def train_steps(model, opt, B, T, steps, vocab, device, host=None, accum=1):
+    """Run `steps` optimizer steps of `accum` micro-batches (gradient accumulation, as train.py) on random
+    tokens; return each step's seconds on the device's clock (Span). host: a list to append, per step, the
+    host's seconds to issue the forwards, the backwards and the optimizer, and then to wait for the GPU (a
+    step whose host never waits is bound by the host)."""
     times = []
     for _ in range(steps):
-        idx = torch.randint(0, vocab, (B, T), device=device)
-        tgt = torch.randint(0, vocab, (B, T), device=device)
+        batches = torch.randint(0, vocab, (accum, 2, B, T), device=device)  # (idx, targets) per micro-batch
         with Span(cuda=device == "cuda") as step:
-            marks = [time.perf_counter()]
-            with torch.autocast(device, dtype=torch.bfloat16):
-                _, loss = model(idx, tgt)
-            marks.append(time.perf_counter())
-            loss.backward()
-            marks.append(time.perf_counter())
+            marks = [0.0, 0.0, 0.0]
+            for idx, tgt in batches:  # the host runs ahead of the GPU from one micro-batch into the next
+                t0 = time.perf_counter()
+                with torch.autocast(device, dtype=torch.bfloat16):
+                    _, loss = model(idx, tgt)
+                t1 = time.perf_counter()
+                (loss / accum).backward()
+                marks[0], marks[1] = marks[0] + t1 - t0, marks[1] + time.perf_counter() - t1
+            t2 = time.perf_counter()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            marks.append(time.perf_counter())
+            marks[2] = time.perf_counter() - t2
+            t3 = time.perf_counter()
         times.append(step.seconds)
-        marks.append(time.perf_counter())
         if host is not None:
-            host.append([b - a for a, b in zip(marks, marks[1:])])
+            host.append(marks + [time.perf_counter() - t3])
         if not torch.isfinite(loss):
             raise RuntimeError(f"non-finite loss {loss.item()}")
     return times
@@ -77,37 +80,40 @@ def measure(model, compiled, cfg, B, args, row):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device == "cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+
+    def run(n, host=None):  # n steps at this micro-batch
+        return train_steps(compiled, opt, B, args.seq, n, cfg.vocab_size, device, host, args.accum)
+
     with Span() as first:
-        train_steps(compiled, opt, B, args.seq, 1, cfg.vocab_size, device)
+        run(1)
     row["compile_s"] = round(first.seconds, 1)  # the first step: compile (forward and backward) + 1 step
     # a row prints nothing until it ends: say where a slow one is
     print(row["model"], row["variant"], f"micro-batch {B}: first step {row['compile_s']} s", file=sys.stderr)
     with Span() as warm:
-        train_steps(compiled, opt, B, args.seq, max(args.warmup - 1, 0), cfg.vocab_size, device)
+        run(max(args.warmup - 1, 0))
     row["warmup_s"] = round(warm.seconds, 1)
-    host = []
-    times = train_steps(compiled, opt, B, args.seq, args.steps, cfg.vocab_size, device, host)
+    times = run(args.steps, host := [])
     step = statistics.median(times)
     # the host's median seconds to issue the forward, the backward and the optimizer, and to wait for the GPU
     row["host_ms"] = [round(statistics.median(part) * 1e3, 2) for part in zip(*host)]
-    tok_s = B * args.seq / step
+    tok_s = B * args.accum * args.seq / step
     row.update(batch=B, step_ms=step * 1e3, tok_s=tok_s, step_ms_min=min(times) * 1e3,
                step_ms_max=max(times) * 1e3, mfu=tok_s * model.flops_per_token(args.seq) / PEAK_TFLOPS / 1e12,
                peak_GB=torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan"))  # fmt: skip
     if args.profile:
-        profile_step(compiled, opt, B, cfg, args, row)
+        profile_step(run, B, args, row)
 
 
-def profile_step(compiled, opt, B, cfg, args, row):
-    """torch.profiler over --profile-steps training steps: the time by kind (kernel_kind), the top GPU kernels
-    and the top host ops by self CPU time (ms/step, calls/step). Printed, and kept in the row
-    (profile_kinds_ms, profile_top, profile_host_top) of bench_train.json."""
+def profile_step(run, B, args, row):
+    """torch.profiler over --profile-steps training steps (run(n): n of them): the time by kind (kernel_kind),
+    the top GPU kernels and the top host ops by self CPU time (ms/step, calls/step). Printed, and kept in the
+    row (profile_kinds_ms, profile_top, profile_host_top) of bench_train.json."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda, n, top = args.device == "cuda", args.profile_steps, args.profile_top
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        train_steps(compiled, opt, B, args.seq, n, cfg.vocab_size, args.device)
+        run(n)
     events = prof.key_averages()
 
     def gpu_us(e):  # the attribute was renamed (cuda -> device) across torch versions; CPU: a smoke test
@@ -299,9 +305,10 @@ def settings(args):
     scope = "whole model" if args.compile_scope == "model" else "each block + the loss"
     compiled = f"torch.compile ({scope}, static shapes)" if args.compile else "eager"
     return (f"seq {args.seq}, bf16 autocast, {compiled}, {'fused ' if args.device == 'cuda' else ''}AdamW, "
-            f"random tokens; {args.warmup} warm-up (the first compiles) and {args.steps} timed steps, step "
-            f"time their median; MFU = tokens/s x GPT.flops_per_token / {PEAK_TFLOPS:g} TFLOP/s; ×additive: "
-            "against additive + softmax of the same model in this run")  # fmt: skip
+            f"random tokens; {args.warmup} warm-up (the first compiles) and {args.steps} timed steps of "
+            f"{args.accum} micro-batch(es), step time their median; MFU = tokens/s x GPT.flops_per_token / "
+            f"{PEAK_TFLOPS:g} TFLOP/s; ×additive: against additive + softmax of the same model in this "
+            "run")  # fmt: skip
 
 
 def report(args, rows):
@@ -326,6 +333,8 @@ def main():
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient "
+                   "accumulation, as train.py: the GPU waits for the host at a step's start)")  # fmt: skip
     p.add_argument("--compile", type=int, default=1)
     p.add_argument("--compile-scope", default="model", choices=["model", "blocks"], help="model: the whole "
                    "model; blocks: each Block and the LM head + loss (compiles ~L times faster; every block "
@@ -362,6 +371,8 @@ def main():
         args.batches = sorted({int(b) for b in text.split(",") if b.strip()}, reverse=True)
     except ValueError:
         args.batches = []
+    if args.accum < 1:
+        raise SystemExit(f"--accum {args.accum}: expected a positive number of micro-batches")
     if not args.batches or args.batches[-1] < 1:
         raise SystemExit(f"--batches {text!r}: expected positive integers like 64,32")
     pairs = (kv.split("=", 1) for kv in args.model_overrides.split(",") if kv)

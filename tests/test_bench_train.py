@@ -140,3 +140,36 @@ def test_cpu_smoke_profile(tmp_path):
     assert min(fwd, bwd, optim, wait) >= 0 and fwd > 0 and bwd > 0, row["host_ms"]
     assert math.isclose(fwd + bwd + optim, row["step_ms"], abs_tol=0.05), (row["host_ms"], row["step_ms"])
     assert f"forward, backward and optimizer in {fwd:.1f} + {bwd:.1f} + {optim:.1f} ms" in p.stdout
+
+
+def test_train_steps_accumulates_the_mean_gradient():
+    """--accum: each optimizer step sees the mean of its micro-batches' gradients (loss / accum summed by
+    backward, as train.py), the host's times are summed over them, and the step count is the optimizer's."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from bench_train import train_steps
+
+    class Model(
+        torch.nn.Module
+    ):  # loss = w . mean of (idx, targets) / 100: a known gradient, norm < 1 (unclipped)
+        def __init__(self):
+            super().__init__()
+            self.w, self.seen = torch.nn.Parameter(torch.zeros(2)), []
+
+        def forward(self, idx, tgt):
+            self.seen.append(torch.stack([idx.double().mean(), tgt.double().mean()]))
+            return None, (self.w * self.seen[-1].float()).sum() / 100
+
+    class Recorder(torch.optim.SGD):  # records the gradient each step applies
+        grads = []
+
+        def step(self):
+            self.grads.append(model.w.grad.clone())
+
+    torch.manual_seed(0)
+    model, host = Model(), []
+    times = train_steps(model, Recorder(model.parameters(), lr=0.0), 3, 5, 2, 50, "cpu", host, accum=4)
+    assert len(times) == 2 and len(model.seen) == 8 and len(Recorder.grads) == 2
+    for step, grad in enumerate(Recorder.grads):
+        expect = torch.stack(model.seen[4 * step : 4 * step + 4]).mean(0).float() / 100
+        torch.testing.assert_close(grad, expect)
+    assert len(host) == 2 and all(len(h) == 4 and min(h) >= 0 for h in host)
