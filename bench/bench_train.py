@@ -210,8 +210,6 @@ def worker(job):
             set_auto_backend(args.ddl_backend)
         torch.manual_seed(0)
         if name == "nanogpt":
-            if args.compile and args.compile_scope != "model":
-                raise ValueError("the nanogpt row compiles the whole model (--compile-scope model)")
             model, cfg = nanogpt_model(args.nanogpt, size, args.seq, args.model_overrides)
             model = model.to(args.device)
         else:
@@ -219,13 +217,7 @@ def worker(job):
             model = GPT(cfg).to(args.device)
         row["params_M"] = model.num_params() / 1e6
         for B in job["batches"]:
-            compiled = model
-            if args.compile and args.compile_scope == "model":
-                compiled = torch.compile(model, dynamic=False)
-            elif args.compile:  # regional: each Block (one compile serves all, they share code) + the loss
-                for block in model.blocks:
-                    block.compile(dynamic=False)
-                model.logits_and_loss = torch.compile(GPT.logits_and_loss.__get__(model), dynamic=False)
+            compiled = torch.compile(model, dynamic=False) if args.compile else model
             try:
                 measure(model, compiled, cfg, B, args, row)
                 break
@@ -302,8 +294,7 @@ def table(rows):
 
 
 def settings(args):
-    scope = "whole model" if args.compile_scope == "model" else "each block + the loss"
-    compiled = f"torch.compile ({scope}, static shapes)" if args.compile else "eager"
+    compiled = "torch.compile (whole model, static shapes)" if args.compile else "eager"
     return (f"seq {args.seq}, bf16 autocast, {compiled}, {'fused ' if args.device == 'cuda' else ''}AdamW, "
             f"random tokens; {args.warmup} warm-up (the first compiles) and {args.steps} timed steps of "
             f"{args.accum} micro-batch(es), step time their median; MFU = tokens/s x GPT.flops_per_token / "
@@ -336,9 +327,6 @@ def main():
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient "
                    "accumulation, as train.py: the GPU waits for the host at a step's start)")  # fmt: skip
     p.add_argument("--compile", type=int, default=1)
-    p.add_argument("--compile-scope", default="model", choices=["model", "blocks"], help="model: the whole "
-                   "model; blocks: each Block and the LM head + loss (compiles ~L times faster; every block "
-                   "call runs its own wrapper on the host, which can leave the GPU waiting)")  # fmt: skip
     p.add_argument("--ddl-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="what backend='auto' means for the DDL and Deltaformer ops")  # fmt: skip
     p.add_argument("--time-limit", type=float, default=540, help="seconds for the whole table")
