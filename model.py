@@ -171,12 +171,12 @@ def apply_rope(x, cos, sin):
 
 def fp32_linear(x, weight, bias=None):
     """x W^T + b in fp32 (float64 stays float64) even under autocast: for the gates' and v's logits. Up to two
-    outputs as a product summed over the last dim, which the compiler fuses into the norm's pass over x; more
-    as a GEMV, whose weight gradient then runs faster (bench/RESULTS.md, Training throughput)."""
+    outputs each as its own product summed over d (reductions shaped like the norm's, for the compiler to
+    fuse), more as a GEMV: what measured fastest (bench/RESULTS.md, Training throughput)."""
     dt = torch.promote_types(x.dtype, torch.float32)
     x, weight = x.to(dt), weight.to(dt)
     with torch.autocast(x.device.type, enabled=False):
-        y = (x.unsqueeze(-2) * weight).sum(-1) if len(weight) <= 2 else F.linear(x, weight)
+        y = torch.stack([(x * w).sum(-1) for w in weight], -1) if len(weight) <= 2 else F.linear(x, weight)
     return y if bias is None else y + bias.to(dt)
 
 
@@ -427,8 +427,7 @@ class GPT(nn.Module):
         return self.logits_and_loss(x, targets)
 
     def logits_and_loss(self, x, targets):
-        """LM head and mean cross-entropy (-1 ignored) of final-normed x [B, T, d] (a method: a regional
-        compile, bench_train.py --compile-scope blocks, compiles it too)."""
+        """LM head and mean cross-entropy (-1 ignored) of final-normed x [B, T, d]."""
         logits = self.lm_head(x)  # (autocast runs cross_entropy in fp32)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
