@@ -2,6 +2,7 @@
 each against additive + softmax attention of the same size measured in the same run.
 
     python bench/bench_train.py --models gpt2-small --batches 32 --variants additive,ddl-cc
+    python bench/bench_train.py ... --accum 8        # 8 micro-batches an optimizer step, as train.py
     python bench/bench_train.py ... --profile        # + where one step's GPU and host time go
     python bench/bench_train.py ... --nanogpt ../nanoGPT/model.py   # + nanoGPT's GPT, timed the same way
 
