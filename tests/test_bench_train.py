@@ -144,13 +144,12 @@ def test_cpu_smoke_profile(tmp_path):
 
 def test_train_steps_accumulates_the_mean_gradient():
     """--accum: each optimizer step sees the mean of its micro-batches' gradients (loss / accum summed by
-    backward, as train.py), the host's times are summed over them, and the step count is the optimizer's."""
+    backward, as train.py), and the step count and the host's times are the optimizer's steps."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from bench_train import train_steps
 
-    class Model(
-        torch.nn.Module
-    ):  # loss = w . mean of (idx, targets) / 100: a known gradient, norm < 1 (unclipped)
+    # loss = w . mean of (idx, targets) / 100: a known gradient, of norm < 1 (the clip leaves it alone)
+    class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.w, self.seen = torch.nn.Parameter(torch.zeros(2)), []
