@@ -51,25 +51,24 @@ def train_steps(model, opt, B, T, steps, vocab, device, host=None, accum=1):
     step whose host never waits is bound by the host)."""
     times = []
     for _ in range(steps):
-        batches = torch.randint(0, vocab, (accum, 2, B, T), device=device)  # (idx, targets) per micro-batch
+        batches = [tuple(b) for b in torch.randint(0, vocab, (accum, 2, B, T), device=device)]  # (idx, tgt)s
         with Span(cuda=device == "cuda") as step:
-            marks = [0.0, 0.0, 0.0]
+            # the host's marks (part, its end); parts: 0 forward, 1 backward, 2 optimizer, 3 wait for the GPU
+            marks = [(None, time.perf_counter())]
             for idx, tgt in batches:  # the host runs ahead of the GPU from one micro-batch into the next
-                t0 = time.perf_counter()
                 with torch.autocast(device, dtype=torch.bfloat16):
                     _, loss = model(idx, tgt)
-                t1 = time.perf_counter()
+                marks.append((0, time.perf_counter()))
                 (loss / accum).backward()
-                marks[0], marks[1] = marks[0] + t1 - t0, marks[1] + time.perf_counter() - t1
-            t2 = time.perf_counter()
+                marks.append((1, time.perf_counter()))
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            marks[2] = time.perf_counter() - t2
-            t3 = time.perf_counter()
+            marks.append((2, time.perf_counter()))
         times.append(step.seconds)
-        if host is not None:
-            host.append(marks + [time.perf_counter() - t3])
+        marks.append((3, time.perf_counter()))
+        if host is not None:  # each interval between marks goes to the part that ends it
+            host.append([sum(b - a for (_, a), (p, b) in zip(marks, marks[1:]) if p == i) for i in range(4)])
         if not torch.isfinite(loss):
             raise RuntimeError(f"non-finite loss {loss.item()}")
     return times
