@@ -22,12 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.common import BACKENDS
-from kernels.ddl import (
-    cc_read_weight,
-    compress_cc,
-    compress_tc,
-    expand_ec,
-)
+from kernels.ddl import cc_read_weight, compress_cc, compress_tc, expand_ec
 from kernels.ddl.stream import DDLStream, with_history
 from kernels.deltaformer import deltaformer_attention, deltaformer_decode
 
@@ -277,17 +272,22 @@ class Residual(Additive):
         self.beta = nn.Linear(cfg.n_embd, 1, bias=True)  # W_beta, b_beta
 
     def forward(self, stream, sublayer):
-        x_in = stream.read().to(self.norm.weight.dtype)  # a bf16 state's read joins the parameter dtype
-        h = self.drop(sublayer(self.norm(x_in)))  # F(c), c = RMSNorm(x_in)
-        return stream.write(h, *self.value_and_gate(x_in))  # khat = h / sqrt(|h|^2 + eps^2), in the update
+        W, norm = self.logit_weight(), self.norm  # c = RMSNorm(x_in); z = W x_in: v's and beta's logits
+        c, z, inv_rms = stream.read_normed(norm.weight, norm.eps, W) or self.normed(stream.read(), W)
+        h = self.drop(sublayer(c))  # F(c); khat = h / sqrt(|h|^2 + eps^2), in the update
+        return stream.write(h, *self.value_and_gate(z, inv_rms))
 
-    def value_and_gate(self, x_in):
-        """(v [B, T, d_v], beta [B, T]) in fp32, as in the module docstring. Both logits come from one product
-        of x_in (one pass over it, forward and backward): W c = (W g) x_in / rms(x_in) for c's norm g."""
-        g, linear = self.norm.weight, self.cfg.ddl_v == "linear"  # x_in: fp32 (or float64), as g
-        z = fp32_linear(x_in, torch.cat([self.v_proj.weight * (g if linear else 1), self.beta.weight * g]))
-        inv_rms = self.norm.inv_rms(x_in)
+    def normed(self, x_in, W):  # (c, z, inv_rms) of x_in, as the stream's read_normed gives them
+        x_in = x_in.to(self.norm.weight.dtype)  # a bf16 state's read joins the parameter dtype
+        return self.norm(x_in), fp32_linear(x_in, W), self.norm.inv_rms(x_in)
+
+    def logit_weight(self):  # both logits from one product of x_in: W c = (W g) x_in / rms(x_in), g c's norm
+        g, linear = self.norm.weight, self.cfg.ddl_v == "linear"
+        return torch.cat([self.v_proj.weight * (g if linear else 1), self.beta.weight * g])
+
+    def value_and_gate(self, z, inv_rms):  # (v [B, T, d_v], beta [B, T]) in fp32 from z and 1 / rms(x_in)
         beta = 2.0 * torch.sigmoid(z[..., -1] * inv_rms[..., 0] + self.beta.bias)
+        linear = self.cfg.ddl_v == "linear"
         v = z[..., :-1] * inv_rms if linear else DDL_V_SCALE * torch.sigmoid(z[..., :-1] + self.v_proj.bias)
         return v, beta
 

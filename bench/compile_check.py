@@ -120,6 +120,7 @@ def run_model_variants():
     variants += [dict(residual=r) for r in ("ddl", "ddl-cc", "ddl-tc")]
     variants += [dict(residual="ddl-cc", ddl_ec=False)]
     variants += [dict(residual=r, ddl_erase=False) for r in ("ddl", "ddl-tc")]  # the write-only control
+    variants += [dict(residual="ddl", ddl_keep_state_every=0)]  # d_v = 1's default: the fused norm
     for overrides in variants:
         ddl = overrides["residual"] != "additive"
         # DDL: 4 blocks (states rebuilt by 1-7 updates)
@@ -127,7 +128,7 @@ def run_model_variants():
             print(f"--- model {overrides} ddl_state_dtype={state}", flush=True)
             extra = dict(ddl_state_dtype=state, ddl_keep_state_every=4) if ddl else {}
             cfg = GPTConfig.preset("gpt2-small", n_layer=4, block_size=64, backend="triton",
-                                   **overrides, **extra)  # fmt: skip
+                                   **{**extra, **overrides})  # fmt: skip
             model = GPT(cfg)
             idx = torch.randint(0, cfg.vocab_size, (1, 64))
             with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -60,6 +60,33 @@ def test_update_ref_matches_naive_loops(erase):
     torch.testing.assert_close(got, naive_update(x, k, v, beta, 1e-3, erase), rtol=1e-12, atol=1e-12)
 
 
+def naive_norm_read(x_new, norm_weight, logit_weight, norm_eps):
+    """(c, z, inv_rms) of x_in = x_new[..., 0] by per-token loops in float64: RMSNorm and two dot products."""
+    x_in = x_new[..., 0].double().reshape(-1, x_new.shape[-2])
+    N, d = x_in.shape
+    c, z, inv = torch.empty(N, d, dtype=F64), torch.empty(N, 2, dtype=F64), torch.empty(N, 1, dtype=F64)
+    for n in range(N):
+        row = [float(x_in[n, i]) for i in range(d)]
+        inv[n, 0] = 1.0 / math.sqrt(sum(a * a for a in row) / d + norm_eps)
+        for i in range(d):
+            c[n, i] = row[i] * float(inv[n, 0]) * float(norm_weight[i])
+        for m in range(2):
+            z[n, m] = sum(row[i] * float(logit_weight[m, i]) for i in range(d))
+    lead = x_new.shape[:-2]
+    return c.reshape(*lead, d), z.reshape(*lead, 2), inv.reshape(*lead, 1)
+
+
+@pytest.mark.parametrize("erase", [True, False])
+def test_update_norm_ref_matches_naive_loops(erase):
+    x, k, v, beta = rand_update_args(lead=(2, 3), d=7, dv=1)
+    nw, lw = torch.randn(7, dtype=F64), torch.randn(2, 7, dtype=F64)
+    x_new, c, z, inv = ddl.ddl_update_norm_ref(x, k, v, beta, nw, lw, eps=1e-3, norm_eps=1e-4, erase=erase)
+    want_x = naive_update(x, k, v, beta, 1e-3, erase)
+    torch.testing.assert_close(x_new, want_x, rtol=1e-12, atol=1e-12)
+    for got, want in zip((c, z, inv), naive_norm_read(want_x, nw, lw, 1e-4)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_beta_zero_is_identity():
     x, k, v, _ = rand_update_args()
     beta = torch.zeros(x.shape[:-2], dtype=F64)
@@ -357,6 +384,63 @@ def test_triton_update_dv1_row_kernels(triton_small, monkeypatch, rows, erase):
         lambda *a: ddl_update_ref(*a, eps=1e-3, erase=erase),
         (x, k, v, beta),
     )
+
+
+# ROWS x STEPS tokens a backward program: one token; a ragged last tile and program (10 tokens); more rows
+# than tokens
+@pytest.mark.parametrize("rows,steps", [(1, 1), (2, 3), (4, 2), (16, 1)])
+@pytest.mark.parametrize("erase", [True, False])
+def test_triton_update_norm_matches_reference(triton_small, monkeypatch, rows, steps, erase):
+    monkeypatch.setitem(ddl_triton.LAUNCH, "update_norm", dict(ROWS=rows, num_warps=4))
+    monkeypatch.setitem(ddl_triton.LAUNCH, "update_norm_bwd", dict(ROWS=rows, STEPS=steps, num_warps=4))
+    x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=1))
+    nw, lw = torch.randn(20, dtype=F64, requires_grad=True), torch.randn(2, 20, dtype=F64, requires_grad=True)
+    compare(
+        lambda *a: ddl.ddl_update_norm(*a, eps=1e-3, norm_eps=1e-4, erase=erase, backend="triton"),
+        lambda *a: ddl.ddl_update_norm_ref(*a, eps=1e-3, norm_eps=1e-4, erase=erase),
+        (x, k, v, beta, nw, lw),
+    )
+
+
+def test_triton_update_norm_gradcheck(triton_small):
+    x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(1, 3), d=5, dv=1))
+    nw, lw = torch.randn(5, dtype=F64, requires_grad=True), torch.randn(2, 5, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda *a: ddl.ddl_update_norm(*a, eps=1e-2, norm_eps=1e-2, backend="triton"),
+        (x, k, v, beta, nw, lw),
+        fast_mode=True,
+    )
+
+
+@pytest.mark.parametrize("state", [torch.float32, torch.bfloat16])
+def test_triton_update_norm_low_precision(triton_small, state):
+    """Training's dtypes: a fp32 or bf16 state, bf16 k, c in bf16 (autocast's), the rest fp32. The state
+    against the reference's (a bf16 state rounds the same sum, in another order); c, z and inv_rms against
+    float64 loops over the state the kernel stored, as the next sublayer reads it."""
+    x, k, v, beta = rand_update_args(lead=(2, 5), d=40, dv=1, dtype=torch.float32)
+    x, k = x.to(state), k.bfloat16()
+    nw, lw = torch.randn(40), torch.randn(2, 40)
+    x_new, c, z, inv = ddl.ddl_update_norm(x, k, v, beta, nw, lw, c_dtype=torch.bfloat16, backend="triton")
+    assert [t.dtype for t in (x_new, c, z, inv)] == [state, torch.bfloat16, torch.float32, torch.float32]
+    tol = 1e-5 if state == torch.float32 else 1e-2
+    torch.testing.assert_close(x_new.float(), ddl_update_ref(x, k, v, beta).float(), rtol=tol, atol=tol)
+    want_c, want_z, want_inv = naive_norm_read(x_new, nw, lw, 1e-5)
+    torch.testing.assert_close(c.double(), want_c.bfloat16().double(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(z.double(), want_z, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(inv.double(), want_inv, rtol=1e-6, atol=1e-6)
+
+
+def test_update_norm_bad_inputs():
+    x, k, v, beta = rand_update_args(lead=(2,), d=6, dv=1)
+    nw, lw = torch.randn(6, dtype=F64), torch.randn(2, 6, dtype=F64)
+    with pytest.raises(ValueError, match="d_v = 1"):
+        ddl.ddl_update_norm(*rand_update_args(lead=(2,), d=6, dv=2), nw, lw)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        ddl.ddl_update_norm(x, k, v, beta, nw[:-1], lw)
+    with pytest.raises(ValueError, match="logit_weight"):
+        ddl.ddl_update_norm(x, k, v, beta, nw, lw[:1])
+    with pytest.raises(TypeError, match="norm_weight"):
+        ddl.ddl_update_norm(x, k, v, beta, [1.0] * 6, lw)
 
 
 @pytest.mark.parametrize("dv", [1, 4])

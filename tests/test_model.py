@@ -116,7 +116,7 @@ def test_bf16_autocast_close_to_fp32():
     res = model.blocks[0].res_attn
     hook = res.register_forward_hook(lambda m, args, out: seen.update(X=out.X.dtype))
     orig = res.value_and_gate
-    res.value_and_gate = lambda x_in: seen.setdefault("v_beta", orig(x_in))
+    res.value_and_gate = lambda z, inv_rms: seen.setdefault("v_beta", orig(z, inv_rms))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, loss16 = model(idx, targets)
     hook.remove()
@@ -130,6 +130,7 @@ def test_bf16_autocast_close_to_fp32():
         dict(residual="ddl-cc", attention="softmax"),  # fused update + CC read, EC
         dict(residual="ddl-tc", attention="deltaformer", deltaformer_kernel="relu"),
         dict(residual="ddl", attention="deltaformer", deltaformer_w="proj", ddl_erase=False),
+        dict(residual="ddl", ddl_v="linear"),  # the update fused with the norm and logits (linear v)
     ],
 )
 def test_triton_backend_matches_torch_backend(overrides):
@@ -151,6 +152,39 @@ def test_triton_backend_matches_torch_backend(overrides):
     torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=1e-5, atol=1e-5)
     for name, grad in results["torch"][1].items():
         torch.testing.assert_close(results["triton"][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_ddl_reads_through_the_fused_norm(monkeypatch):
+    """d_v = 1 on the Triton backend: each read after an update (every sublayer's but the first) is one
+    ddl_update_norm, with c in autocast's dtype; with every 2nd state kept, or at d_v = 4, none is; the loss
+    under bf16 autocast matches the torch backend's."""
+    pytest.importorskip("triton")
+    import kernels.ddl.stream as stream
+
+    calls = []
+    fused = stream.ddl_update_norm
+    monkeypatch.setattr(
+        stream, "ddl_update_norm", lambda *a, **kw: calls.append(kw["c_dtype"]) or fused(*a, **kw)
+    )
+    cases = {  # name: (backend, overrides, fused reads)
+        "torch": ("torch", {}, 0),
+        "fused": ("triton", {}, 3),
+        "keep2": ("triton", dict(ddl_keep_state_every=2), 0),
+        "cc": ("triton", dict(residual="ddl-cc"), 0),
+    }
+    losses = {}
+    for name, (backend, extra, fuses) in cases.items():
+        calls.clear()
+        torch.manual_seed(0)
+        model = GPT(tiny(**{"residual": "ddl", "backend": backend, **extra}))
+        with torch.no_grad():  # off the init, where every norm's weight is 1
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses[name] = model(tokens(), tokens(seed=2))[1]
+        assert calls == [torch.bfloat16] * fuses, name
+    for name in ("fused", "keep2"):
+        torch.testing.assert_close(losses[name], losses["torch"], rtol=2e-3, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------------------

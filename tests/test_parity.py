@@ -233,10 +233,18 @@ def test_logits_match_authors_model(variant):
 
 # Each difference this repo once had, put back one at a time: the parity test must see it.
 def v_from_normed_input(monkeypatch):
-    orig = Residual.value_and_gate
-    monkeypatch.setattr(
-        Residual, "value_and_gate", lambda self, x_in: (orig(self, self.norm(x_in))[0], orig(self, x_in)[1])
-    )
+    """v's logit from c = RMSNorm(x_in) instead of x_in: (W_v g) x_in / rms(x_in)."""
+    weight, gate = Residual.logit_weight, Residual.value_and_gate
+
+    def logit_weight(self):
+        W = weight(self)
+        return torch.cat([W[:-1] * self.norm.weight, W[-1:]])
+
+    def value_and_gate(self, z, inv_rms):
+        return gate(self, torch.cat([z[..., :-1] * inv_rms, z[..., -1:]], -1), inv_rms)
+
+    monkeypatch.setattr(Residual, "logit_weight", logit_weight)
+    monkeypatch.setattr(Residual, "value_and_gate", value_and_gate)
 
 
 def eps_1e6(model):

@@ -22,14 +22,15 @@ With the identity init (tap K-1 = 1, the rest 0) X0 is emb repeated d_v times.
 Fused entry points (fewer passes over the state than the separate ops):
     ddl_update_compress_cc(x, k, v, beta, weight)          -> (x_new, compress_cc(x_new, weight))
     ddl_update_compress_tc(x, k, v, beta, conv_weight, read) -> (x_new, compress_tc(x_new, conv_weight, read))
-i.e. one sublayer's update together with the next sublayer's read-out.
+    ddl_update_norm(x, k, v, beta, norm_weight, logit_weight) -> (x_new, c, z, inv_rms)   (d_v = 1)
+i.e. one sublayer's update together with the next sublayer's read-out (d_v = 1: its RMSNorm and logits).
 
 Every public function takes backend = "auto" | "torch" | "triton" (kernels/common.py): "auto" picks
 Triton for CUDA tensors and the PyTorch reference otherwise (tests run the kernels on CPU with
 backend="triton" and TRITON_INTERPRET=1). The references (*_ref) are in naive.py, the kernels in
-triton_update.py and triton_channel.py, their custom ops in triton.py. Numerics: the normalisation,
-the contractions and the update run in fp32 (float64 stays float64); results come back in x's dtype, so
-bf16 state is stored in bf16.
+triton_update.py and triton_channel.py, their custom ops in triton.py (ddl_update_norm's in
+triton_norm.py). Numerics: the normalisation, the contractions and the update run in fp32 (float64 stays
+float64); results come back in x's dtype, so bf16 state is stored in bf16.
 
 The Triton kernels in short: the work is memory-bound (~1 FLOP per byte of state), so they minimise passes
 over the [B, T, d, d_v] state. One program owns whole tokens ([d, d_v] tiles; d_v = 1: [tokens, d] rows): the
@@ -45,10 +46,11 @@ bytes they must move: bench/bench_ddl.py and bench/RESULTS.md.
 
 import torch
 
-from ..common import BACKENDS, resolve_backend
+from ..common import BACKENDS, acc_dtype, resolve_backend
 from .naive import (
     _check_cc_weight,
     _check_conv,
+    _check_norm_args,
     _check_read,
     _check_state,
     _check_update_args,
@@ -57,6 +59,7 @@ from .naive import (
     compress_tc_ref,
     ddl_update_compress_cc_ref,
     ddl_update_compress_tc_ref,
+    ddl_update_norm_ref,
     ddl_update_ref,
     expand_ec_ref,
     update_terms_ref,
@@ -64,8 +67,9 @@ from .naive import (
 
 try:  # the kernels: absent where Triton is not installed (then only backend="torch" runs)
     from . import triton as _triton
+    from . import triton_norm as _triton_norm
 except ImportError:
-    _triton = None
+    _triton = _triton_norm = None
 
 __all__ = [
     "BACKENDS",
@@ -79,6 +83,8 @@ __all__ = [
     "ddl_update_compress_cc_ref",
     "ddl_update_compress_tc",
     "ddl_update_compress_tc_ref",
+    "ddl_update_norm",
+    "ddl_update_norm_ref",
     "ddl_update_ref",
     "expand_ec",
     "expand_ec_ref",
@@ -186,6 +192,31 @@ def ddl_update_compress_tc(
         return _returned(out, step, return_step)
     *out, step = _triton.update_compress_tc(x, k, v, beta, conv_weight, read, eps, erase, rebuild_from)
     return _returned(tuple(out), step, return_step)
+
+
+def ddl_update_norm(
+    x,
+    k,
+    v,
+    beta,
+    norm_weight,
+    logit_weight,
+    eps=1e-5,
+    norm_eps=1e-5,
+    erase=True,
+    c_dtype=None,
+    backend="auto",
+):
+    """d_v = 1: (x_new, c, z, inv_rms), the update fused with the next sublayer's read of x_in = x_new[..., 0]
+    (x [..., d, 1]): its RMSNorm c = x_in inv_rms norm_weight in c_dtype (default: the compute dtype),
+    inv_rms = 1 / sqrt(mean(x_in^2) + norm_eps) [..., 1], and the logits z = x_in logit_weight^T [..., 2]
+    (logit_weight [2, d]) in the compute dtype. The read takes no pass over the state of its own."""
+    _check_update_args(x, k, v, beta)
+    _check_norm_args(x, norm_weight, logit_weight)
+    args = (x, k, v, beta, norm_weight, logit_weight, eps, norm_eps, erase, c_dtype)
+    if resolve_backend("ddl_update_norm", backend, x, k, v, beta, norm_weight, logit_weight) == "torch":
+        return ddl_update_norm_ref(*args)
+    return _triton_norm.update_norm(*args[:-1], c_dtype or acc_dtype(x, norm_weight))
 
 
 def compress_cc(x, weight, backend="auto"):

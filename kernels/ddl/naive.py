@@ -81,6 +81,34 @@ def ddl_update_ref(x, k, v, beta, eps=1e-5, erase=True):
     return x_new.to(x.dtype)
 
 
+def ddl_update_norm_ref(
+    x, k, v, beta, norm_weight, logit_weight, eps=1e-5, norm_eps=1e-5, erase=True, c_dtype=None
+):
+    """d_v = 1: (x_new, c, z, inv_rms), the update and the read of x_in = x_new[..., 0] by the next sublayer:
+    inv_rms = 1 / sqrt(mean(x_in^2) + norm_eps) [..., 1], c = x_in inv_rms norm_weight (in c_dtype, default
+    the compute dtype) and z = x_in logit_weight^T [..., 2], computed as x_new is stored."""
+    _check_norm_args(x, norm_weight, logit_weight)
+    x_new = ddl_update_ref(x, k, v, beta, eps=eps, erase=erase)
+    ct = acc_dtype(x_new, norm_weight, logit_weight)
+    x_in = x_new[..., 0].to(ct)
+    inv_rms = torch.rsqrt(x_in.pow(2).mean(-1, keepdim=True) + norm_eps)
+    c = (x_in * inv_rms * norm_weight.to(ct)).to(c_dtype or ct)
+    return x_new, c, x_in @ logit_weight.to(ct).T, inv_rms
+
+
+def _check_norm_args(x, norm_weight, logit_weight):
+    _check_float("norm_weight", norm_weight)
+    _check_float("logit_weight", logit_weight)
+    if x.dim() < 2 or x.shape[-1] != 1:
+        raise ValueError(f"ddl_update_norm: x must be [..., d, 1] (d_v = 1), got shape {tuple(x.shape)}")
+    d = x.shape[-2]
+    if tuple(norm_weight.shape) != (d,) or tuple(logit_weight.shape) != (2, d):
+        raise ValueError(
+            f"ddl_update_norm: norm_weight must be [{d}] and logit_weight [2, {d}], got "
+            f"{tuple(norm_weight.shape)} and {tuple(logit_weight.shape)}"
+        )
+
+
 def cc_read_weight(conv, read):
     """DDL-CC's depthwise conv along d_v (conv [d, d_v], centred) followed by its read over d_v (read [d_v])
     as the one linear map compress_cc applies: W [d, d_v], W[i, v] = sum_j read[j] conv[i, v - j + (d_v-1)//2]

@@ -5,7 +5,8 @@ reads go through the compressor that `enter` names: a module with `kind` "ddl" |
 as reader(X) -> [B, T, d] (CC: its weight from cc_weight(); TC: its `conv` [d, d_v, K] and `read` [d_v]).
 What exists only for speed and memory happens behind those two calls, so that a model need not see it:
 - a write waits for the next read and runs with it as one op, the update fused with that read-out
-  (ddl_update_compress_cc / _tc: fewer passes over the state than the update and then the read);
+  (ddl_update_compress_cc / _tc: fewer passes over the state than the update and then the read; at
+  d_v = 1, read_normed: the update with the reading sublayer's RMSNorm and logits, ddl_update_norm);
 - keep_every = N (while autograd records): autograd keeps the state entering every Nth block; each update
   after it gets rebuild_from = (that state, the steps of the updates since) and rebuilds its input from them
   in its backward, so one state per N blocks stays alive rather than one per sublayer;
@@ -14,7 +15,8 @@ What exists only for speed and memory happens behind those two calls, so that a 
 
 import torch
 
-from . import ddl_update, ddl_update_compress_cc, ddl_update_compress_tc
+from ..common import resolve_backend
+from . import ddl_update, ddl_update_compress_cc, ddl_update_compress_tc, ddl_update_norm
 
 
 def with_history(cache, key, x, n):
@@ -73,6 +75,22 @@ class DDLStream:
             X0, earlier = rebuild_from or (X, ())
             self.chain = (X0, earlier + (out[2],))
         return x_in if x_in is not None else self._compress(slot)
+
+    def read_normed(self, norm_weight, norm_eps, logit_weight):
+        """d_v = 1: (c, z, inv_rms) of x_in = read() as ddl_update_norm gives them, from one op with the
+        pending write, where the Triton kernels run it and every state is kept (c in autocast's dtype, as
+        the sublayer's matmuls read it). Else None: the caller reads x_in and computes them itself."""
+        X, dev = self.X, self.X.device.type
+        if self.pending is None or self.reader.kind != "ddl" or self.every > 0:
+            return None
+        h, v, beta, _ = self.pending
+        if resolve_backend("ddl_update_norm", self.kw["backend"], X, h, v, beta, norm_weight) != "triton":
+            return None
+        c_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        self.pending, self.slot = None, self.slot + 1
+        kw = dict(self.kw, norm_eps=norm_eps, c_dtype=c_dtype)
+        self.X, c, z, inv_rms = ddl_update_norm(X, h, v, beta, norm_weight, logit_weight, **kw)
+        return c, z, inv_rms
 
     def _compress(self, slot):
         if self.cache is None or self.reader.kind != "ddl-tc":

@@ -43,6 +43,10 @@ LAUNCH = {
     "update_row": dict(  # d_v = 1 without a fused read-out; ROWS=0: the general kernel
         ROWS=2, num_warps=4, bfloat16=dict(ROWS=4, num_warps=8)
     ),
+    # d_v = 1 with the next sublayer's norm and logits (triton_norm.py); the backward: STEPS tiles of ROWS
+    # tokens a program, so that the weight-gradient partials stay small (untuned)
+    "update_norm": dict(ROWS=2, num_warps=4),
+    "update_norm_bwd": dict(ROWS=2, STEPS=16, num_warps=4),
     "chan_fwd": dict(TOKENS=4, BLOCK_D=256, num_warps=4),
     "chan_bwd": dict(TOKENS=64, BLOCK_D=256, num_warps=4),
     # the TC read-out's forward (_tc_fwd_kernel, one pass over the state in token order; the fused update +
@@ -112,8 +116,8 @@ def _update_forward(x, k, v, beta, weight, eps, erase):
     if _use_rows(DV, weight, x.dtype):
         cfg = _cfg("update_row", x.dtype)
         _update_row_fwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
-            x, k, v, beta, x_new, rs, r, N, D, eps, ROWS=cfg["ROWS"], BLOCK_D=_pow2(D), ERASE=erase, CT=ct,
-            num_warps=cfg["num_warps"],
+            x, k, v, beta, x_new, rs, r, x, x, x, x, x, N, D, eps, 0.0, ROWS=cfg["ROWS"], BLOCK_D=_pow2(D),
+            ERASE=erase, NORM=False, CT=ct, num_warps=cfg["num_warps"],
         )  # fmt: skip
         return x_new, h, rs, r
     cfg = LAUNCH["update_fwd"]
@@ -162,8 +166,8 @@ def _update_bwd_op(
     if _use_rows(DV, weight, x.dtype) and not ks:
         rcfg = _cfg("update_row", x.dtype)
         _update_row_bwd_kernel[(triton.cdiv(N, rcfg["ROWS"]),)](
-            x, k, v, beta, rs, r, g, dx, dk, dv, dbeta, N, D, ROWS=rcfg["ROWS"], BLOCK_D=_pow2(D),
-            ERASE=erase, CT=ct, num_warps=rcfg["num_warps"],
+            x, k, v, beta, rs, r, g, dx, dk, dv, dbeta, x, x, x, x, x, x, x, N, D, ROWS=rcfg["ROWS"], STEPS=1,
+            BLOCK_D=_pow2(D), ERASE=erase, NORM=False, CT=ct, num_warps=rcfg["num_warps"],
         )  # fmt: skip
         return dx, dk, dv, dbeta, x.new_empty(0)
     compress = weight is not None
