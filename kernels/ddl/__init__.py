@@ -216,7 +216,7 @@ def ddl_update_norm(
     args = (x, k, v, beta, norm_weight, logit_weight, eps, norm_eps, erase, c_dtype)
     if resolve_backend("ddl_update_norm", backend, x, k, v, beta, norm_weight, logit_weight) == "torch":
         return ddl_update_norm_ref(*args)
-    return _triton_norm.update_norm(*args[:-1], c_dtype or acc_dtype(x, norm_weight))
+    return _triton_norm.update_norm(*args[:-1], c_dtype or acc_dtype(*args[:6]))
 
 
 def compress_cc(x, weight, backend="auto"):

@@ -89,7 +89,7 @@ def ddl_update_norm_ref(
     the compute dtype) and z = x_in logit_weight^T [..., 2], computed as x_new is stored."""
     _check_norm_args(x, norm_weight, logit_weight)
     x_new = ddl_update_ref(x, k, v, beta, eps=eps, erase=erase)
-    ct = acc_dtype(x_new, norm_weight, logit_weight)
+    ct = acc_dtype(x, k, v, beta, norm_weight, logit_weight)
     x_in = x_new[..., 0].to(ct)
     inv_rms = torch.rsqrt(x_in.pow(2).mean(-1, keepdim=True) + norm_eps)
     c = (x_in * inv_rms * norm_weight.to(ct)).to(c_dtype or ct)

@@ -30,8 +30,8 @@ def _update_norm_op(
     cfg = _cfg("update_norm", x.dtype)
     _update_row_fwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
         x, k, v, beta, x_new, rs, r, norm_weight, logit_weight, c, z, inv, N, D, eps, norm_eps,
-        ROWS=cfg["ROWS"], BLOCK_D=_pow2(D), ERASE=erase, NORM=True, CT=_ct(x, k, v, beta, norm_weight),
-        num_warps=cfg["num_warps"],
+        ROWS=cfg["ROWS"], BLOCK_D=_pow2(D), ERASE=erase, NORM=True,
+        CT=_ct(x, k, v, beta, norm_weight, logit_weight), num_warps=cfg["num_warps"],
     )  # fmt: skip
     return x_new, c, z, inv, rs, r
 
@@ -64,7 +64,7 @@ def _update_norm_bwd_op(
     _update_row_bwd_kernel[(nprog,)](
         x, k, v, beta, rs, r, gx, dx, dk, dv, dbeta, norm_weight, logit_weight, inv, gc, gz, ginv, partials,
         N, D, ROWS=cfg["ROWS"], STEPS=cfg["STEPS"], BLOCK_D=_pow2(D), ERASE=erase, NORM=True,
-        CT=_ct(x, k, v, beta, norm_weight, gx), num_warps=cfg["num_warps"],
+        CT=_ct(x, k, v, beta, norm_weight, logit_weight, gx), num_warps=cfg["num_warps"],
     )  # fmt: skip
     dnw, dlw = partials[:, 0].sum(0), partials[:, 1:].sum(0)  # two tensors: outputs may not alias
     return dx, dk, dv, dbeta, dnw.to(norm_weight.dtype), dlw.to(logit_weight.dtype)
