@@ -430,6 +430,25 @@ def test_triton_update_norm_low_precision(triton_small, state):
     torch.testing.assert_close(inv.double(), want_inv, rtol=1e-6, atol=1e-6)
 
 
+def test_update_norm_ops_pass_opcheck(triton_small):
+    """torch.library's own checks of ddl::update_norm and its backward: the fakes match the kernels' outputs
+    (shapes, dtypes, no aliasing), and the autograd registration under AOT dispatch."""
+    from kernels.ddl.triton_norm import _update_norm_bwd_op, _update_norm_op
+
+    x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(7,), d=20, dv=1))
+    nw, lw = torch.randn(20, dtype=F64, requires_grad=True), torch.randn(2, 20, dtype=F64, requires_grad=True)
+    args = (x[..., 0], k, v[..., 0], beta, nw, lw, 1e-3, 1e-4, True, torch.float32)
+    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(_update_norm_op, args, test_utils=checks)
+    _, _, _, inv, rs, r = (t.detach() for t in _update_norm_op(*args))
+    plain = [t.detach() for t in args[:6]]
+    grads = (torch.randn(7, 20, dtype=F64), torch.randn(7, 20, dtype=F64), torch.randn(7, 2, dtype=F64),
+             torch.randn(7, dtype=F64))  # fmt: skip
+    torch.library.opcheck(
+        _update_norm_bwd_op, (*plain[:4], rs, r, *plain[4:], inv, *grads, True), test_utils=checks[:2]
+    )
+
+
 def test_update_norm_bad_inputs():
     x, k, v, beta = rand_update_args(lead=(2,), d=6, dv=1)
     nw, lw = torch.randn(6, dtype=F64), torch.randn(2, 6, dtype=F64)

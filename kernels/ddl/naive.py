@@ -59,6 +59,19 @@ def _check_read(fn, x, read):
         raise ValueError(f"{fn}: read must be [{dv}] (= [d_v]), got {tuple(read.shape)}")
 
 
+def _check_norm_args(x, norm_weight, logit_weight):
+    _check_float("norm_weight", norm_weight)
+    _check_float("logit_weight", logit_weight)
+    if x.dim() < 2 or x.shape[-1] != 1:
+        raise ValueError(f"ddl_update_norm: x must be [..., d, 1] (d_v = 1), got shape {tuple(x.shape)}")
+    d = x.shape[-2]
+    if tuple(norm_weight.shape) != (d,) or tuple(logit_weight.shape) != (2, d):
+        raise ValueError(
+            f"ddl_update_norm: norm_weight must be [{d}] and logit_weight [2, {d}], got "
+            f"{tuple(norm_weight.shape)} and {tuple(logit_weight.shape)}"
+        )
+
+
 def update_terms_ref(x, k, v, eps=1e-5, erase=True):
     """(rs, r) of the update in the compute dtype: rs = 1/sqrt(|k|^2+eps^2) [...] and r = v - khat^T x
     (erase) or v [..., d_v], so that the update is x + beta * (k rs) r^T."""
@@ -94,19 +107,6 @@ def ddl_update_norm_ref(
     inv_rms = torch.rsqrt(x_in.pow(2).mean(-1, keepdim=True) + norm_eps)
     c = (x_in * inv_rms * norm_weight.to(ct)).to(c_dtype or ct)
     return x_new, c, x_in @ logit_weight.to(ct).T, inv_rms
-
-
-def _check_norm_args(x, norm_weight, logit_weight):
-    _check_float("norm_weight", norm_weight)
-    _check_float("logit_weight", logit_weight)
-    if x.dim() < 2 or x.shape[-1] != 1:
-        raise ValueError(f"ddl_update_norm: x must be [..., d, 1] (d_v = 1), got shape {tuple(x.shape)}")
-    d = x.shape[-2]
-    if tuple(norm_weight.shape) != (d,) or tuple(logit_weight.shape) != (2, d):
-        raise ValueError(
-            f"ddl_update_norm: norm_weight must be [{d}] and logit_weight [2, {d}], got "
-            f"{tuple(norm_weight.shape)} and {tuple(logit_weight.shape)}"
-        )
 
 
 def cc_read_weight(conv, read):

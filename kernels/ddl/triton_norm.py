@@ -39,15 +39,8 @@ def _update_norm_op(
 @_update_norm_op.register_fake
 def _(x, k, v, beta, norm_weight, logit_weight, eps, norm_eps, erase, c_dtype):
     N, ft = x.shape[0], acc_dtype(x)
-    vec = x.new_empty((N,), dtype=ft)
-    return (
-        torch.empty_like(x),
-        x.new_empty(x.shape, dtype=c_dtype),
-        x.new_empty((N, 2), dtype=ft),
-        vec,
-        vec,
-        vec,
-    )
+    inv, rs, r = (x.new_empty((N,), dtype=ft) for _ in range(3))  # three tensors, as the op returns
+    return torch.empty_like(x), x.new_empty(x.shape, dtype=c_dtype), x.new_empty((N, 2), dtype=ft), inv, rs, r
 
 
 @torch.library.custom_op("ddl::update_norm_bwd", mutates_args=())
