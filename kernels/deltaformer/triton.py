@@ -63,6 +63,9 @@ LAUNCH = {
         128: 8,
     },  # by chunk (at D = 128 and chunk 64, 8 warps: 1.19 vs 0.78 ms)
     "num_stages_large_tiles": 2,  # fp32 operands or D = 128: three stages overflow shared memory
+    # the backward wavefront's with large tiles: 787 -> 557 us at 32,6,1024,128 (softmax); at D = 64 (three
+    # stages, Triton's default) one or two stages cost it 26 or 12 us at 8,12,1024,64
+    "num_stages_bwd_g": 1,
     "num_stages_dk": 2,  # the dK pass: 131 -> 104 us, where two stages cost the wavefronts 4%
     "norm_rows": 16,  # rows a program of `_row_norms_kernel` takes (untuned; 64 held 204-250 registers)
 }
@@ -90,11 +93,11 @@ def _triton_cfg(x, chunk, lowp):
     return "tf32", "tf32x3", lowp, True, _launch(D, chunk, lowp)
 
 
-def _launch(D, chunk, lowp):
-    """Launch options of every kernel."""
+def _launch(D, chunk, lowp, stages="num_stages_large_tiles"):
+    """Launch options of a kernel (stages: the LAUNCH entry of its stages with large tiles)."""
     launch = dict(num_warps=LAUNCH["num_warps"][chunk])
     if D == 128 or not lowp:
-        launch["num_stages"] = LAUNCH["num_stages_large_tiles"]
+        launch["num_stages"] = LAUNCH[stages]
     return launch
 
 
@@ -190,11 +193,12 @@ def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, norms, kernel, scale, chunk, l
     rowterm = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
     counters = torch.zeros(BH + 1, device=k.device, dtype=torch.int32)
     dkw = D <= DK_IN_WAVEFRONT_MAX_D
+    g_launch = _launch(D, C, lowp, "num_stages_bwd_g")
     with _device_guard(k):
         _bwd_g_kernel[(BH * NC,)](
             w, k, nw, nk, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], u,
             u_lo, dk, scale, T, NC, BH, KERNEL=kid, NORM=norm, D=D, C=C, SPLIT=split, PREC=prec,
-            XPREC=xprec, SPIN_LIMIT=_SPIN_LIMIT, DKW=dkw, LOWP=lowp, **launch,
+            XPREC=xprec, SPIN_LIMIT=_SPIN_LIMIT, DKW=dkw, LOWP=lowp, **g_launch,
         )  # fmt: skip
         args = (w, k, nw, nk, u, u_lo, gb, gb_lo, lse, rowterm, dk, dw, scale, T, NC)
         consts = dict(KERNEL=kid, NORM=norm, D=D, C=C, LOWP=lowp, PREC=prec, SPLIT=split)
