@@ -63,8 +63,8 @@ LAUNCH = {
         128: 8,
     },  # by chunk (at D = 128 and chunk 64, 8 warps: 1.19 vs 0.78 ms)
     "num_stages_large_tiles": 2,  # fp32 operands or D = 128: three stages overflow shared memory
-    # the backward wavefront's with large tiles: 787 -> 557 us at 32,6,1024,128 (softmax); at D = 64 (three
-    # stages, Triton's default) one or two stages cost it 26 or 12 us at 8,12,1024,64
+    # the backward wavefront's with large tiles (its loads not pipelined, less shared memory a program): the
+    # model's Deltaformer step at head dim 128 (bench/RESULTS.md); D = 64 keeps Triton's default
     "num_stages_bwd_g": 1,
     "num_stages_dk": 2,  # the dK pass: 131 -> 104 us, where two stages cost the wavefronts 4%
     "norm_rows": 16,  # rows a program of `_row_norms_kernel` takes (untuned; 64 held 204-250 registers)
