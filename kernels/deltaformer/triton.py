@@ -63,8 +63,8 @@ LAUNCH = {
         128: 8,
     },  # by chunk (at D = 128 and chunk 64, 8 warps: 1.19 vs 0.78 ms)
     "num_stages_large_tiles": 2,  # fp32 operands or D = 128: three stages overflow shared memory
-    # the backward wavefront's with large tiles (its loads not pipelined, less shared memory a program): the
-    # model's Deltaformer step at head dim 128 (bench/RESULTS.md); D = 64 keeps Triton's default
+    # the backward wavefront's at D = 128 (its loads not pipelined, less shared memory a program): the model's
+    # Deltaformer step (bench/RESULTS.md); at D = 64 it keeps the stages above
     "num_stages_bwd_g": 1,
     "num_stages_dk": 2,  # the dK pass: 131 -> 104 us, where two stages cost the wavefronts 4%
     "norm_rows": 16,  # rows a program of `_row_norms_kernel` takes (untuned; 64 held 204-250 registers)
@@ -193,7 +193,7 @@ def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, norms, kernel, scale, chunk, l
     rowterm = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
     counters = torch.zeros(BH + 1, device=k.device, dtype=torch.int32)
     dkw = D <= DK_IN_WAVEFRONT_MAX_D
-    g_launch = _launch(D, C, lowp, "num_stages_bwd_g")
+    g_launch = _launch(D, C, lowp, "num_stages_bwd_g" if D == 128 else "num_stages_large_tiles")
     with _device_guard(k):
         _bwd_g_kernel[(BH * NC,)](
             w, k, nw, nk, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], u,
