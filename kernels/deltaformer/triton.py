@@ -93,11 +93,11 @@ def _triton_cfg(x, chunk, lowp):
     return "tf32", "tf32x3", lowp, True, _launch(D, chunk, lowp)
 
 
-def _launch(D, chunk, lowp, stages="num_stages_large_tiles"):
-    """Launch options of a kernel (stages: the LAUNCH entry of its stages with large tiles)."""
+def _launch(D, chunk, lowp):
+    """Launch options of every kernel."""
     launch = dict(num_warps=LAUNCH["num_warps"][chunk])
     if D == 128 or not lowp:
-        launch["num_stages"] = LAUNCH[stages]
+        launch["num_stages"] = LAUNCH["num_stages_large_tiles"]
     return launch
 
 
@@ -193,7 +193,7 @@ def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, norms, kernel, scale, chunk, l
     rowterm = torch.empty(B, H, T, device=k.device, dtype=torch.float32)
     counters = torch.zeros(BH + 1, device=k.device, dtype=torch.int32)
     dkw = D <= DK_IN_WAVEFRONT_MAX_D
-    g_launch = _launch(D, C, lowp, "num_stages_bwd_g" if D == 128 else "num_stages_large_tiles")
+    g_launch = {**launch, "num_stages": LAUNCH["num_stages_bwd_g"]} if D == 128 else launch
     with _device_guard(k):
         _bwd_g_kernel[(BH * NC,)](
             w, k, nw, nk, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], u,
