@@ -130,9 +130,10 @@ def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp):
     BH, NC, C = B * H, triton.cdiv(T, chunk), chunk
     prec, xprec, lowp, split, launch = _triton_cfg(v, chunk, lowp)
     kid, norm, same = _KERNEL_IDS[kernel], kernel != "softmax", w is k
-    k, v, w, beta = (x.contiguous() for x in (k, v, w, beta))
+    k, w, beta = (x.contiguous() for x in (k, w, beta))
+    v = v if v.stride(-1) == 1 else v.contiguous()  # read through its strides: no copy of a view
     f32 = dict(device=v.device, dtype=torch.float32)
-    u = v.new_empty(v.shape)  # contiguous (v is, here), as the fake says
+    u = v.new_empty(v.shape)  # contiguous, as the fake says
     u_lo = v.new_empty(v.shape) if split else v.new_empty(0)
     h = torch.empty(B, H, T, D, **f32)
     lse = torch.empty(B, H, T, **f32) if kernel == "softmax" else torch.zeros(1, **f32)  # placeholder
@@ -147,8 +148,8 @@ def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp):
         )  # fmt: skip
         _fwd_kernel[(BH * NC,)](
             w, k, nw, nk, v, beta, u, u_lo if split else u, h, lse, xinv, counters, counters[BH:],
-            scale, T, NC, BH, KERNEL=kid, NORM=norm, D=D, C=C, SPLIT=split, PREC=prec, XPREC=xprec,
-            SPIN_LIMIT=_SPIN_LIMIT, **launch,
+            scale, T, NC, BH, H, *v.stride()[:3], KERNEL=kid, NORM=norm, D=D, C=C, SPLIT=split, PREC=prec,
+            XPREC=xprec, SPIN_LIMIT=_SPIN_LIMIT, **launch,
         )  # fmt: skip
     return u, u_lo, h, lse, xinv, norms
 

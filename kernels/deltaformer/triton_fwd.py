@@ -58,11 +58,12 @@ def _prep_kernel(
 
 @triton.jit
 def _fwd_kernel(
-    W, K, NW, NK, V, Beta, U, ULO, Hs, LSE, Xinv, Prog, Ticket, scale, T, NC, BH,
+    W, K, NW, NK, V, Beta, U, ULO, Hs, LSE, Xinv, Prog, Ticket, scale, T, NC, BH, H, sv_b, sv_h, sv_t,
     KERNEL: tl.constexpr, NORM: tl.constexpr, D: tl.constexpr, C: tl.constexpr, SPLIT: tl.constexpr,
     PREC: tl.constexpr, XPREC: tl.constexpr, SPIN_LIMIT: tl.constexpr,
 ):  # fmt: skip
-    """The wavefront tile of chunk c, head bh (module docstring)."""
+    """The wavefront tile of chunk c, head bh (module docstring); v read through its strides (sv_b, sv_h,
+    sv_t; unit along D), as the attention's projection leaves it."""
     c, bh, bh64, offs_c, offs_d, rows, rmask, tile = _wavefront_tile(Ticket, T, NC, BH, D, C, False)
     w = tl.load(W + tile, mask=rmask[:, None], other=0.0)
     rw = _inv_norms(NW, bh64 * T + rows, rmask, NORM)
@@ -73,7 +74,8 @@ def _fwd_kernel(
     xt = Xinv + (bh64 * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :]
     # loaded before the waits: off the critical path (but live in registers through them)
     b = tl.load(Beta + bh64 * T + rows, mask=rmask, other=0.0).to(tl.float32)
-    v = tl.load(V + tile, mask=rmask[:, None], other=0.0).to(tl.float32)
+    v_tile = (bh64 // H) * sv_b + (bh64 % H) * sv_h + rows[:, None].to(tl.int64) * sv_t + offs_d[None, :]
+    v = tl.load(V + v_tile, mask=rmask[:, None], other=0.0).to(tl.float32)
     x = tl.load(xt)
     acc = tl.zeros((C, D), dtype=tl.float32)
     done = c * 0  # earlier chunks consumed
