@@ -596,6 +596,36 @@ def test_triton_dispatch_and_errors():
         deltaformer_attention(q, k, v.half(), w, beta, backend="triton")
 
 
+def test_triton_reads_v_through_its_strides(monkeypatch):
+    # the model's v is a permuted view of the [B, T, 3, H, D] projection: the forward kernel gets that
+    # storage itself (no copy) and gives the u of a contiguous v, forward and backward
+    import kernels.deltaformer.triton as tri
+
+    launch, seen = tri._fwd_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def go(*args, **kw):
+                seen.append(args[4])
+                return launch[grid](*args, **kw)
+
+            return go
+
+    monkeypatch.setattr(tri, "_fwd_kernel", Spy())
+    k, v, w, beta = make_inputs(2, 3, 37, 16, dtype=torch.float32)[1:]
+    kvw = torch.stack([k, v, w]).permute(1, 3, 0, 2, 4).contiguous().permute(2, 0, 3, 1, 4)
+    results = []
+    for inputs in ((k, v, w), kvw):
+        kk, vv, ww = (x.detach().requires_grad_() for x in inputs)
+        u = tri.deltaformer_u_triton(kk, vv, ww, beta, chunk=16)
+        u.backward(torch.linspace(-1, 1, u.numel()).view_as(u))
+        results.append((u, kk.grad, vv.grad, ww.grad))
+    assert not kvw[1].is_contiguous() and seen[-1].data_ptr() == kvw[1].data_ptr()
+    assert seen[-1].stride() == kvw[1].stride()
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 def test_u_change_is_substantial():
     # the inputs above must exercise the recurrence, not leave u ~ v
     for kernel in KERNELS:
