@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.common import BACKENDS
+from kernels.common import BACKENDS, fp32_linear
 from kernels.ddl import cc_read_weight, compress_cc, compress_tc, expand_ec
 from kernels.ddl.stream import DDLStream, with_history
 from kernels.deltaformer import deltaformer_attention, deltaformer_decode
@@ -162,17 +162,6 @@ def apply_rope(x, cos, sin):
     cos, sin = cos.to(dt), sin.to(dt)
     x1, x2 = x.to(dt).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
-
-
-def fp32_linear(x, weight, bias=None):
-    """x W^T + b in fp32 (float64 stays float64) even under autocast: for the gates' and v's logits. Up to two
-    outputs each as its own product summed over d (reductions shaped like the norm's, for the compiler to
-    fuse), more as a GEMV: what measured fastest (bench/RESULTS.md, Training throughput)."""
-    dt = torch.promote_types(x.dtype, torch.float32)
-    x, weight = x.to(dt), weight.to(dt)
-    with torch.autocast(x.device.type, enabled=False):
-        y = torch.stack([(x * w).sum(-1) for w in weight], -1) if len(weight) <= 2 else F.linear(x, weight)
-    return y if bias is None else y + bias.to(dt)
 
 
 class MLP(nn.Module):

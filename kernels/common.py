@@ -1,4 +1,5 @@
-"""What the DDL and Deltaformer ops share: the backend rule, the accumulation dtype, the default scale."""
+"""What the DDL and Deltaformer ops share: the backend rule, the accumulation dtype, the default scale; and
+the fp32 logits of the gates (and DDL's v) where no kernel forms them."""
 
 import importlib.util
 import math
@@ -44,3 +45,31 @@ def acc_dtype(*tensors):
 def default_scale(head_dim, scale=None):
     """scale, or 1 / sqrt(head_dim) when it is None."""
     return 1.0 / math.sqrt(head_dim) if scale is None else scale
+
+
+def fp32_linear(x, weight, bias=None):
+    """x W^T + b in fp32 (float64 stays float64) even under autocast: the logits of DDL's v and beta and of
+    Deltaformer's beta where no kernel forms them."""
+    dt = torch.promote_types(x.dtype, torch.float32)
+    autocast = dt == torch.float32 and torch.is_autocast_enabled(x.device.type)
+    lp = torch.get_autocast_dtype(x.device.type) if autocast else dt
+    y = _Logits.apply(x.to(dt), weight.to(dt), lp)
+    return y if bias is None else y + bias.to(dt)
+
+
+class _Logits(torch.autograd.Function):
+    """x W^T as one product summed over d per output, which the compiler fuses into x's producer (the norm),
+    and so dx in the backward; dW = dy^T x one GEMM of operands in lp, autocast's dtype (the precision every
+    other weight's gradient has), x saved in lp (the copy the next matmul saves). Against a GEMV for W x and
+    autograd's backward: bench/RESULTS.md, Training throughput."""
+
+    @staticmethod
+    def forward(ctx, x, weight, lp):
+        ctx.save_for_backward(x.to(lp), weight)
+        return torch.stack([(x * w).sum(-1) for w in weight], -1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_lp, weight = ctx.saved_tensors
+        dw = dy.flatten(0, -2).T.to(x_lp.dtype) @ x_lp.flatten(0, -2)
+        return (dy.unsqueeze(-1) * weight).sum(-2), dw.to(weight.dtype), None
