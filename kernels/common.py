@@ -58,18 +58,23 @@ def fp32_linear(x, weight, bias=None):
 
 
 class _Logits(torch.autograd.Function):
-    """x W^T as one product summed over d per output, which the compiler fuses into x's producer (the norm),
-    and so dx in the backward; dW = dy^T x one GEMM of operands in lp, autocast's dtype (the precision every
-    other weight's gradient has), x saved in lp (the copy the next matmul saves). Against a GEMV for W x and
-    autograd's backward: bench/RESULTS.md, Training throughput."""
+    """x W^T. Compiled: one product summed over d per output, which the compiler fuses into x's producer (the
+    norm), and so dx in the backward; eager: matmuls (the summed form would hold [.., outputs, d]).
+    dW = dy^T x: one GEMM of operands in lp, autocast's dtype (the precision every other weight's gradient
+    has), x saved in lp (the copy the next matmul saves). Against a GEMV and autograd's backward:
+    bench/RESULTS.md, Training throughput."""
 
     @staticmethod
     def forward(ctx, x, weight, lp):
         ctx.save_for_backward(x.to(lp), weight)
-        return torch.stack([(x * w).sum(-1) for w in weight], -1)
+        if torch.compiler.is_compiling():
+            return torch.stack([(x * w).sum(-1) for w in weight], -1)
+        with torch.autocast(x.device.type, enabled=False):
+            return x @ weight.T
 
     @staticmethod
     def backward(ctx, dy):
         x_lp, weight = ctx.saved_tensors
         dw = dy.flatten(0, -2).T.to(x_lp.dtype) @ x_lp.flatten(0, -2)
-        return (dy.unsqueeze(-1) * weight).sum(-2), dw.to(weight.dtype), None
+        dx = (dy.unsqueeze(-1) * weight).sum(-2) if torch.compiler.is_compiling() else dy @ weight
+        return dx, dw.to(weight.dtype), None
