@@ -290,7 +290,7 @@ def test_fp32_linear_against_float64(rows):
         torch.testing.assert_close(xg.grad.double(), xd.grad, rtol=tol, atol=tol)
         torch.testing.assert_close(bg.grad.double(), bd.grad, rtol=tol, atol=tol)
         dw_err = (wg.grad.double() - wd.grad).abs().max() / wd.grad.abs().max()
-        assert dw_err < dw_tol and (dw_tol < 1e-3 or dw_err > 1e-5)  # under autocast: bf16 operands really
+        assert dw_err < dw_tol and (dw_tol < 1e-3 or dw_err > 1e-5)  # under autocast: bf16 operands, not fp32
 
 
 @pytest.mark.parametrize(
