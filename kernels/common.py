@@ -47,12 +47,16 @@ def default_scale(head_dim, scale=None):
     return 1.0 / math.sqrt(head_dim) if scale is None else scale
 
 
+def autocast_dtype(device_type):
+    """The dtype autocast computes matmuls in on this device type, or None where it is off."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
 def fp32_linear(x, weight, bias=None):
     """x W^T + b in fp32 (float64 stays float64) even under autocast: the logits of DDL's v and beta and of
     Deltaformer's beta where no kernel forms them."""
     dt = torch.promote_types(x.dtype, torch.float32)
-    autocast = dt == torch.float32 and torch.is_autocast_enabled(x.device.type)
-    lp = torch.get_autocast_dtype(x.device.type) if autocast else dt
+    lp = (autocast_dtype(x.device.type) if dt == torch.float32 else None) or dt
     y = _Logits.apply(x.to(dt), weight.to(dt), lp)
     return y if bias is None else y + bias.to(dt)
 

@@ -15,7 +15,7 @@ What exists only for speed and memory happens behind those two calls, so that a 
 
 import torch
 
-from ..common import resolve_backend
+from ..common import autocast_dtype, resolve_backend
 from . import ddl_update, ddl_update_compress_cc, ddl_update_compress_tc, ddl_update_norm
 
 
@@ -80,13 +80,13 @@ class DDLStream:
         """d_v = 1: (c, z, inv_rms) of x_in = read() as ddl_update_norm gives them, from one op with the
         pending write, where the Triton kernels run it and every state is kept (c in autocast's dtype, as
         the sublayer's matmuls read it). Else None: the caller reads x_in and computes them itself."""
-        X, dev = self.X, self.X.device.type
+        X = self.X
         if self.pending is None or self.reader.kind != "ddl" or self.every > 0:
             return None
         h, v, beta, _ = self.pending
         if resolve_backend("ddl_update_norm", self.kw["backend"], X, h, v, beta, norm_weight) != "triton":
             return None
-        c_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        c_dtype = autocast_dtype(X.device.type)
         self.pending, self.slot = None, self.slot + 1
         kw = dict(self.kw, norm_eps=norm_eps, c_dtype=c_dtype)
         self.X, c, z, inv_rms = ddl_update_norm(X, h, v, beta, norm_weight, logit_weight, **kw)

@@ -21,12 +21,8 @@ def _update_norm_op(
     N, D = x.shape
     ft = acc_dtype(x)
     x_new, c = _new((N, D), x), _new((N, D), x, dtype=c_dtype)
-    z, inv, rs, r = (
-        _new((N, 2), x, dtype=ft),
-        _new((N,), x, dtype=ft),
-        _new((N,), x, dtype=ft),
-        _new((N,), x, dtype=ft),
-    )
+    z = _new((N, 2), x, dtype=ft)
+    inv, rs, r = (_new((N,), x, dtype=ft) for _ in range(3))
     cfg = _cfg("update_norm", x.dtype)
     _update_row_fwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
         x, k, v, beta, x_new, rs, r, norm_weight, logit_weight, c, z, inv, N, D, eps, norm_eps,
