@@ -437,7 +437,7 @@ def test_update_norm_ops_pass_opcheck(triton_small):
 
     x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(7,), d=20, dv=1))
     nw, lw = torch.randn(20, dtype=F64, requires_grad=True), torch.randn(2, 20, dtype=F64, requires_grad=True)
-    args = (x[..., 0], k, v[..., 0], beta, nw, lw, 1e-3, 1e-4, True, torch.float32)
+    args = (x[..., 0], k, v[..., 0], beta, nw, lw, 1e-3, 1e-4, True, torch.float32, None)
     checks = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(_update_norm_op, args, test_utils=checks)
     _, _, _, inv, rs, r = (t.detach() for t in _update_norm_op(*args))
@@ -445,8 +445,15 @@ def test_update_norm_ops_pass_opcheck(triton_small):
     grads = (torch.randn(7, 20, dtype=F64), torch.randn(7, 20, dtype=F64), torch.randn(7, 2, dtype=F64),
              torch.randn(7, dtype=F64))  # fmt: skip
     torch.library.opcheck(
-        _update_norm_bwd_op, (*plain[:4], rs, r, *plain[4:], inv, *grads, True), test_utils=checks[:2]
+        _update_norm_bwd_op, (*plain[:4], rs, r, *plain[4:], inv, *grads, True, None), test_utils=checks[:2]
     )
+    seeded = (
+        x[..., 0].detach().bfloat16(),
+        *plain[1:],
+        *args[6:10],
+        torch.tensor([5]),
+    )  # stochastic rounding
+    torch.library.opcheck(_update_norm_op, seeded, test_utils=checks[:2])
 
 
 def test_update_norm_bad_inputs():
@@ -474,9 +481,11 @@ def test_triton_update_compress_cc_matches_reference(triton_small, dv, erase):
     )
 
 
-def second_update(kind, x1, k, v, beta, extra, erase, rebuild_from=None, backend="triton"):
+def second_update(
+    kind, x1, k, v, beta, extra, erase, rebuild_from=None, backend="triton", seed=None, eps=1e-5
+):
     """A block's second update of kind "plain" | "cc" | "tc" (the read-out of the next block fused)."""
-    kw = dict(erase=erase, backend=backend, rebuild_from=rebuild_from)
+    kw = dict(erase=erase, backend=backend, rebuild_from=rebuild_from, seed=seed, eps=eps)
     if kind == "plain":
         return ddl_update(x1, k, v, beta, **kw)
     if kind == "cc":
@@ -490,11 +499,13 @@ def earlier_updates(n, dv, dtype=F64):
     return x0, [rand_update_args(lead=(2, 5), d=20, dv=dv, dtype=dtype)[1:] for _ in range(n)]
 
 
-def run_chain(x0, kvbs, erase, backend):
-    """x0 through the updates kvbs = ((k, v, beta), ...): the state and each update's step (return_step)."""
+def run_chain(x0, kvbs, erase, backend, seeds=None):
+    """x0 through the updates kvbs = ((k, v, beta), ...): the state and each update's step (return_step);
+    seeds: each update's (stochastic rounding)."""
     x, steps = x0, []
-    for kvb in kvbs:
-        x, step = ddl_update(x, *kvb, erase=erase, backend=backend, return_step=True)
+    for i, kvb in enumerate(kvbs):
+        seed = seeds[i] if seeds else None
+        x, step = ddl_update(x, *kvb, erase=erase, backend=backend, return_step=True, seed=seed)
         steps.append(step)
     return x, steps
 
@@ -594,20 +605,24 @@ def test_triton_update_rebuilt_gradients_equal_kept(triton_small, kind, dtype):
         torch.testing.assert_close(rebuilt.float(), kept.float(), rtol=1e-5, atol=1e-5)
 
 
-def kept_and_rebuilt_grads(kind, x0, kvbs, kvb, extra):
+def kept_and_rebuilt_grads(kind, x0, kvbs, kvb, extra, seeds=None):
     """Gradients of every input of the updates kvbs, then an update of `kind`, at x0: the last update
-    keeping its input state, then rebuilding it (the same random upstream gradients)."""
-    grads, ups, n = [], None, len(kvbs)
+    keeping its input state, then rebuilding it (the same random upstream gradients); seeds: the n + 1
+    updates' (stochastic rounding). Also the outputs, ([kept], [rebuilt])."""
+    grads, outs, ups, n = [], [], None, len(kvbs)
     for rebuild in (False, True):
         inputs = [t.detach().clone().requires_grad_() for t in (x0, *(t for s in kvbs for t in s), *kvb)]
-        x, steps = run_chain(inputs[0], [inputs[1 + 3 * i : 4 + 3 * i] for i in range(n)], True, "triton")
+        kvbs_in = [inputs[1 + 3 * i : 4 + 3 * i] for i in range(n)]
+        x, steps = run_chain(inputs[0], kvbs_in, True, "triton", seeds)
         out = second_update(
-            kind, x, *inputs[1 + 3 * n :], extra, True, (inputs[0], steps) if rebuild else None
-        )
+            kind, x, *inputs[1 + 3 * n :], extra, True, (inputs[0], steps) if rebuild else None,
+            seed=seeds[n] if seeds else None,
+        )  # fmt: skip
         out = out if isinstance(out, tuple) else (out,)
         ups = ups or [torch.randn_like(o, dtype=torch.float32).to(o.dtype) for o in out]
         grads.append(torch.autograd.grad(out, inputs, ups))
-    return grads
+        outs.append(out)
+    return grads if seeds is None else (grads, outs)
 
 
 def read_out_weights(kind, dv, d=20, K=3):
@@ -655,7 +670,16 @@ def test_rebuild_from_must_be_a_state_and_steps():
     with pytest.raises(ValueError, match="x0 must be like x"):
         ddl_update(x, k, v, b, backend="triton", rebuild_from=(x[:1], [step]))
     with pytest.raises(ValueError, match=r"step 1: r must be \(2, 5, 4\)"):
-        ddl_update(x, k, v, b, backend="triton", rebuild_from=(x, [step, (*step[:3], step[3][..., :1])]))
+        ddl_update(
+            x, k, v, b, backend="triton", rebuild_from=(x, [step, (*step[:3], step[3][..., :1], None)])
+        )
+    seed = torch.tensor([3])
+    with pytest.raises(ValueError, match="each have a seed if this update has one"):
+        ddl_update(x.bfloat16(), k, v, b, backend="triton", rebuild_from=(x.bfloat16(), [step]), seed=seed)
+    with pytest.raises(ValueError, match="seed .stochastic rounding. is for a bfloat16 state"):
+        ddl_update(x, k, v, b, backend="triton", seed=seed)
+    with pytest.raises(TypeError, match="seed must be None or an integer tensor of one element"):
+        ddl_update(x.bfloat16(), k, v, b, seed=torch.tensor([1.0]))
 
 
 def update_terms_loops(x, k, v, eps, erase):
@@ -891,3 +915,184 @@ def test_gpu_update_rebuilt_realistic(dtype, kind):
     extra = [w.to(dev).float() for w in read_out_weights(kind, dv, d=d, K=4)]
     for i, (kept, rebuilt) in enumerate(zip(*kept_and_rebuilt_grads(kind, x0, steps, (k, v, b), extra))):
         assert rel_err(rebuilt, kept) < 1e-5, i
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stochastic rounding of a bf16 state (seed=...): the reference's rounding against its definition, the
+# kernels' against the reference's, and the backward's rebuild drawing the forward's bits.
+
+
+def fmix32(h):
+    """murmur3's 32-bit finaliser on a Python int (its published definition)."""
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def bf16_neighbours(x):
+    """(lo, hi, f): the bf16 values next to fp32 x toward zero and away from it, and x's fraction of the
+    step between them (0 where x is a bf16 value)."""
+    bits = x.view(torch.int32)
+    lo = (bits & ~0xFFFF).view(torch.float32)  # the low 16 bits cut: toward zero
+    hi = ((bits & ~0xFFFF) + 0x10000).view(torch.float32)
+    return lo, hi, (x - lo) / (hi - lo)
+
+
+def test_round_state_is_unbiased_stochastic_rounding():
+    from kernels.ddl.naive import _mix32_ref, round_state
+
+    vals = torch.tensor([0, 1, 2**31, 2**32 - 1] + torch.randint(0, 2**32, (60,)).tolist())
+    assert _mix32_ref(vals).tolist() == [fmix32(int(h)) for h in vals]
+    x = torch.randn(4096) * torch.logspace(-3, 3, 4096)
+    lo, hi, f = bf16_neighbours(x)
+    ys = torch.stack([round_state(x, torch.bfloat16, torch.tensor([s])).float() for s in range(400)])
+    assert ((ys == lo) | (ys == hi)).all()  # one of the two neighbours
+    up = (ys == hi).float()
+    err = ((ys - x) / (hi - lo)).mean()  # in steps: rounding to nearest or toward zero gives ~0.25
+    assert abs(err) < 3e-3, err
+    for b in range(4):  # P(up) = f, by fraction bins (~400k draws each, s.d. < 1e-3)
+        m = (f >= b / 4) & (f < (b + 1) / 4)
+        assert abs(up[:, m].mean() - f[m].mean()) < 5e-3, b
+    assert ((up.mean(0) - f).abs() < 0.2).all()  # per element over 400 seeds (s.d. <= 0.025)
+    assert not torch.equal(ys[0], ys[1])
+    special = torch.tensor([0.0, -0.0, 1.0, -2.5, float("inf"), -float("inf"), float("nan")])
+    out = round_state(special, torch.bfloat16, torch.tensor([7])).float()
+    assert torch.equal(out[:6], special[:6]) and out[6].isnan()  # bf16 values kept, NaN stays NaN
+    g = torch.randn(4096)
+    xg = x.clone().requires_grad_()
+    (round_state(xg, torch.bfloat16, torch.tensor([1])).float() * g).sum().backward()
+    assert torch.equal(xg.grad, g.bfloat16().float())  # straight through, as a cast to bf16
+
+
+EPS_EXACT = 2.0**-12  # eps^2 = 2^-24 vanishes next to |k|^2 = 4 in fp32 (its step there is 2^-21)
+
+
+def exact_update_args(lead, d, dv, gen):
+    """An update whose fp32 arithmetic is exact in any order (bf16 x, v, beta; k with four entries of +-1,
+    so |k| = 2 and, with eps = EPS_EXACT, khat = k / 2): the kernels' x' before rounding is the
+    reference's, bit for bit, so their stochastic rounding must agree bit for bit too."""
+    x = torch.randn(*lead, d, dv, generator=gen).bfloat16()
+    pick = torch.rand(*lead, d, generator=gen).argsort(-1)[..., :4]
+    sign = torch.randint(0, 2, (*lead, 4), generator=gen).float() * 2 - 1
+    k = torch.zeros(*lead, d).scatter_(-1, pick, sign)
+    v = torch.randn(*lead, dv, generator=gen).bfloat16().float()
+    beta = (2 * torch.rand(lead, generator=gen)).bfloat16().float()
+    return x, k, v, beta
+
+
+@pytest.mark.parametrize("kind,dv", [("plain", 1), ("plain", 4), ("cc", 4), ("tc", 4), ("norm", 1)])
+@pytest.mark.parametrize("erase", [True, False])
+def test_triton_stochastic_rounding_matches_reference(triton_small, kind, dv, erase):
+    """With a seed, every kernel's x' is the reference's bit for bit (exact_update_args), and differs from
+    another seed's and from rounding to nearest; read-outs and gradients to bf16 precision."""
+    gen = torch.Generator().manual_seed(0)
+    x, k, v, beta = exact_update_args((2, 5), 20, dv, gen)
+    extra = [w.float() for w in read_out_weights(kind, dv)] if kind != "norm" else []
+    inputs = tuple(t.requires_grad_() for t in (x, k, v, beta, *extra))
+
+    def run(backend, seed):
+        def f(x, k, v, beta, *extra):
+            if kind == "norm":
+                nw, lw = torch.linspace(0.5, 1.5, 20), torch.linspace(-1, 1, 40).view(2, 20)
+                out = ddl.ddl_update_norm(
+                    x, k, v, beta, nw, lw, eps=EPS_EXACT, erase=erase, backend=backend, seed=seed
+                )
+                return out[0], out[1], out[2]
+            return second_update(kind, x, k, v, beta, extra, erase, backend=backend, seed=seed, eps=EPS_EXACT)
+
+        return f
+
+    seed = torch.tensor([12345])
+    out = run("triton", seed)(*inputs)
+    out_ref = run("torch", seed)(*inputs)
+    x_new = out[0] if isinstance(out, tuple) else out
+    x_ref = out_ref[0] if isinstance(out_ref, tuple) else out_ref
+    assert x_new.dtype == torch.bfloat16 and torch.equal(x_new, x_ref)
+    other = run("triton", torch.tensor([54321]))(*inputs)
+    nearest = run("torch", None)(*inputs)
+    for y in (other, nearest):
+        y = y[0] if isinstance(y, tuple) else y
+        assert (y != x_new).float().mean() > 0.01  # k moves 4 of the 20 rows
+    outs = [o if isinstance(o, tuple) else (o,) for o in (out, out_ref)]
+    for a, b in zip(*outs):
+        assert a.dtype == b.dtype and rel_err(a, b) < 1e-2
+    ups = [torch.randn_like(o) for o in outs[1]]
+    grads = [torch.autograd.grad(sum((o * u).sum() for o, u in zip(os, ups)), inputs) for os in outs]
+    for name, a, b in zip("x k v beta w w2".split(), *grads):  # the reference's dX' is bf16, as X'
+        assert rel_err(a, b) < 1e-2, name
+
+
+@pytest.mark.parametrize("kind", ["plain", "cc", "tc"])
+def test_triton_stochastic_rebuild_draws_the_forwards_bits(triton_small, kind):
+    """A bf16 state rebuilt in the backward through 3 stochastically rounded updates is the state the
+    forward stored, bit for bit: values and every gradient equal to keeping it (rounding the rebuild to
+    nearest instead moves the gradients by bf16 steps)."""
+    gen = torch.Generator().manual_seed(1)
+    x0 = torch.randn(2, 5, 20, 4, generator=gen).bfloat16()
+    kvbs = [rand_update_args(lead=(2, 5), d=20, dv=4, dtype=torch.float32)[1:] for _ in range(4)]
+    extra = [w.float() for w in read_out_weights(kind, 4)]
+    seeds = [torch.tensor([s]) for s in (11, 22, 33, 44)]
+    (kept, rebuilt), (out_kept, out_rebuilt) = kept_and_rebuilt_grads(
+        kind, x0, kvbs[:3], kvbs[3], extra, seeds
+    )
+    for a, b in zip(out_kept, out_rebuilt):
+        assert torch.equal(a, b)
+    for i, (a, b) in enumerate(zip(kept, rebuilt)):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=f"input {i}")
+
+
+@pytest.mark.parametrize("dv", [1, 4])
+def test_triton_stochastic_rounding_does_not_stall(triton_small, dv):
+    """80 updates of a tenth of a bf16 step each (write-only, so the increment does not depend on x): the
+    stochastically rounded state follows the fp32 sum (its mean over 1600 elements within 5 s.d.), where
+    rounding to nearest never leaves the start (the reference, as the GPU rounds)."""
+    N, d = 40, 40 // dv
+    x0 = torch.ones(N, d, dv, dtype=torch.bfloat16)
+    k = torch.ones(N, d)  # khat = 1 / sqrt(d) everywhere
+    step = 2.0**-7 / 10  # a bf16 step at 1.0 is 2^-7
+    v = torch.full((N, dv), step * math.sqrt(d))
+    beta = torch.ones(N)
+    x_sr, x_rn = x0, x0
+    for i in range(80):
+        x_sr = ddl_update(x_sr, k, v, beta, eps=0.0, erase=False, backend="triton", seed=torch.tensor([i]))
+        x_rn = ddl_update_ref(x_rn, k, v, beta, eps=0.0, erase=False)
+    assert torch.equal(x_rn, x0)
+    want = 1.0 + 80 * step  # the fp32 sum, 1.0625
+    sd = math.sqrt(80 * 0.25) * 2.0**-7 / math.sqrt(x_sr.numel())  # each rounding's variance <= step^2 / 4
+    assert abs(x_sr.float().mean().item() - want) < 5 * sd
+
+
+@pytest.mark.parametrize("kind", ["cc", "tc", "norm"])
+def test_triton_stochastic_read_out_weight_grads_see_the_stored_state(triton_small, kind):
+    """The fused read-out's weight gradients are sums of the upstream gradients times x' as stored: the
+    backward kernels recompute x' with the forward's bits (rounding to nearest instead is off by ~0.3%)."""
+    gen = torch.Generator().manual_seed(2)
+    dv = 1 if kind == "norm" else 4
+    x, k, v, beta = rand_update_args(lead=(2, 5), d=20, dv=dv, dtype=torch.float32)
+    x = x.bfloat16()
+    if kind == "norm":
+        weights = [torch.rand(20, generator=gen) + 0.5, torch.randn(2, 20, generator=gen)]
+    else:
+        weights = [w.float() for w in read_out_weights(kind, dv)]
+    weights = [w.requires_grad_() for w in weights]
+    seed = torch.tensor([99])
+    if kind == "norm":
+        x_new, *reads, _ = ddl.ddl_update_norm(x, k, v, beta, *weights, backend="triton", seed=seed)
+    else:
+        x_new, *reads = second_update(kind, x, k, v, beta, weights, True, seed=seed)
+    ups = [torch.randn_like(r) for r in reads]
+    got = torch.autograd.grad(reads, weights, ups)
+    ws64 = [w.detach().double().requires_grad_() for w in weights]
+    xs = x_new.detach().double()  # the stored state
+    if kind == "norm":
+        zero = (torch.zeros_like(t, dtype=F64) for t in (k, v, beta))
+        reads64 = ddl.ddl_update_norm_ref(xs, *zero, *ws64)[1:3]  # c, z of a zero update: xs's read
+    elif kind == "cc":
+        reads64 = (compress_cc_ref(xs, ws64[0]),)
+    else:
+        reads64 = (compress_tc_ref(xs, *ws64),)
+    want = torch.autograd.grad(reads64, ws64, [u.double() for u in ups])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)

@@ -30,7 +30,11 @@ Triton for CUDA tensors and the PyTorch reference otherwise (tests run the kerne
 backend="triton" and TRITON_INTERPRET=1). The references (*_ref) are in naive.py, the kernels in
 triton_update.py and triton_channel.py, their custom ops in triton.py (ddl_update_norm's in
 triton_norm.py). Numerics: the normalisation, the contractions and the update run in fp32 (float64 stays
-float64); results come back in x's dtype, so bf16 state is stored in bf16.
+float64); results come back in x's dtype, so bf16 state is stored in bf16: rounded to nearest, or, given
+seed (an integer tensor of one element, a fresh one per update), stochastically (naive.round_state): each
+element rounds up with probability equal to its fraction of a bf16 step, so the stored state's expectation is
+the fp32 update's, and a run of small updates does not stall as rounding to nearest does. The random bits
+are a hash of the seed and the element's index, so that a backward that rebuilds the state draws them again.
 
 The Triton kernels in short: the work is memory-bound (~1 FLOP per byte of state), so they minimise passes
 over the [B, T, d, d_v] state. One program owns whole tokens ([d, d_v] tiles; d_v = 1: [tokens, d] rows): the
@@ -52,6 +56,7 @@ from .naive import (
     _check_conv,
     _check_norm_args,
     _check_read,
+    _check_seed,
     _check_state,
     _check_update_args,
     cc_read_weight,
@@ -92,24 +97,31 @@ __all__ = [
 ]
 
 
-# return_step=True (every update below): also return the update's step = (k, beta, rs, r), what rebuilding its
-# output from its input takes: the direction and gate, and rs = 1/sqrt(|k|^2+eps^2) [...], r = v - khat^T x
-# (erase) or v [..., d_v] (compute dtype, fp32 for a bf16 state), as its forward computed them.
+# return_step=True (every update below): also return the update's step = (k, beta, rs, r, seed), what
+# rebuilding its output from its input takes: the direction and gate, rs = 1/sqrt(|k|^2+eps^2) [...] and
+# r = v - khat^T x (erase) or v [..., d_v] (compute dtype, fp32 for a bf16 state) as its forward computed
+# them, and its seed (None: rounded to nearest).
 # rebuild_from=(x0, steps): x was made from x0 by the updates whose steps are given, in order (each from that
-# update's return_step). The Triton path then keeps x0 for the backward instead of x and its backward kernels
-# rebuild x as they read it, x <- x + beta (k rs) r^T rounded as stored, with no reduction: a run of updates
-# keeps one state alive, not one each. The reference ignores rebuild_from.
+# update's return_step; all with a seed or none, as this update). The Triton path then keeps x0 for the
+# backward instead of x and its backward kernels rebuild x as they read it, x <- x + beta (k rs) r^T rounded
+# as stored, with no reduction: a run of updates keeps one state alive, not one each. The reference ignores
+# rebuild_from.
 
 
-def _check_rebuild_from(fn, x, rebuild_from):
+def _check_rebuild_from(fn, x, rebuild_from, seed):
+    _check_seed(fn, x, seed)
     if rebuild_from is None:
         return
     ok = isinstance(rebuild_from, (tuple, list)) and len(rebuild_from) == 2
     steps = rebuild_from[1] if ok else None
-    if not (ok and isinstance(steps, (tuple, list)) and steps and all(len(s) == 4 for s in steps)):
+    if not (ok and isinstance(steps, (tuple, list)) and steps and all(len(s) == 5 for s in steps)):
         raise ValueError(
-            f"{fn}: rebuild_from must be (x0, ((k0, beta0, rs0, r0), ...)), the earlier updates' steps "
-            f"(return_step=True), got {rebuild_from!r:.80}"
+            f"{fn}: rebuild_from must be (x0, ((k0, beta0, rs0, r0, seed0), ...)), the earlier updates' "
+            f"steps (return_step=True), got {rebuild_from!r:.80}"
+        )
+    if any((s[4] is None) != (seed is None) for s in steps):
+        raise ValueError(
+            f"{fn}: rebuild_from's steps must each have a seed if this update has one, else none"
         )
     x0 = rebuild_from[0]
     if x0.shape != x.shape or x0.dtype != x.dtype:
@@ -119,15 +131,18 @@ def _check_rebuild_from(fn, x, rebuild_from):
         )
     lead, d, dv = tuple(x.shape[:-2]), x.shape[-2], x.shape[-1]
     for i, step in enumerate(steps):
-        for name, t, shape in zip(("k", "beta", "rs", "r"), step, (lead + (d,), lead, lead, lead + (dv,))):
+        for name, t, shape in zip(
+            ("k", "beta", "rs", "r"), step[:4], (lead + (d,), lead, lead, lead + (dv,))
+        ):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"{fn}: rebuild_from's step {i}: {name} must be {shape}, got {got}")
+        _check_seed(f"{fn}: rebuild_from's step {i}", x, step[4])
 
 
-def _ref_step(x, k, v, beta, eps, erase, return_step):
-    """The reference's step (k, beta, rs, r) when asked for, else None."""
-    return (k, beta, *update_terms_ref(x, k, v, eps, erase)) if return_step else None
+def _ref_step(x, k, v, beta, eps, erase, return_step, seed):
+    """The reference's step (k, beta, rs, r, seed) when asked for, else None."""
+    return (k, beta, *update_terms_ref(x, k, v, eps, erase), seed) if return_step else None
 
 
 def _returned(out, step, return_step):
@@ -137,31 +152,36 @@ def _returned(out, step, return_step):
     return (*out, step) if isinstance(out, tuple) else (out, step)
 
 
-def ddl_update(x, k, v, beta, eps=1e-5, erase=True, backend="auto", rebuild_from=None, return_step=False):
-    """x + beta*khat*(v^T - khat^T x), or x + beta*khat*v^T (erase=False); x [..., d, d_v], k [..., d]."""
+def ddl_update(
+    x, k, v, beta, eps=1e-5, erase=True, backend="auto", rebuild_from=None, return_step=False, seed=None
+):
+    """x + beta*khat*(v^T - khat^T x), or x + beta*khat*v^T (erase=False); x [..., d, d_v], k [..., d].
+    seed: a bf16 x' rounded stochastically (the module docstring)."""
     _check_update_args(x, k, v, beta)
-    _check_rebuild_from("ddl_update", x, rebuild_from)
+    _check_rebuild_from("ddl_update", x, rebuild_from, seed)
     if resolve_backend("ddl_update", backend, x, k, v, beta) == "torch":
-        step = _ref_step(x, k, v, beta, eps, erase, return_step)
-        return _returned(ddl_update_ref(x, k, v, beta, eps=eps, erase=erase), step, return_step)
-    x_new, step = _triton.update(x, k, v, beta, eps, erase, rebuild_from)
+        step = _ref_step(x, k, v, beta, eps, erase, return_step, seed)
+        return _returned(ddl_update_ref(x, k, v, beta, eps=eps, erase=erase, seed=seed), step, return_step)
+    x_new, step = _triton.update(x, k, v, beta, eps, erase, rebuild_from, seed)
     return _returned(x_new, step, return_step)
 
 
 def ddl_update_compress_cc(
-    x, k, v, beta, weight, eps=1e-5, erase=True, backend="auto", rebuild_from=None, return_step=False
-):
+    x, k, v, beta, weight, eps=1e-5, erase=True, backend="auto", rebuild_from=None, return_step=False,
+    seed=None,
+):  # fmt: skip
     """(x_new, compress_cc(x_new, weight)) in one pass over the state: the update of one sublayer fused
     with the CC read-out of the next; x [B, T, d, d_v], weight [d, d_v]. Saves a read of x_new forward
     and a read+write of its gradient backward."""
     _check_update_args(x, k, v, beta)
     _check_state("ddl_update_compress_cc", x)
     _check_cc_weight("ddl_update_compress_cc", x, weight)
-    _check_rebuild_from("ddl_update_compress_cc", x, rebuild_from)
+    _check_rebuild_from("ddl_update_compress_cc", x, rebuild_from, seed)
     if resolve_backend("ddl_update_compress_cc", backend, x, k, v, beta, weight) == "torch":
-        step = _ref_step(x, k, v, beta, eps, erase, return_step)
-        return _returned(ddl_update_compress_cc_ref(x, k, v, beta, weight, eps, erase), step, return_step)
-    *out, step = _triton.update_compress_cc(x, k, v, beta, weight, eps, erase, rebuild_from)
+        step = _ref_step(x, k, v, beta, eps, erase, return_step, seed)
+        out = ddl_update_compress_cc_ref(x, k, v, beta, weight, eps, erase, seed)
+        return _returned(out, step, return_step)
+    *out, step = _triton.update_compress_cc(x, k, v, beta, weight, eps, erase, rebuild_from, seed)
     return _returned(tuple(out), step, return_step)
 
 
@@ -177,6 +197,7 @@ def ddl_update_compress_tc(
     backend="auto",
     rebuild_from=None,
     return_step=False,
+    seed=None,
 ):
     """(x_new, compress_tc(x_new, conv_weight, read)): the update of one sublayer and the TC read-out of
     the next as one op, whose backward takes both gradients in one pass over the state (the forward writes
@@ -185,12 +206,12 @@ def ddl_update_compress_tc(
     _check_state("ddl_update_compress_tc", x)
     _check_conv("ddl_update_compress_tc", "conv_weight", conv_weight, *x.shape[-2:])
     _check_read("ddl_update_compress_tc", x, read)
-    _check_rebuild_from("ddl_update_compress_tc", x, rebuild_from)
+    _check_rebuild_from("ddl_update_compress_tc", x, rebuild_from, seed)
     if resolve_backend("ddl_update_compress_tc", backend, x, k, v, beta, conv_weight, read) == "torch":
-        step = _ref_step(x, k, v, beta, eps, erase, return_step)
-        out = ddl_update_compress_tc_ref(x, k, v, beta, conv_weight, read, eps=eps, erase=erase)
+        step = _ref_step(x, k, v, beta, eps, erase, return_step, seed)
+        out = ddl_update_compress_tc_ref(x, k, v, beta, conv_weight, read, eps=eps, erase=erase, seed=seed)
         return _returned(out, step, return_step)
-    *out, step = _triton.update_compress_tc(x, k, v, beta, conv_weight, read, eps, erase, rebuild_from)
+    *out, step = _triton.update_compress_tc(x, k, v, beta, conv_weight, read, eps, erase, rebuild_from, seed)
     return _returned(tuple(out), step, return_step)
 
 
@@ -206,6 +227,7 @@ def ddl_update_norm(
     erase=True,
     c_dtype=None,
     backend="auto",
+    seed=None,
 ):
     """d_v = 1: (x_new, c, z, inv_rms), the update fused with the next sublayer's read of x_in = x_new[..., 0]
     (x [..., d, 1]): its RMSNorm c = x_in inv_rms norm_weight in c_dtype (default: the compute dtype),
@@ -213,10 +235,11 @@ def ddl_update_norm(
     (logit_weight [2, d]) in the compute dtype. The read takes no pass over the state of its own."""
     _check_update_args(x, k, v, beta)
     _check_norm_args(x, norm_weight, logit_weight)
+    _check_seed("ddl_update_norm", x, seed)
     args = (x, k, v, beta, norm_weight, logit_weight, eps, norm_eps, erase, c_dtype)
     if resolve_backend("ddl_update_norm", backend, x, k, v, beta, norm_weight, logit_weight) == "torch":
-        return ddl_update_norm_ref(*args)
-    return _triton_norm.update_norm(*args[:-1], c_dtype or acc_dtype(*args[:6]))
+        return ddl_update_norm_ref(*args, seed=seed)
+    return _triton_norm.update_norm(*args[:-1], c_dtype or acc_dtype(*args[:6]), seed)
 
 
 def compress_cc(x, weight, backend="auto"):

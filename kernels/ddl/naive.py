@@ -72,6 +72,46 @@ def _check_norm_args(x, norm_weight, logit_weight):
         )
 
 
+def _check_seed(fn, x, seed):
+    if seed is None:
+        return
+    if not (isinstance(seed, torch.Tensor) and seed.numel() == 1 and not seed.is_floating_point()):
+        raise TypeError(f"{fn}: seed must be None or an integer tensor of one element, got {seed!r:.80}")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(
+            f"{fn}: seed (stochastic rounding) is for a bfloat16 state, got x of dtype {x.dtype}"
+        )
+
+
+def _mix32_ref(h):
+    """murmur3's 32-bit finaliser on int64 tensors of uint32 values (products split so none overflows)."""
+
+    def mul(h, c):
+        return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+    h = mul(h ^ (h >> 16), 0x85EBCA6B)
+    h = mul(h ^ (h >> 13), 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def round_state(x, dtype, seed=None):
+    """x, computed in fp32 (or float64), as a state stored in dtype: rounded to nearest, or, given seed (a
+    bf16 state), stochastically, so that its expectation is x: the element at flat index i of x gets 16
+    random bits h(seed, i) added below bf16's last bit, which are then cut off (h = murmur3's finaliser of i
+    xor that of the seed, i and the seed mod 2^32). The gradient passes straight through, as a cast's."""
+    if seed is None:
+        return x.to(dtype)
+    x32 = x.to(torch.float32)
+    key = _mix32_ref(seed.reshape(()).to(device=x.device, dtype=torch.int64) & 0xFFFFFFFF)
+    bits = _mix32_ref((torch.arange(x32.numel(), device=x.device).view(x32.shape) & 0xFFFFFFFF) ^ key)
+    u = ((x32.detach().view(torch.int32).to(torch.int64) & 0xFFFFFFFF) + (bits & 0xFFFF)) & 0xFFFF0000
+    y = ((u ^ 0x80000000) - 0x80000000).to(torch.int32).view(torch.float32)  # back to int32's range
+    y = torch.where(torch.isnan(x32), x32, y)
+    # y, with x32's gradient: x32 + (y - x32) is y exactly (both differences exact); x32 itself where they
+    # are equal (bf16 values, -0.0 and infinities included)
+    return torch.where(y == x32, x32, x32 + (y - x32).detach()).to(dtype)
+
+
 def update_terms_ref(x, k, v, eps=1e-5, erase=True):
     """(rs, r) of the update in the compute dtype: rs = 1/sqrt(|k|^2+eps^2) [...] and r = v - khat^T x
     (erase) or v [..., d_v], so that the update is x + beta * (k rs) r^T."""
@@ -84,24 +124,26 @@ def update_terms_ref(x, k, v, eps=1e-5, erase=True):
     return rs, r
 
 
-def ddl_update_ref(x, k, v, beta, eps=1e-5, erase=True):
-    """x + beta*khat*(v^T - khat^T x) (or x + beta*khat*v^T with erase=False); khat = k/sqrt(|k|^2+eps^2)."""
+def ddl_update_ref(x, k, v, beta, eps=1e-5, erase=True, seed=None):
+    """x + beta*khat*(v^T - khat^T x) (or x + beta*khat*v^T with erase=False); khat = k/sqrt(|k|^2+eps^2);
+    stored in x's dtype by round_state (seed: stochastically)."""
     _check_update_args(x, k, v, beta)
+    _check_seed("ddl_update", x, seed)
     ct = acc_dtype(x, k, v, beta)
     rs, r = (t.to(ct) for t in update_terms_ref(x, k, v, eps, erase))
     khat = k.to(ct) * rs[..., None]
     x_new = x.to(ct) + beta.to(ct)[..., None, None] * khat[..., :, None] * r[..., None, :]
-    return x_new.to(x.dtype)
+    return round_state(x_new, x.dtype, seed)
 
 
 def ddl_update_norm_ref(
-    x, k, v, beta, norm_weight, logit_weight, eps=1e-5, norm_eps=1e-5, erase=True, c_dtype=None
+    x, k, v, beta, norm_weight, logit_weight, eps=1e-5, norm_eps=1e-5, erase=True, c_dtype=None, seed=None
 ):
     """d_v = 1: (x_new, c, z, inv_rms), the update and the read of x_in = x_new[..., 0] by the next sublayer:
     inv_rms = 1 / sqrt(mean(x_in^2) + norm_eps) [..., 1], c = x_in inv_rms norm_weight (in c_dtype, default
     the compute dtype) and z = x_in logit_weight^T [..., 2], computed as x_new is stored."""
     _check_norm_args(x, norm_weight, logit_weight)
-    x_new = ddl_update_ref(x, k, v, beta, eps=eps, erase=erase)
+    x_new = ddl_update_ref(x, k, v, beta, eps=eps, erase=erase, seed=seed)
     ct = acc_dtype(x, k, v, beta, norm_weight, logit_weight)
     x_in = x_new[..., 0].to(ct)
     inv_rms = torch.rsqrt(x_in.pow(2).mean(-1, keepdim=True) + norm_eps)
@@ -164,11 +206,11 @@ def expand_ec_ref(emb, conv_weight):
     return out.to(emb.dtype)
 
 
-def ddl_update_compress_cc_ref(x, k, v, beta, weight, eps=1e-5, erase=True):
-    x_new = ddl_update_ref(x, k, v, beta, eps=eps, erase=erase)
+def ddl_update_compress_cc_ref(x, k, v, beta, weight, eps=1e-5, erase=True, seed=None):
+    x_new = ddl_update_ref(x, k, v, beta, eps=eps, erase=erase, seed=seed)
     return x_new, compress_cc_ref(x_new, weight)
 
 
-def ddl_update_compress_tc_ref(x, k, v, beta, conv_weight, read, eps=1e-5, erase=True):
-    x_new = ddl_update_ref(x, k, v, beta, eps=eps, erase=erase)
+def ddl_update_compress_tc_ref(x, k, v, beta, conv_weight, read, eps=1e-5, erase=True, seed=None):
+    x_new = ddl_update_ref(x, k, v, beta, eps=eps, erase=erase, seed=seed)
     return x_new, compress_tc_ref(x_new, conv_weight, read)

@@ -87,6 +87,12 @@ def _pow2(n):
     return triton.next_power_of_2(max(int(n), 1))
 
 
+def _or(t, stand_in):
+    """t, or where it is None a tensor that stands in for it in a kernel's arguments (its constexprs say
+    that the kernel does not read it)."""
+    return stand_in if t is None else t
+
+
 def _use_rows(DV, weight, dtype):
     """d_v = 1 and no fused read-out: the [tokens, d] row kernels (unless LAUNCH turns them off)."""
     rows = _cfg("update_row", dtype)["ROWS"]
@@ -99,15 +105,17 @@ def _chan_grid(N, D, cfg):
     return (triton.cdiv(N, cfg["TOKENS"]), triton.cdiv(D, cfg["BLOCK_D"]))
 
 
-def _chain(ks, betas, rss, rr):
+def _chain(ks, betas, rss, rr, seeds):
     """The backward kernels' CHAIN argument (see _rebuilt_state): the updates (ks[i], betas[i], rss[i],
-    rr[i]) that made their state x from x0 (rebuild_from), as Triton tuples."""
-    return (tuple(ks), tuple(betas), tuple(rss), tuple(rr))
+    rr[i], seeds[i]) that made their state x from x0 (rebuild_from), as Triton tuples (no seeds: the states
+    were rounded to nearest, and ks stand in for the seeds, unread)."""
+    return (tuple(ks), tuple(betas), tuple(rss), tuple(rr), tuple(seeds or ks))
 
 
-def _update_forward(x, k, v, beta, weight, eps, erase):
+def _update_forward(x, k, v, beta, weight, eps, erase, seed):
     """(x_new, h, rs, r): the update, with weight also h = the CC read-out of x_new (else empty), and the
-    terms rs [N], r [N, d_v] (fp32) that its backward and a later rebuild_from read."""
+    terms rs [N], r [N, d_v] (fp32) that its backward and a later rebuild_from read. seed: x_new rounded
+    stochastically (triton_common._stored), else to nearest."""
     N, D, DV = x.shape
     x_new = _new((N, D, DV), x)
     h = _new((N, D) if weight is not None else (0,), x)
@@ -116,15 +124,15 @@ def _update_forward(x, k, v, beta, weight, eps, erase):
     if _use_rows(DV, weight, x.dtype):
         cfg = _cfg("update_row", x.dtype)
         _update_row_fwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
-            x, k, v, beta, x_new, rs, r, x, x, x, x, x, N, D, eps, 0.0, ROWS=cfg["ROWS"], BLOCK_D=_pow2(D),
-            ERASE=erase, NORM=False, CT=ct, num_warps=cfg["num_warps"],
+            x, k, v, beta, x_new, rs, r, x, x, x, x, x, _or(seed, x), N, D, eps, 0.0, ROWS=cfg["ROWS"],
+            BLOCK_D=_pow2(D), ERASE=erase, NORM=False, SR=seed is not None, CT=ct, num_warps=cfg["num_warps"],
         )  # fmt: skip
         return x_new, h, rs, r
     cfg = LAUNCH["update_fwd"]
     _update_fwd_kernel[(triton.cdiv(N, cfg["TOKENS"]),)](
-        x, k, v, beta, weight if weight is not None else x, x_new, h, rs, r, N, D, eps,
+        x, k, v, beta, _or(weight, x), x_new, h, rs, r, _or(seed, x), N, D, eps,
         DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), TOKENS=cfg["TOKENS"], ERASE=erase,
-        COMPRESS=weight is not None, CT=ct, num_warps=cfg["num_warps"],
+        COMPRESS=weight is not None, SR=seed is not None, CT=ct, num_warps=cfg["num_warps"],
     )  # fmt: skip
     return x_new, h, rs, r
 
@@ -139,25 +147,27 @@ def _fake_update_forward(x, weight):
 @torch.library.custom_op("ddl::update", mutates_args=())
 def _update_op(
     x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor | None,
-    eps: float, erase: bool,
+    eps: float, erase: bool, seed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    return _update_forward(x, k, v, beta, weight, eps, erase)
+    return _update_forward(x, k, v, beta, weight, eps, erase, seed)
 
 
 @_update_op.register_fake
-def _(x, k, v, beta, weight, eps, erase):
+def _(x, k, v, beta, weight, eps, erase, seed):
     return _fake_update_forward(x, weight)
 
 
 # The backward ops read the update's stored rs and r instead of recomputing them, and v (khat^T x = v - r:
-# one reduction over d a token, not two). They take the chain (ks, betas, rss, rr) of updates that made
-# their state x from x0 (rebuild_from): given one, x is x0 and the kernels rebuild x in registers as they
-# load it, elementwise.
+# one reduction over d a token, not two). They take the chain (ks, betas, rss, rr, seeds) of updates that
+# made their state x from x0 (rebuild_from): given one, x is x0 and the kernels rebuild x in registers as
+# they load it, elementwise. seed(s): the states were rounded stochastically, so the rebuild and x' (for the
+# read-out's weight gradient) draw the forward's bits.
 @torch.library.custom_op("ddl::update_bwd", mutates_args=())
 def _update_bwd_op(
     x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, rs: torch.Tensor, r: torch.Tensor,
     weight: torch.Tensor | None, g: torch.Tensor, dh: torch.Tensor | None, erase: bool,
-    ks: list[torch.Tensor], betas: list[torch.Tensor], rss: list[torch.Tensor], rr: list[torch.Tensor],
+    seed: torch.Tensor | None, ks: list[torch.Tensor], betas: list[torch.Tensor], rss: list[torch.Tensor],
+    rr: list[torch.Tensor], seeds: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     N, D, DV = x.shape
     cfg = _cfg("update_bwd", x.dtype)
@@ -166,54 +176,54 @@ def _update_bwd_op(
     if _use_rows(DV, weight, x.dtype) and not ks:
         rcfg = _cfg("update_row", x.dtype)
         _update_row_bwd_kernel[(triton.cdiv(N, rcfg["ROWS"]),)](
-            x, k, v, beta, rs, r, g, dx, dk, dv, dbeta, x, x, x, x, x, x, x, N, D, ROWS=rcfg["ROWS"], STEPS=1,
-            BLOCK_D=_pow2(D), ERASE=erase, NORM=False, CT=ct, num_warps=rcfg["num_warps"],
+            x, k, v, beta, rs, r, g, dx, dk, dv, dbeta, x, x, x, x, x, x, x, x, N, D, ROWS=rcfg["ROWS"],
+            STEPS=1, BLOCK_D=_pow2(D), ERASE=erase, NORM=False, SR=False, CT=ct, num_warps=rcfg["num_warps"],
         )  # fmt: skip
         return dx, dk, dv, dbeta, x.new_empty(0)
     compress = weight is not None
-    chain = _chain(ks, betas, rss, rr)
+    chain = _chain(ks, betas, rss, rr, seeds)
     nprog = triton.cdiv(N, cfg["TOKENS"])
     dwp = _new((nprog, D, DV) if compress else (0,), x, dtype=acc_dtype(x))
     _update_bwd_kernel[(nprog,)](
-        x, k, v, beta, rs, r, chain, weight if compress else x, g, dh if compress else g,
-        dx, dk, dv, dbeta, dwp, N, D,
-        TOKENS=cfg["TOKENS"], PIPELINE=cfg.get("PIPELINE", False), DV=DV, BLOCK_D=_pow2(D),
-        BLOCK_V=_pow2(DV), ERASE=erase, COMPRESS=compress, CT=ct, num_warps=cfg["num_warps"],
+        x, k, v, beta, rs, r, chain, _or(weight, x), g, _or(dh, g), dx, dk, dv, dbeta, dwp, _or(seed, x), N,
+        D, TOKENS=cfg["TOKENS"], PIPELINE=cfg.get("PIPELINE", False), DV=DV, BLOCK_D=_pow2(D),
+        BLOCK_V=_pow2(DV), ERASE=erase, COMPRESS=compress, SR=seed is not None, CT=ct,
+        num_warps=cfg["num_warps"],
     )  # fmt: skip
     dw = dwp.sum(0).to(weight.dtype) if compress else x.new_empty(0)
     return dx, dk, dv, dbeta, dw
 
 
 @_update_bwd_op.register_fake
-def _(x, k, v, beta, rs, r, weight, g, dh, erase, ks, betas, rss, rr):
+def _(x, k, v, beta, rs, r, weight, g, dh, erase, seed, ks, betas, rss, rr, seeds):
     dw = torch.empty_like(weight) if weight is not None else x.new_empty(0)
     return torch.empty_like(x), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta), dw
 
 
 def _update_setup(ctx, inputs, output):
-    x, k, v, beta, weight, eps, erase = inputs
-    ctx.save_for_backward(x, k, v, beta, output[2], output[3], weight)
+    x, k, v, beta, weight, eps, erase, seed = inputs
+    ctx.save_for_backward(x, k, v, beta, output[2], output[3], weight, seed)
     ctx.erase = erase
 
 
-NO_CHAIN = ((), (), (), ())
+NO_CHAIN = ((), (), (), (), ())
 
 
-def _update_grads_of(x, k, v, beta, rs, r, weight, gx, gh, erase, chain=NO_CHAIN):
+def _update_grads_of(x, k, v, beta, rs, r, weight, gx, gh, erase, seed, chain=NO_CHAIN):
     """(dx, dk, dv, dbeta, dweight or None) of ddl::update at x (or at x rebuilt from x0 = x by the updates
-    chain = (ks, betas, rss, rr)), for the output gradients gx, gh."""
+    chain = (ks, betas, rss, rr, seeds)), for the output gradients gx, gh."""
     gx = torch.zeros_like(x) if gx is None else gx.contiguous()
     if weight is not None:
         gh = torch.zeros(x.shape[:2], dtype=x.dtype, device=x.device) if gh is None else gh.contiguous()
     dx, dk, dv, dbeta, dw = _update_bwd_op(
-        x, k, v, beta, rs, r, weight, gx, gh if weight is not None else None, erase, *map(list, chain)
+        x, k, v, beta, rs, r, weight, gx, gh if weight is not None else None, erase, seed, *map(list, chain)
     )
     return dx, dk, dv, dbeta, (dw if weight is not None else None)
 
 
 def _update_backward(ctx, gx, gh, _grs, _gr):
-    x, k, v, beta, rs, r, weight = ctx.saved_tensors
-    return *_update_grads_of(x, k, v, beta, rs, r, weight, gx, gh, ctx.erase), None, None
+    x, k, v, beta, rs, r, weight, seed = ctx.saved_tensors
+    return *_update_grads_of(x, k, v, beta, rs, r, weight, gx, gh, ctx.erase, seed), None, None, None
 
 
 torch.library.register_autograd("ddl::update", _update_backward, setup_context=_update_setup)
@@ -346,21 +356,22 @@ _ec_op = _token_conv_op("ec", _ec_forward, lambda emb, wt: (emb.shape[0], emb.sh
 @torch.library.custom_op("ddl::update_tc", mutates_args=())
 def _update_tc_op(
     x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, wt: torch.Tensor, T: int,
-    eps: float, erase: bool,
+    eps: float, erase: bool, seed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    return _update_with_read(x, k, v, beta, None, wt, T, eps, erase)
+    return _update_with_read(x, k, v, beta, None, wt, T, eps, erase, seed)
 
 
 @_update_tc_op.register_fake
-def _(x, k, v, beta, wt, T, eps, erase):
+def _(x, k, v, beta, wt, T, eps, erase, seed):
     return _fake_update_with_read(x, None, wt)
 
 
 @torch.library.custom_op("ddl::update_tc_bwd", mutates_args=())
 def _update_tc_bwd_op(
     x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, rs: torch.Tensor, r: torch.Tensor,
-    wt: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, T: int, erase: bool, ks: list[torch.Tensor],
-    betas: list[torch.Tensor], rss: list[torch.Tensor], rr: list[torch.Tensor],
+    wt: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, T: int, erase: bool, seed: torch.Tensor | None,
+    ks: list[torch.Tensor], betas: list[torch.Tensor], rss: list[torch.Tensor], rr: list[torch.Tensor],
+    seeds: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     # in two kernels: gk = khat^T G per token, with dv and dbeta (_update_tc_gk_kernel), then dx, dk and
     # the taps' gradient partials on runs of tokens by blocks of d, x' rebuilt in registers
@@ -376,15 +387,15 @@ def _update_tc_bwd_op(
     grid = (triton.cdiv(N, cfg["TOKENS"]), triton.cdiv(D, bd))
     dwp = _new((grid[0], *wt.shape), x, dtype=acc_dtype(x))
     _update_tc_bwd_kernel[grid](
-        x, k, v, beta, rs, r, _chain(ks, betas, rss, rr), wt, g, dh, gk, dx, dk, dwp, N, T, D, cfg["TOKENS"],
-        DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), ERASE=erase, KW=KW, KP=_pow2(KW), CT=ct,
-        num_warps=cfg["num_warps"],
+        x, k, v, beta, rs, r, _chain(ks, betas, rss, rr, seeds), wt, g, dh, gk, dx, dk, dwp, _or(seed, x), N,
+        T, D, cfg["TOKENS"], DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), ERASE=erase, KW=KW, KP=_pow2(KW),
+        SR=seed is not None, CT=ct, num_warps=cfg["num_warps"],
     )  # fmt: skip
     return dx, dk, dv, dbeta, dwp.sum(0).to(wt.dtype)
 
 
 @_update_tc_bwd_op.register_fake
-def _(x, k, v, beta, rs, r, wt, g, dh, T, erase, ks, betas, rss, rr):
+def _(x, k, v, beta, rs, r, wt, g, dh, T, erase, seed, ks, betas, rss, rr, seeds):
     return (
         torch.empty_like(x),
         torch.empty_like(k),
@@ -395,31 +406,32 @@ def _(x, k, v, beta, rs, r, wt, g, dh, T, erase, ks, betas, rss, rr):
 
 
 def _update_tc_setup(ctx, inputs, output):
-    x, k, v, beta, wt, T, eps, erase = inputs
-    ctx.save_for_backward(x, k, v, beta, output[2], output[3], wt)
+    x, k, v, beta, wt, T, eps, erase, seed = inputs
+    ctx.save_for_backward(x, k, v, beta, output[2], output[3], wt, seed)
     ctx.T, ctx.erase = T, erase
 
 
-def _update_tc_grads_of(x, k, v, beta, rs, r, wt, gx, gh, T, erase, chain=NO_CHAIN):
+def _update_tc_grads_of(x, k, v, beta, rs, r, wt, gx, gh, T, erase, seed, chain=NO_CHAIN):
     """(dx, dk, dv, dbeta, dwt) of ddl::update_tc at x (or rebuilt from it, as _update_grads_of), for the
     output gradients gx, gh."""
     gx = torch.zeros_like(x) if gx is None else gx.contiguous()
     gh = torch.zeros(x.shape[:2], dtype=x.dtype, device=x.device) if gh is None else gh.contiguous()
-    return _update_tc_bwd_op(x, k, v, beta, rs, r, wt, gx, gh, T, erase, *map(list, chain))
+    return _update_tc_bwd_op(x, k, v, beta, rs, r, wt, gx, gh, T, erase, seed, *map(list, chain))
 
 
 def _update_tc_backward(ctx, gx, gh, _grs, _gr):
-    x, k, v, beta, rs, r, wt = ctx.saved_tensors
-    return *_update_tc_grads_of(x, k, v, beta, rs, r, wt, gx, gh, ctx.T, ctx.erase), None, None, None
+    x, k, v, beta, rs, r, wt, seed = ctx.saved_tensors
+    grads = _update_tc_grads_of(x, k, v, beta, rs, r, wt, gx, gh, ctx.T, ctx.erase, seed)
+    return *grads, None, None, None, None
 
 
 torch.library.register_autograd("ddl::update_tc", _update_tc_backward, setup_context=_update_tc_setup)
 
 
-def _update_with_read(x, k, v, beta, weight, wt, T, eps, erase):
+def _update_with_read(x, k, v, beta, weight, wt, T, eps, erase, seed):
     """The forward of ddl::update (wt None; weight: the CC read-out or None) or of ddl::update_tc (wt: the
     TC taps), as plain code for the ops to share: (x_new, h, rs, r); h is empty without a read-out."""
-    x_new, h, rs, r = _update_forward(x, k, v, beta, weight, eps, erase)
+    x_new, h, rs, r = _update_forward(x, k, v, beta, weight, eps, erase, seed)
     if wt is not None:
         h = _tc_forward(x_new, wt, T)
     return x_new, h, rs, r
@@ -431,43 +443,48 @@ def _fake_update_with_read(x, weight, wt):
 
 
 # An update on a state x that earlier updates made from x0 (rebuild_from): the same forward as ddl::update
-# (wt None) or ddl::update_tc, but autograd keeps x0 and the earlier updates' (k, beta, rs, r), which their
-# own ops keep anyway, instead of x: the backward kernels rebuild x in registers as they load it (the same
-# reads of the state, plus each earlier update's k). Fewer states stay alive for the backward.
+# (wt None) or ddl::update_tc, but autograd keeps x0 and the earlier updates' (k, beta, rs, r, seed), which
+# their own ops keep anyway, instead of x: the backward kernels rebuild x in registers as they load it (the
+# same reads of the state, plus each earlier update's k). Fewer states stay alive for the backward.
 @torch.library.custom_op("ddl::update_rebuilt", mutates_args=())
 def _update_rebuilt_op(
     x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor | None,
     wt: torch.Tensor | None, T: int, x0: torch.Tensor, ks: list[torch.Tensor], betas: list[torch.Tensor],
-    rss: list[torch.Tensor], rr: list[torch.Tensor], eps: float, erase: bool,
+    rss: list[torch.Tensor], rr: list[torch.Tensor], seeds: list[torch.Tensor], eps: float, erase: bool,
+    seed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    return _update_with_read(x, k, v, beta, weight, wt, T, eps, erase)
+    return _update_with_read(x, k, v, beta, weight, wt, T, eps, erase, seed)
 
 
 @_update_rebuilt_op.register_fake
-def _(x, k, v, beta, weight, wt, T, x0, ks, betas, rss, rr, eps, erase):
+def _(x, k, v, beta, weight, wt, T, x0, ks, betas, rss, rr, seeds, eps, erase, seed):
     return _fake_update_with_read(x, weight, wt)
 
 
 def _update_rebuilt_setup(ctx, inputs, output):
-    x, k, v, beta, weight, wt, T, x0, ks, betas, rss, rr, eps, erase = inputs
-    ctx.save_for_backward(k, v, beta, output[2], output[3], weight, wt, x0, *ks, *betas, *rss, *rr)
+    x, k, v, beta, weight, wt, T, x0, ks, betas, rss, rr, seeds, eps, erase, seed = inputs
+    ctx.save_for_backward(
+        k, v, beta, output[2], output[3], weight, wt, x0, seed, *ks, *betas, *rss, *rr, *seeds
+    )
     ctx.T, ctx.erase, ctx.steps = T, erase, len(ks)
 
 
 def _update_rebuilt_backward(ctx, gx, gh, _grs, _gr):
-    k, v, beta, rs, r, weight, wt, x0, *saved = ctx.saved_tensors
+    k, v, beta, rs, r, weight, wt, x0, seed, *saved = ctx.saved_tensors
     n = ctx.steps
-    chain = tuple(saved[i * n : (i + 1) * n] for i in range(4))
+    chain = tuple(saved[i * n : (i + 1) * n] for i in range(5))  # seeds: empty without stochastic rounding
     if wt is not None:
         dx, dk, dv, dbeta, dwt = _update_tc_grads_of(
-            x0, k, v, beta, rs, r, wt, gx, gh, ctx.T, ctx.erase, chain
+            x0, k, v, beta, rs, r, wt, gx, gh, ctx.T, ctx.erase, seed, chain
         )
         dw = None
     else:
-        dx, dk, dv, dbeta, dw = _update_grads_of(x0, k, v, beta, rs, r, weight, gx, gh, ctx.erase, chain)
+        dx, dk, dv, dbeta, dw = _update_grads_of(
+            x0, k, v, beta, rs, r, weight, gx, gh, ctx.erase, seed, chain
+        )
         dwt = None
     no_grads = [None] * n  # the earlier updates get theirs from their own ops
-    return dx, dk, dv, dbeta, dw, dwt, None, None, no_grads, no_grads, no_grads, no_grads, None, None
+    return dx, dk, dv, dbeta, dw, dwt, None, None, *[no_grads] * 4, [None] * len(chain[4]), None, None, None
 
 
 torch.library.register_autograd(
@@ -490,6 +507,10 @@ def _flat(x, k, v, beta):
     )
 
 
+def _flat_seed(seed):
+    return None if seed is None else seed.reshape(1).contiguous()
+
+
 def _tap_weights(conv_weight, read=None):
     """A [d, d_v, K] conv weight as [K, d, d_v] taps, with the read-out [d_v] folded in (a tiny tensor;
     autograd carries its gradient to conv_weight and read)."""
@@ -498,43 +519,50 @@ def _tap_weights(conv_weight, read=None):
     return conv_weight.permute(2, 0, 1).contiguous()
 
 
-def _update_any(x, k, v, beta, weight, wt, T, eps, erase, rebuild_from):
+def _update_any(x, k, v, beta, weight, wt, T, eps, erase, rebuild_from, seed):
     """(x_new, h, step) of the update (+ CC read-out with weight, + TC read-out with taps wt), through the op
     that keeps x for the backward, or, given rebuild_from = (x0, steps) with x made from x0 by the updates
-    steps = ((k0, beta0, rs0, r0), ...), the op that rebuilds x there; step = (k, beta, rs, r), this
-    update's for a later rebuild_from."""
+    steps = ((k0, beta0, rs0, r0, seed0), ...), the op that rebuilds x there; step = (k, beta, rs, r, seed),
+    this update's for a later rebuild_from."""
     flat, eps, erase = _flat(x, k, v, beta), float(eps), bool(erase)
     d, dv = x.shape[-2:]
     if rebuild_from is not None:
         x0, steps = rebuild_from
-        shapes = ((-1, d), (-1,), (-1,), (-1, dv))  # a step's k, beta, rs and r, flat
-        chain = [[s[i].reshape(shape).contiguous() for s in steps] for i, shape in enumerate(shapes)]
-        out = _update_rebuilt_op(*flat, weight, wt, T, x0.reshape(-1, d, dv).contiguous(), *chain, eps, erase)
+        shapes = ((-1, d), (-1,), (-1,), (-1, dv), (1,))  # a step's k, beta, rs, r and seed, flat
+        chain = [
+            [s[i].reshape(shape).contiguous() for s in steps if s[i] is not None]
+            for i, shape in enumerate(shapes)
+        ]
+        out = _update_rebuilt_op(
+            *flat, weight, wt, T, x0.reshape(-1, d, dv).contiguous(), *chain, eps, erase, seed
+        )
     else:
         out = (
-            _update_tc_op(*flat, wt, T, eps, erase)
+            _update_tc_op(*flat, wt, T, eps, erase, seed)
             if wt is not None
-            else _update_op(*flat, weight, eps, erase)
+            else _update_op(*flat, weight, eps, erase, seed)
         )
     lead = x.shape[:-2]
-    return out[0].view(x.shape), out[1], (k, beta, out[2].view(lead), out[3].view(*lead, dv))
+    return out[0].view(x.shape), out[1], (k, beta, out[2].view(lead), out[3].view(*lead, dv), seed)
 
 
-def update(x, k, v, beta, eps, erase, rebuild_from=None):
-    x_new, _, step = _update_any(x, k, v, beta, None, None, 0, eps, erase, rebuild_from)
+def update(x, k, v, beta, eps, erase, rebuild_from=None, seed=None):
+    x_new, _, step = _update_any(x, k, v, beta, None, None, 0, eps, erase, rebuild_from, _flat_seed(seed))
     return x_new, step
 
 
-def update_compress_cc(x, k, v, beta, weight, eps, erase, rebuild_from=None):
+def update_compress_cc(x, k, v, beta, weight, eps, erase, rebuild_from=None, seed=None):
     B, T, d, _ = x.shape
-    x_new, h, step = _update_any(x, k, v, beta, weight.contiguous(), None, T, eps, erase, rebuild_from)
+    x_new, h, step = _update_any(
+        x, k, v, beta, weight.contiguous(), None, T, eps, erase, rebuild_from, _flat_seed(seed)
+    )
     return x_new, h.view(B, T, d), step
 
 
-def update_compress_tc(x, k, v, beta, conv_weight, read, eps, erase, rebuild_from=None):
+def update_compress_tc(x, k, v, beta, conv_weight, read, eps, erase, rebuild_from=None, seed=None):
     B, T, d, _ = x.shape
     wt = _tap_weights(conv_weight, read)
-    x_new, h, step = _update_any(x, k, v, beta, None, wt, T, eps, erase, rebuild_from)
+    x_new, h, step = _update_any(x, k, v, beta, None, wt, T, eps, erase, rebuild_from, _flat_seed(seed))
     return x_new, h.view(B, T, d), step
 
 

@@ -1,5 +1,6 @@
 """The Triton helpers the DDL kernels share: the two tiles (a token's [d, d_v] state; a run of tokens by a
-block of d), the causal conv's taps and token windows, and a scalar condition as a vector mask."""
+block of d), the causal conv's taps and token windows, a scalar condition as a vector mask, and the state's
+rounding to its stored dtype (to nearest, or stochastic: `_stored`)."""
 
 import triton
 import triton.language as tl
@@ -51,3 +52,28 @@ def _window(n, T, N, offs_j, mj, KW: tl.constexpr, PAST: tl.constexpr):
         return n - (KW - 1) + offs_j, mj & (t - (KW - 1) + offs_j >= 0) & (offs_j * 0 + n < N)
     else:
         return n + (KW - 1) - offs_j, mj & (t + (KW - 1) - offs_j < T) & (offs_j * 0 + n < N)
+
+
+@triton.jit
+def _mix32(h):
+    # murmur3's 32-bit finaliser: a bijection of uint32 in which every output bit depends on every input bit
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _stored(x, SEED, idx, OUT_T: tl.constexpr, SR: tl.constexpr):
+    """x (fp32) as the state stores it in OUT_T: rounded to nearest, or, SR (a bf16 state), stochastically:
+    16 random bits added below bf16's last bit, then cut off, so x goes to its bf16 neighbour away from zero
+    with probability equal to the fraction of that step it lies beyond the one toward zero. The bits are a
+    hash of the update's seed (SEED, one integer) and the element's index idx in the [N, d, d_v] state (mod
+    2^32), so that a backward rebuilding the state draws the forward's. The same rounding:
+    naive.round_state."""
+    if SR:
+        bits = _mix32(idx.to(tl.uint32) ^ _mix32(tl.load(SEED).to(tl.uint32)))
+        u = (x.to(tl.float32).to(tl.uint32, bitcast=True) + (bits & 0xFFFF)) & 0xFFFF0000
+        x = tl.where(x == x, u.to(tl.float32, bitcast=True), x)  # NaN stays NaN
+    return x.to(OUT_T)

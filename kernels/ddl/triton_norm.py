@@ -9,7 +9,7 @@ import torch
 import triton
 
 from ..common import acc_dtype
-from .triton import LAUNCH, _cfg, _ct, _new, _pow2
+from .triton import LAUNCH, _cfg, _ct, _flat_seed, _new, _or, _pow2
 from .triton_update import _update_row_bwd_kernel, _update_row_fwd_kernel
 
 
@@ -17,6 +17,7 @@ from .triton_update import _update_row_bwd_kernel, _update_row_fwd_kernel
 def _update_norm_op(
     x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, norm_weight: torch.Tensor,
     logit_weight: torch.Tensor, eps: float, norm_eps: float, erase: bool, c_dtype: torch.dtype,
+    seed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     N, D = x.shape
     ft = acc_dtype(x)
@@ -25,15 +26,15 @@ def _update_norm_op(
     inv, rs, r = (_new((N,), x, dtype=ft) for _ in range(3))
     cfg = _cfg("update_norm", x.dtype)
     _update_row_fwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
-        x, k, v, beta, x_new, rs, r, norm_weight, logit_weight, c, z, inv, N, D, eps, norm_eps,
-        ROWS=cfg["ROWS"], BLOCK_D=_pow2(D), ERASE=erase, NORM=True,
+        x, k, v, beta, x_new, rs, r, norm_weight, logit_weight, c, z, inv, _or(seed, x), N, D, eps, norm_eps,
+        ROWS=cfg["ROWS"], BLOCK_D=_pow2(D), ERASE=erase, NORM=True, SR=seed is not None,
         CT=_ct(x, k, v, beta, norm_weight, logit_weight), num_warps=cfg["num_warps"],
     )  # fmt: skip
     return x_new, c, z, inv, rs, r
 
 
 @_update_norm_op.register_fake
-def _(x, k, v, beta, norm_weight, logit_weight, eps, norm_eps, erase, c_dtype):
+def _(x, k, v, beta, norm_weight, logit_weight, eps, norm_eps, erase, c_dtype, seed):
     N, ft = x.shape[0], acc_dtype(x)
     inv, rs, r = (x.new_empty((N,), dtype=ft) for _ in range(3))  # three tensors, as the op returns
     return torch.empty_like(x), x.new_empty(x.shape, dtype=c_dtype), x.new_empty((N, 2), dtype=ft), inv, rs, r
@@ -43,7 +44,7 @@ def _(x, k, v, beta, norm_weight, logit_weight, eps, norm_eps, erase, c_dtype):
 def _update_norm_bwd_op(
     x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, rs: torch.Tensor, r: torch.Tensor,
     norm_weight: torch.Tensor, logit_weight: torch.Tensor, inv: torch.Tensor, gx: torch.Tensor,
-    gc: torch.Tensor, gz: torch.Tensor, ginv: torch.Tensor, erase: bool,
+    gc: torch.Tensor, gz: torch.Tensor, ginv: torch.Tensor, erase: bool, seed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     N, D = x.shape
     cfg = LAUNCH["update_norm_bwd"]
@@ -52,46 +53,46 @@ def _update_norm_bwd_op(
     partials = _new((nprog, 3, D), x, dtype=acc_dtype(x))
     _update_row_bwd_kernel[(nprog,)](
         x, k, v, beta, rs, r, gx, dx, dk, dv, dbeta, norm_weight, logit_weight, inv, gc, gz, ginv, partials,
-        N, D, ROWS=cfg["ROWS"], STEPS=cfg["STEPS"], BLOCK_D=_pow2(D), ERASE=erase, NORM=True,
-        CT=_ct(x, k, v, beta, norm_weight, logit_weight, gx), num_warps=cfg["num_warps"],
+        _or(seed, x), N, D, ROWS=cfg["ROWS"], STEPS=cfg["STEPS"], BLOCK_D=_pow2(D), ERASE=erase, NORM=True,
+        SR=seed is not None, CT=_ct(x, k, v, beta, norm_weight, logit_weight, gx), num_warps=cfg["num_warps"],
     )  # fmt: skip
     dnw, dlw = partials[:, 0].sum(0), partials[:, 1:].sum(0)  # two tensors: outputs may not alias
     return dx, dk, dv, dbeta, dnw.to(norm_weight.dtype), dlw.to(logit_weight.dtype)
 
 
 @_update_norm_bwd_op.register_fake
-def _(x, k, v, beta, rs, r, norm_weight, logit_weight, inv, gx, gc, gz, ginv, erase):
+def _(x, k, v, beta, rs, r, norm_weight, logit_weight, inv, gx, gc, gz, ginv, erase, seed):
     like = (x, k, v, beta, norm_weight, logit_weight)
     return tuple(torch.empty_like(t) for t in like)
 
 
 def _setup(ctx, inputs, output):
-    x, k, v, beta, norm_weight, logit_weight, eps, norm_eps, erase, c_dtype = inputs
-    ctx.save_for_backward(x, k, v, beta, norm_weight, logit_weight, output[3], output[4], output[5])
+    x, k, v, beta, norm_weight, logit_weight, eps, norm_eps, erase, c_dtype, seed = inputs
+    ctx.save_for_backward(x, k, v, beta, norm_weight, logit_weight, output[3], output[4], output[5], seed)
     ctx.erase = erase
 
 
 def _backward(ctx, gx, gc, gz, ginv, _grs, _gr):
-    x, k, v, beta, norm_weight, logit_weight, inv, rs, r = ctx.saved_tensors
+    x, k, v, beta, norm_weight, logit_weight, inv, rs, r, seed = ctx.saved_tensors
     grads = [
         torch.zeros(shape, dtype=dt, device=x.device) if g is None else g.contiguous()
         for g, shape, dt in ((gx, x.shape, x.dtype), (gc, x.shape, x.dtype), (gz, (x.shape[0], 2), inv.dtype),
                              (ginv, inv.shape, inv.dtype))
     ]  # fmt: skip
     dx, dk, dv, dbeta, dnw, dlw = _update_norm_bwd_op(
-        x, k, v, beta, rs, r, norm_weight, logit_weight, inv, *grads, ctx.erase
+        x, k, v, beta, rs, r, norm_weight, logit_weight, inv, *grads, ctx.erase, seed
     )
-    return dx, dk, dv, dbeta, dnw, dlw, None, None, None, None
+    return dx, dk, dv, dbeta, dnw, dlw, None, None, None, None, None
 
 
 torch.library.register_autograd("ddl::update_norm", _backward, setup_context=_setup)
 
 
-def update_norm(x, k, v, beta, norm_weight, logit_weight, eps, norm_eps, erase, c_dtype):
+def update_norm(x, k, v, beta, norm_weight, logit_weight, eps, norm_eps, erase, c_dtype, seed=None):
     """The public function's Triton branch: x [..., d, 1] flat to [N, d]; (x_new, c, z, inv_rms [..., 1])."""
     lead, d = x.shape[:-2], x.shape[-2]
     flat = (x.reshape(-1, d), k.reshape(-1, d), v.reshape(-1), beta.reshape(-1), norm_weight, logit_weight)
     x_new, c, z, inv, _, _ = _update_norm_op(
-        *(t.contiguous() for t in flat), float(eps), float(norm_eps), bool(erase), c_dtype
+        *(t.contiguous() for t in flat), float(eps), float(norm_eps), bool(erase), c_dtype, _flat_seed(seed)
     )
     return x_new.view(x.shape), c.view(*lead, d), z.view(*lead, 2), inv.view(*lead, 1)

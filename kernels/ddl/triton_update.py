@@ -8,7 +8,7 @@ a block of d (`_update_tc_bwd_kernel`). Launched from triton.py."""
 import triton
 import triton.language as tl
 
-from .triton_common import _chan_tile, _taps, _token_tile, _vec_mask, _window
+from .triton_common import _chan_tile, _stored, _taps, _token_tile, _vec_mask, _window
 
 
 @triton.jit
@@ -50,21 +50,22 @@ def _rebuilt_update(x, n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV: tl
 
 
 @triton.jit
-def _rebuilt_state(x, n, ok, CHAIN, D, offs_d, offs_v, md, mv, DV: tl.constexpr, CT: tl.constexpr,
-                   OUT_T: tl.constexpr):  # fmt: skip
-    """x0 (a tile of token n) through the updates of CHAIN = (ks, betas, rss, rr), each update's k, beta
-    and stored rs and r: x + beta khat r^T each, rounded to the state's dtype OUT_T as the forward stored
-    it (empty tuples: x unchanged)."""
-    ks, bs, rss, rr = CHAIN
+def _rebuilt_state(x, n, ok, CHAIN, D, offs_d, offs_v, md, mv, idx, DV: tl.constexpr, CT: tl.constexpr,
+                   OUT_T: tl.constexpr, SR: tl.constexpr):  # fmt: skip
+    """x0 (a tile of token n, its elements' state indices idx) through the updates of CHAIN = (ks, betas,
+    rss, rr, seeds), each update's k, beta, stored rs and r, and seed: x + beta khat r^T each, rounded to the
+    state's dtype OUT_T as the forward stored it (empty tuples: x unchanged)."""
+    ks, bs, rss, rr, seeds = CHAIN
     for i in tl.static_range(len(ks)):
         x = _rebuilt_update(x, n, ok, ks[i], bs[i], rss[i], rr[i], D, offs_d, offs_v, md, mv, DV, CT)
-        x = x.to(OUT_T).to(CT)
+        x = _stored(x, seeds[i], idx, OUT_T, SR).to(CT)
     return x
 
 
 @triton.jit
 def _update_bwd_inputs(
     n, ok, X, Kd, V, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV: tl.constexpr, CT: tl.constexpr,
+    SR: tl.constexpr,
 ):  # fmt: skip
     """What the backward of token n's update reads (zeros where ok, a scalar condition, is false): its
     masks, the state x (X holds x0 and x is rebuilt through CHAIN, see _rebuilt_state), the update's
@@ -72,7 +73,8 @@ def _update_bwd_inputs(
     okd = _vec_mask(ok, offs_d)
     m2 = (md & okd)[:, None] & mv[None, :]
     x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-    x = _rebuilt_state(x, n, ok, CHAIN, D, offs_d, offs_v, md, mv, DV, CT, X.dtype.element_ty)
+    idx = n * D * DV + off2
+    x = _rebuilt_state(x, n, ok, CHAIN, D, offs_d, offs_v, md, mv, idx, DV, CT, X.dtype.element_ty, SR)
     rs, kh, b, r = _stored_update_terms(n, ok, Kd, BETA, RS, R, D, offs_d, offs_v, md, mv, DV, CT)
     v = tl.load(V + n * DV + offs_v, mask=mv & _vec_mask(ok, offs_v), other=0.0).to(CT)
     return okd, m2, rs, kh, x, b, r, v
@@ -115,9 +117,9 @@ def _store_update_grads(n, ok, okd, m2, off2, dx, dk, dv, dbeta, DX, DK, DVo, DB
 
 @triton.jit
 def _update_fwd_kernel(
-    X, Kd, V, BETA, W, XOUT, H, RS, R, N, D, eps,
+    X, Kd, V, BETA, W, XOUT, H, RS, R, SEED, N, D, eps,
     DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TOKENS: tl.constexpr,
-    ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
+    ERASE: tl.constexpr, COMPRESS: tl.constexpr, SR: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # x' and the update's rs and r (which the backward reads instead of recomputing them; 20 bytes a token
     # at d_v = 4 against the state's 12 KB), with COMPRESS also the next sublayer's CC read-out of x'
@@ -135,7 +137,7 @@ def _update_fwd_kernel(
         rs, kh, b, r = _token_update_terms(
             n, ok, okd, okv, x, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, DV, ERASE, CT
         )
-        xn = (x + b * kh[:, None] * r[None, :]).to(XOUT.dtype.element_ty)
+        xn = _stored(x + b * kh[:, None] * r[None, :], SEED, n * D * DV + off2, XOUT.dtype.element_ty, SR)
         tl.store(XOUT + n * D * DV + off2, xn, mask=m2)
         tl.store(R + n * DV + offs_v, r, mask=mv & okv)
         tl.store(RS + n, rs, mask=ok)
@@ -145,17 +147,18 @@ def _update_fwd_kernel(
 
 
 @triton.jit
-def _cc_read_out_grads(g, x, kh, b, r, w, n, DH, D, offs_d, md, okd, CT: tl.constexpr, OUT_T: tl.constexpr):
+def _cc_read_out_grads(g, x, kh, b, r, w, n, DH, SEED, idx, D, offs_d, md, okd, CT: tl.constexpr,
+                       OUT_T: tl.constexpr, SR: tl.constexpr):  # fmt: skip
     # the fused CC read-out h = x' w of token n: G + dh w^T, and the token's dh x'^T for dw (x' as stored)
     dh = tl.load(DH + n * D + offs_d, mask=md & okd, other=0.0).to(CT)
-    xn = (x + b * kh[:, None] * r[None, :]).to(OUT_T).to(CT)
+    xn = _stored(x + b * kh[:, None] * r[None, :], SEED, idx, OUT_T, SR).to(CT)
     return g + dh[:, None] * w, dh[:, None] * xn
 
 
 @triton.jit
 def _update_bwd_token(
-    n, X, Kd, V, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D, offs_d, offs_v, md, mv, off2,
-    DV: tl.constexpr, ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
+    n, X, Kd, V, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, SEED, N, D, offs_d, offs_v, md, mv, off2,
+    DV: tl.constexpr, ERASE: tl.constexpr, COMPRESS: tl.constexpr, SR: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # One token of the backward; returns its contribution dh xn^T to the CC weight gradient.
     # x' = x + b khat r^T, r = v - x^T khat.  With G = dL/dx' (+ dh w^T from the fused read-out):
@@ -163,12 +166,14 @@ def _update_bwd_token(
     # dkhat = b (G r - x G^T khat);  dk = (dkhat - khat (khat . dkhat)) / sqrt(|k|^2 + eps^2).
     ok = n < N
     okd, m2, rs, kh, x, b, r, v = _update_bwd_inputs(
-        n, ok, X, Kd, V, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV, CT
+        n, ok, X, Kd, V, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV, CT, SR
     )
     g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
     dw = w * 0.0
     if COMPRESS:
-        g, dw = _cc_read_out_grads(g, x, kh, b, r, w, n, DH, D, offs_d, md, okd, CT, X.dtype.element_ty)
+        g, dw = _cc_read_out_grads(
+            g, x, kh, b, r, w, n, DH, SEED, n * D * DV + off2, D, offs_d, md, okd, CT, X.dtype.element_ty, SR
+        )
     dx, dk, dv, dbeta = _update_grads(g, x, kh, rs, b, r, v, ERASE)
     _store_update_grads(
         n, ok, okd, m2, off2, dx, dk, dv, dbeta, DX, DK, DVo, DBETA, D, offs_d, offs_v, md, mv, DV
@@ -178,9 +183,9 @@ def _update_bwd_token(
 
 @triton.jit
 def _update_bwd_kernel(
-    X, Kd, V, BETA, RS, R, CHAIN, W, G, DH, DX, DK, DVo, DBETA, DWP, N, D,
+    X, Kd, V, BETA, RS, R, CHAIN, W, G, DH, DX, DK, DVo, DBETA, DWP, SEED, N, D,
     TOKENS: tl.constexpr, PIPELINE: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_V: tl.constexpr, ERASE: tl.constexpr, COMPRESS: tl.constexpr, CT: tl.constexpr,
+    BLOCK_V: tl.constexpr, ERASE: tl.constexpr, COMPRESS: tl.constexpr, SR: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # TOKENS tokens per program (the CC weight gradient is summed over them in registers), in a plain loop
     # (one token's loads in flight at a time) or, PIPELINE, a software-pipelined one (num_stages 2).
@@ -194,14 +199,14 @@ def _update_bwd_kernel(
     if PIPELINE:
         for tt in tl.range(0, TOKENS, num_stages=2):
             dw += _update_bwd_token(
-                pid * TOKENS + tt, X, Kd, V, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D,
-                offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, CT,
+                pid * TOKENS + tt, X, Kd, V, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, SEED, N, D,
+                offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, SR, CT,
             )  # fmt: skip
     else:
         for tt in range(TOKENS):
             dw += _update_bwd_token(
-                pid * TOKENS + tt, X, Kd, V, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, N, D,
-                offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, CT,
+                pid * TOKENS + tt, X, Kd, V, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, SEED, N, D,
+                offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, SR, CT,
             )  # fmt: skip
     if COMPRESS:
         tl.store(DWP + pid * D * DV + off2, dw, mask=md[:, None] & mv[None, :])
@@ -247,9 +252,9 @@ def _update_tc_gk_kernel(
 
 @triton.jit
 def _update_tc_bwd_kernel(
-    X, Kd, V, BETA, RS, R, CHAIN, WT, G, DH, GK, DX, DK, DWP, N, T, D, TOKENS,
+    X, Kd, V, BETA, RS, R, CHAIN, WT, G, DH, GK, DX, DK, DWP, SEED, N, T, D, TOKENS,
     DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, ERASE: tl.constexpr, KW: tl.constexpr,
-    KP: tl.constexpr, CT: tl.constexpr,
+    KP: tl.constexpr, SR: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # The TC backward's elementwise part, after _update_tc_gk_kernel: a run of TOKENS tokens by a block of d
     # (x rebuilt through CHAIN per block), dx and dk from the stored gk without a reduction over d, so a
@@ -262,7 +267,7 @@ def _update_tc_bwd_kernel(
         n = pid * TOKENS + tt
         ok = n < N
         okd, m2, rs, kh, x, b, r, v = _update_bwd_inputs(
-            n, ok, X, Kd, V, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV, CT
+            n, ok, X, Kd, V, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV, CT, SR
         )
         g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
         # dh of the KW read-outs that read x'[n]: G += sum_j taps[j] dh_j, dWT[j] += dh_j x'[n]
@@ -270,7 +275,8 @@ def _update_tc_bwd_kernel(
         offs_dh = dst[:, None] * D + offs_d[None, :]
         dh2 = tl.load(DH + offs_dh, mask=valid[:, None] & md[None, :], other=0.0).to(CT)[:, :, None]
         g += tl.sum(taps * dh2, axis=0)
-        xn = (x + b * kh[:, None] * r[None, :]).to(X.dtype.element_ty).to(CT)  # x'[n] as stored
+        xn = _stored(x + b * kh[:, None] * r[None, :], SEED, n * D * DV + off2, X.dtype.element_ty, SR)
+        xn = xn.to(CT)  # x'[n] as stored
         dw += dh2 * xn[None, :, :]
         gk = tl.load(GK + n * DV + offs_v, mask=mv & _vec_mask(ok, offs_v), other=0.0).to(CT)
         dx, dk = _update_dx_dk(g, x, kh, rs, b, r, v, gk, ERASE)
@@ -295,8 +301,9 @@ def _row_tile(X, Kd, BETA, N, D, start, ROWS: tl.constexpr, BLOCK_D: tl.constexp
 
 @triton.jit
 def _update_row_fwd_kernel(
-    X, Kd, V, BETA, XOUT, RS, R, NW, A, C, Z, INV, N, D, eps, norm_eps,
-    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, NORM: tl.constexpr, CT: tl.constexpr,
+    X, Kd, V, BETA, XOUT, RS, R, NW, A, C, Z, INV, SEED, N, D, eps, norm_eps,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, NORM: tl.constexpr, SR: tl.constexpr,
+    CT: tl.constexpr,
 ):  # fmt: skip
     # d_v = 1: the state is a d-vector per token, so a program takes ROWS tokens as a [ROWS, d] tile
     # (like a layer norm) instead of one [d, 1] tile per token; rs and r stored as _update_fwd_kernel's.
@@ -309,7 +316,7 @@ def _update_row_fwd_kernel(
     r = tl.load(V + rows, mask=mr, other=0.0).to(CT)
     if ERASE:
         r = r - tl.sum(kh * x, axis=1)
-    xn = (x + (b * r)[:, None] * kh).to(XOUT.dtype.element_ty)
+    xn = _stored(x + (b * r)[:, None] * kh, SEED, off, XOUT.dtype.element_ty, SR)
     tl.store(XOUT + off, xn, mask=m2)
     tl.store(RS + rows, rs, mask=mr)
     tl.store(R + rows, r, mask=mr)
@@ -327,9 +334,9 @@ def _update_row_fwd_kernel(
 
 @triton.jit
 def _update_row_bwd_kernel(
-    X, Kd, V, BETA, RS, R, G, DX, DK, DVo, DBETA, NW, A, INV, DC, DZ, DINV, DWP, N, D,
+    X, Kd, V, BETA, RS, R, G, DX, DK, DVo, DBETA, NW, A, INV, DC, DZ, DINV, DWP, SEED, N, D,
     ROWS: tl.constexpr, STEPS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, NORM: tl.constexpr,
-    CT: tl.constexpr,
+    SR: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # _update_bwd_token with d_v = 1 (r, gk scalars per token), STEPS tiles of ROWS tokens per program.
     # NORM: G also gets the gradient of the forward's read (DC, DZ, DINV of C, Z, INV), and DWP [programs,
@@ -351,7 +358,7 @@ def _update_row_bwd_kernel(
         kh = k * rs[:, None]
         g = tl.load(G + off, mask=m2, other=0.0).to(CT)
         if NORM:  # d/dx' of C = x' inv w, Z = x' A^T and INV = 1 / sqrt(mean(x'^2) + norm_eps)
-            xn = (x + (b * r)[:, None] * kh).to(X.dtype.element_ty).to(CT)  # x' as stored
+            xn = _stored(x + (b * r)[:, None] * kh, SEED, off, X.dtype.element_ty, SR).to(CT)  # x' as stored
             inv = tl.load(INV + rows, mask=mr, other=0.0).to(CT)
             dc = tl.load(DC + off, mask=m2, other=0.0).to(CT)
             dz0 = tl.load(DZ + rows * 2, mask=mr, other=0.0).to(CT)
