@@ -33,6 +33,7 @@ CHOICES = {  # GPTConfig fields with a fixed set of values
     "residual": RESIDUALS, "attention": ATTENTIONS, "deltaformer_w": ("q", "k", "proj"),
     "deltaformer_kernel": ("softmax", "relu", "linear"), "backend": BACKENDS, "init": ("scaled", "nanogpt"),
     "ddl_v": ("sigmoid", "linear"), "ddl_state_dtype": ("float32", "bfloat16"),
+    "ddl_state_rounding": ("nearest", "stochastic"),
 }  # fmt: skip
 DDL_EPS = 1e-5  # khat = h / sqrt(|h|^2 + eps^2)
 DDL_V_SCALE = 4.0  # v = 4 sigmoid(.) in (0, 4)
@@ -66,6 +67,7 @@ class GPTConfig:
     ddl_v: str = "sigmoid"  # "sigmoid": 4 sigmoid(W_v x_in + b_v) (the code) | "linear": W_v c (the text)
     ddl_conv_size: int = 4  # K of the TC compressor and of EC
     ddl_state_dtype: str = "float32"  # dtype X is stored in: "float32" (= parameter dtype) | "bfloat16"
+    ddl_state_rounding: str = "nearest"  # a bf16 X's: "nearest" | "stochastic" (unbiased, kernels/ddl)
     # autograd keeps the state entering every Nth block, the backward rebuilds the others from it (less
     # memory, more backward work). 0: every sublayer's. None: 0 at d_v = 1 (kept anyway as input), else 4
     ddl_keep_state_every: int | None = None  # DDL state kept every Nth block, rebuilt between (0: all)
@@ -108,6 +110,8 @@ class GPTConfig:
         if self.ddl_keep_state_every is None:
             self.ddl_keep_state_every = 0 if self.ddl_dv in (None, 1) else 4
         check("ddl_keep_state_every", number(lambda x: x >= 0, int), "an int >= 0")
+        bf16 = self.ddl_state_dtype == "bfloat16"
+        check("ddl_state_rounding", lambda x: x == "nearest" or bf16, "'nearest' for a float32 state")
 
     @classmethod
     def preset(cls, name, **overrides):
@@ -397,7 +401,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {pos + T} tokens exceeds block_size {cfg.block_size}")
         x = self.embed(idx, cache)  # [B, T, d], or X0 [B, T, d, d_v] for the stream that runs the DDL ops
         if cfg.is_ddl:
-            x = DDLStream(x, DDL_EPS, cfg.ddl_erase, cfg.backend, cfg.ddl_keep_state_every, cache)
+            sr = cfg.ddl_state_rounding == "stochastic"
+            x = DDLStream(x, DDL_EPS, cfg.ddl_erase, cfg.backend, cfg.ddl_keep_state_every, cache, sr)
         for block in self.blocks:
             x = block(x.enter(block.compress) if cfg.is_ddl else x, pos, cache)
         x = (x.enter(self.readout).read() if cfg.is_ddl else x).to(self.ln_f.weight.dtype)

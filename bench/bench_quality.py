@@ -53,12 +53,12 @@ SETTINGS = {
     ),
 }  # fmt: skip
 ROWS = {  # name -> GPTConfig overrides; the README's variant table
-    "additive": dict(residual="additive"),
-    "ddl": dict(residual="ddl"),
-    "ddl-tc": dict(residual="ddl-tc"),
-    "ddl-cc": dict(residual="ddl-cc"),
+    **{r: dict(residual=r) for r in ("additive", "ddl", "ddl-tc", "ddl-cc")},
     "ddl-cc-no-ec": dict(residual="ddl-cc", ddl_ec=False),
     "ddl-cc-bf16-state": dict(residual="ddl-cc", ddl_state_dtype="bfloat16"),
+    "ddl-cc-bf16-sr-state": dict(
+        residual="ddl-cc", ddl_state_dtype="bfloat16", ddl_state_rounding="stochastic"
+    ),
     "ddl-cc-write-only": dict(residual="ddl-cc", ddl_erase=False),
     "deltaformer-softmax": dict(attention="deltaformer", deltaformer_kernel="softmax"),
     "deltaformer-softmax-beta2": dict(attention="deltaformer", deltaformer_beta_max=2.0),  # not bounded
@@ -68,7 +68,7 @@ ROWS = {  # name -> GPTConfig overrides; the README's variant table
 }
 PARALLEL = {"shakespeare": 10, "corpus": 6, "stability": 6}  # runs at a time: ~9-11 GB, ~12-20 GB each
 DEFAULT_ROWS = {
-    "shakespeare": [r for r in ROWS if r not in ("ddl-cc-bf16-state", "deltaformer-softmax-beta2")],
+    "shakespeare": [r for r in ROWS if "bf16" not in r and r != "deltaformer-softmax-beta2"],
     "corpus": ["additive", "ddl", "ddl-tc", "ddl-cc", "ddl-cc-bf16-state", "deltaformer-softmax"],
     "stability": ["additive", "ddl", "ddl-cc", "ddl-tc",
                   "deltaformer-softmax", "deltaformer-relu", "deltaformer-linear"],

@@ -36,9 +36,9 @@ JOB_TIMEOUT = 420  # seconds for one (model, variant)
 VARIANTS = {
     **{r: dict(residual=r) for r in ("additive", "ddl", "ddl-tc", "ddl-cc")},
     # one state per block kept for the backward (GPTConfig.ddl_keep_state_every; the default keeps fewer)
-    "ddl-cc+keep1": dict(residual="ddl-cc", ddl_keep_state_every=1),
-    "ddl-tc+keep1": dict(residual="ddl-tc", ddl_keep_state_every=1),
+    **{f"{r}+keep1": dict(residual=r, ddl_keep_state_every=1) for r in ("ddl-cc", "ddl-tc")},
     "ddl-cc-bf16": dict(residual="ddl-cc", ddl_state_dtype="bfloat16"),  # the state stored in bf16
+    "ddl-cc-bf16-sr": dict(residual="ddl-cc", ddl_state_dtype="bfloat16", ddl_state_rounding="stochastic"),
     "additive+deltaformer": dict(residual="additive", attention="deltaformer"),
     "nanogpt": None,  # nanoGPT's own GPT (its model.py, given by --nanogpt) at the preset's depth and width
 }

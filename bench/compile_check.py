@@ -4,10 +4,10 @@ Triton is importable, so that another version's frontend errors show up before a
     PYTHONPATH=/path/to/triton-3.6 python bench/compile_check.py
 
 Each `kernel[grid](...)` launch is compiled, not run, with its argument types and constexprs: a forward and
-backward of every model variant (gpt2-small width, four blocks: states rebuilt by 1-7 updates; fp32 and
-bf16 DDL state) and the Deltaformer u-stage (every kernel, head dim 64 and 128, each dtype, both `lowp`).
-Prints each distinct compile (shared memory; registers and spill stack from the triton wheel's cuobjdump)
-or its error; exit 1 if any failed."""
+backward of every model variant (gpt2-small width, four blocks: states rebuilt by 1-7 updates; an fp32 DDL
+state, and bf16 rounded to nearest and stochastically) and the Deltaformer u-stage (every kernel, head dim
+64 and 128, each dtype, both `lowp`). Prints each distinct compile (shared memory; registers and spill stack
+from the triton wheel's cuobjdump) or its error; exit 1 if any failed."""
 
 import os
 import re
@@ -29,7 +29,7 @@ from triton.runtime.jit import JITFunction, KernelInterface  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32"}
-TYPES[torch.float64] = "*fp64"
+TYPES |= {torch.float64: "*fp64", torch.int64: "*i64"}
 SEEN, FAILED, SPILLS = {}, [], []
 
 
@@ -121,14 +121,14 @@ def run_model_variants():
     variants += [dict(residual="ddl-cc", ddl_ec=False)]
     variants += [dict(residual=r, ddl_erase=False) for r in ("ddl", "ddl-tc")]  # the write-only control
     variants += [dict(residual="ddl", ddl_keep_state_every=0)]  # d_v = 1's default: the fused norm
+    states = (("float32", "nearest"), ("bfloat16", "nearest"), ("bfloat16", "stochastic"))  # DDL's (4 blocks)
     for overrides in variants:
         ddl = overrides["residual"] != "additive"
-        # DDL: 4 blocks (states rebuilt by 1-7 updates)
-        for state in ("float32", "bfloat16")[: ddl + 1]:
-            print(f"--- model {overrides} ddl_state_dtype={state}", flush=True)
-            extra = dict(ddl_state_dtype=state, ddl_keep_state_every=4) if ddl else {}
+        for state, rnd in states[: 1 + 2 * ddl]:
+            print(f"--- model {overrides} ddl_state_dtype={state} ddl_state_rounding={rnd}", flush=True)
+            kw = dict(ddl_state_dtype=state, ddl_state_rounding=rnd, ddl_keep_state_every=4) if ddl else {}
             cfg = GPTConfig.preset("gpt2-small", n_layer=4, block_size=64, backend="triton",
-                                   **{**extra, **overrides})  # fmt: skip
+                                   **{**kw, **overrides})  # fmt: skip
             model = GPT(cfg)
             idx = torch.randint(0, cfg.vocab_size, (1, 64))
             with torch.autocast("cpu", dtype=torch.bfloat16):

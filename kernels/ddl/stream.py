@@ -11,6 +11,8 @@ What exists only for speed and memory happens behind those two calls, so that a 
   after it gets rebuild_from = (that state, the steps of the updates since) and rebuilds its input from them
   in its backward, so one state per N blocks stays alive rather than one per sublayer;
 - decoding (a cache): TC's causal conv reads through the states of the earlier tokens, kept per read.
+stochastic=True (a bf16 X): every update rounds its X stochastically, with a seed of its own drawn from
+torch's generator on X's device.
 """
 
 import torch
@@ -36,8 +38,9 @@ def with_history(cache, key, x, n):
 class DDLStream:
     """X [B, T, d, d_v] with read() and write(h, v, beta) for the sublayers (the module docstring)."""
 
-    def __init__(self, X, eps=1e-5, erase=True, backend="auto", keep_every=0, cache=None):
+    def __init__(self, X, eps=1e-5, erase=True, backend="auto", keep_every=0, cache=None, stochastic=False):
         self.X, self.cache, self.kw = X, cache, dict(eps=eps, erase=erase, backend=backend)
+        self.stochastic = stochastic
         self.every = keep_every if torch.is_grad_enabled() else 0
         self.blocks, self.keep, self.chain = 0, False, None  # chain: (the kept state, the updates' steps)
         self.reader, self.slot, self.pending = None, 0, None
@@ -62,7 +65,7 @@ class DDLStream:
             return self._compress(slot)
         (h, v, beta, keep), self.pending, X, read = self.pending, None, self.X, self.reader
         rebuild_from, steps = (None if keep else self.chain), self.every > 0
-        kw = dict(self.kw, rebuild_from=rebuild_from, return_step=steps)
+        kw = dict(self.kw, rebuild_from=rebuild_from, return_step=steps, seed=self._seed())
         if read.kind == "ddl-cc":
             out = ddl_update_compress_cc(X, h, v, beta, read.cc_weight(), **kw)
         elif read.kind == "ddl-tc" and self.cache is None:  # decoding reads through the history instead
@@ -88,9 +91,12 @@ class DDLStream:
             return None
         c_dtype = autocast_dtype(X.device.type)
         self.pending, self.slot = None, self.slot + 1
-        kw = dict(self.kw, norm_eps=norm_eps, c_dtype=c_dtype)
+        kw = dict(self.kw, norm_eps=norm_eps, c_dtype=c_dtype, seed=self._seed())
         self.X, c, z, inv_rms = ddl_update_norm(X, h, v, beta, norm_weight, logit_weight, **kw)
         return c, z, inv_rms
+
+    def _seed(self):  # an update's seed for its stochastic rounding, or None: rounded to nearest
+        return torch.randint(2**32, (1,), device=self.X.device) if self.stochastic else None
 
     def _compress(self, slot):
         if self.cache is None or self.reader.kind != "ddl-tc":
