@@ -778,6 +778,23 @@ def test_stochastic_bf16_state_triton_matches_torch(residual):
     assert fresh.item() != again.item() and nearest.item() != again.item()
 
 
+@pytest.mark.parametrize("residual", DDL_RESIDUALS)
+def test_stochastic_bf16_state_decodes(residual):
+    """Cached decoding with stochastic rounding runs (TC: its conv through the cached states), each update's
+    seed drawn as in training, so a generator state repeats the tokens."""
+    torch.manual_seed(0)
+    model = GPT(tiny(residual=residual, block_size=16, **SR)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_((0.1 if name == "wte.weight" else 0.5) * torch.randn_like(p))
+    prompt = tokens(B=2, T=5, seed=3)
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(4)
+        outs.append(generate(model, prompt, 8, top_k=1))
+    assert torch.equal(outs[0], outs[1]) and outs[0].shape == (2, 13)
+
+
 @pytest.mark.parametrize("residual,state", [("ddl-cc", {}), ("ddl-tc", {}), ("ddl-cc", SR)])
 def test_inductor_compile_of_the_triton_deltaformer_model(residual, state):
     # Inductor (not only aot_eager) checks the custom ops' outputs against their fake strides; the model
