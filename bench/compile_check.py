@@ -64,7 +64,7 @@ def check_compilable():
 
 def compile_launch(fn, args, kwargs):
     """Compile fn for TARGET with the types of this launch's arguments (once per distinct signature)."""
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     bound = dict(zip(fn.arg_names, args)) | kwargs
     sig, consts = {}, {}
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):

@@ -54,8 +54,11 @@ LAUNCH = {
     "tc_fwd": dict(TOKENS=128, BLOCK_D=128, STAGES=3, num_warps=4),
     # the fused update + TC read-out's backward, split: the gk reduction's shape (GK_*, GK_TOKENS a power of
     # two), then the per-channel kernel's, a run of TOKENS by a block of d (128: 256 at 4 warps spills with
-    # the 4 taps and their gradient in registers, bench/compile_check.py)
-    "tc_bwd": dict(GK_TOKENS=4, GK_BLOCK_D=256, GK_WARPS=4, TOKENS=32, BLOCK_D=128, num_warps=4),
+    # the 4 taps and their gradient in registers, bench/compile_check.py); STAGES > 1: its loop over the run
+    # software-pipelined; maxnreg: the registers a thread may take (fewer: more programs an SM; None: no cap)
+    "tc_bwd": dict(
+        GK_TOKENS=4, GK_BLOCK_D=256, GK_WARPS=4, TOKENS=32, BLOCK_D=128, STAGES=1, num_warps=4, maxnreg=None
+    ),
 }
 # Tests set this: every output starts as NaN, so that an element a kernel fails to write cannot pass.
 _FILL_OUTPUTS_WITH_NAN = False
@@ -389,7 +392,8 @@ def _update_tc_bwd_op(
     _update_tc_bwd_kernel[grid](
         x, k, v, beta, rs, r, _chain(ks, betas, rss, rr, seeds), wt, g, dh, gk, dx, dk, dwp, _or(seed, x), N,
         T, D, cfg["TOKENS"], DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), ERASE=erase, KW=KW, KP=_pow2(KW),
-        SR=seed is not None, CT=ct, num_warps=cfg["num_warps"],
+        SR=seed is not None, STAGES=cfg.get("STAGES", 1), CT=ct, num_warps=cfg["num_warps"],
+        maxnreg=cfg.get("maxnreg"),
     )  # fmt: skip
     return dx, dk, dv, dbeta, dwp.sum(0).to(wt.dtype)
 

@@ -254,16 +254,16 @@ def _update_tc_gk_kernel(
 def _update_tc_bwd_kernel(
     X, Kd, V, BETA, RS, R, CHAIN, WT, G, DH, GK, DX, DK, DWP, SEED, N, T, D, TOKENS,
     DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, ERASE: tl.constexpr, KW: tl.constexpr,
-    KP: tl.constexpr, SR: tl.constexpr, CT: tl.constexpr,
+    KP: tl.constexpr, SR: tl.constexpr, STAGES: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # The TC backward's elementwise part, after _update_tc_gk_kernel: a run of TOKENS tokens by a block of d
     # (x rebuilt through CHAIN per block), dx and dk from the stored gk without a reduction over d, so a
     # program's tile is BLOCK_D x d_v rather than a token's d x d_v; the taps' gradient as partials summed
-    # over the run.
+    # over the run. STAGES > 1: the next tokens' loads in flight (software-pipelined).
     pid, offs_d, offs_v, offs_j, md, mv, mj, m2w, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
     off3, m3, taps = _taps(WT, offs_j, off2, mj, m2w, D, DV, CT)
     dw = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
-    for tt in range(TOKENS):
+    for tt in tl.range(0, TOKENS, num_stages=STAGES):
         n = pid * TOKENS + tt
         ok = n < N
         okd, m2, rs, kh, x, b, r, v = _update_bwd_inputs(
