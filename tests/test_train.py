@@ -141,9 +141,11 @@ def test_tiny_run_learns_logs_and_checkpoints(tmp_path, data_dir):
     assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]  # no temp files left behind
 
 
-def test_resume_is_bit_exact(tmp_path, data_dir):
-    # dropout > 0 makes the losses depend on the RNG state too, so the checkpoint must restore it
-    args = ["--eval_interval=10", "--dropout=0.1", "--residual=ddl-cc"]
+@pytest.mark.parametrize("state", [[], ["--ddl_state_dtype=bfloat16", "--ddl_state_rounding=stochastic"]])
+def test_resume_is_bit_exact(tmp_path, data_dir, state):
+    # dropout > 0 (and stochastic rounding's seeds) make the losses depend on the RNG state too, so the
+    # checkpoint must restore it
+    args = ["--eval_interval=10", "--dropout=0.1", "--residual=ddl-cc", *state]
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     train(straight, data_dir, "--max_iters=20", *args)
     train(split, data_dir, "--max_iters=10", *args)
