@@ -271,7 +271,7 @@ TC_BWD_SMALL = dict(
 def triton_small(monkeypatch):
     monkeypatch.setattr(ddl_triton, "_FILL_OUTPUTS_WITH_NAN", True)
     monkeypatch.setitem(ddl_triton.LAUNCH, "update_fwd", dict(TOKENS=2, num_warps=4))
-    monkeypatch.setitem(ddl_triton.LAUNCH, "update_bwd", dict(TOKENS=3, num_warps=4))
+    monkeypatch.setitem(ddl_triton.LAUNCH, "update_bwd", dict(TOKENS=3, STAGES=1, num_warps=4))
     monkeypatch.setitem(ddl_triton.LAUNCH, "chan_fwd", dict(TOKENS=2, BLOCK_D=8, num_warps=4))
     monkeypatch.setitem(ddl_triton.LAUNCH, "chan_bwd", dict(TOKENS=3, BLOCK_D=8, num_warps=4))
     # the TC forward takes 3 tokens per run, so that runs start before, at and after a sequence's first
@@ -357,16 +357,17 @@ def test_triton_update_bf16_launch_shapes_exact(dv, monkeypatch):
             ddl_triton.LAUNCH, key, {**entry, "float64": ddl_triton._cfg(key, torch.bfloat16)}
         )
     assert (
-        ddl_triton._cfg("update_bwd", F64)["TOKENS"] == 32 and ddl_triton._cfg("update_bwd", F64)["PIPELINE"]
+        ddl_triton._cfg("update_bwd", F64)["TOKENS"] == 32
+        and ddl_triton._cfg("update_bwd", F64)["STAGES"] == 2
     )
     check_update_and_cc(lead=(2, 21), dv=dv)
 
 
-@pytest.mark.parametrize("pipeline", [False, True])
+@pytest.mark.parametrize("stages", [1, 2])
 @pytest.mark.parametrize("fused", [False, True])
-def test_triton_update_backward_loop_kinds(triton_small, monkeypatch, pipeline, fused):
+def test_triton_update_backward_loop_kinds(triton_small, monkeypatch, stages, fused):
     """Both ways of emitting the backward's loop over a program's tokens (plain, pipelined)."""
-    monkeypatch.setitem(ddl_triton.LAUNCH, "update_bwd", dict(TOKENS=3, PIPELINE=pipeline, num_warps=4))
+    monkeypatch.setitem(ddl_triton.LAUNCH, "update_bwd", dict(TOKENS=3, STAGES=stages, num_warps=4))
     x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=3))
     if fused:
         w = torch.randn(20, 3, dtype=F64, requires_grad=True)
@@ -836,8 +837,8 @@ def test_gpu_update_compress_tc_realistic(dtype):
     "cfg",
     [
         {},  # the shipped launch shapes
-        {"update_bwd": dict(TOKENS=8, PIPELINE=False, num_warps=4), "update_row": dict(ROWS=0, num_warps=4)},
-        {"update_bwd": dict(TOKENS=16, PIPELINE=True, num_warps=8), "update_row": dict(ROWS=8, num_warps=8)},
+        {"update_bwd": dict(TOKENS=8, STAGES=1, num_warps=4), "update_row": dict(ROWS=0, num_warps=4)},
+        {"update_bwd": dict(TOKENS=16, STAGES=2, num_warps=8), "update_row": dict(ROWS=8, num_warps=8)},
     ],
     ids=["shipped", "plain-general", "pipelined-rows8"],
 )

@@ -35,11 +35,11 @@ from .triton_update import (
 # Launch shapes (tokens per program, warps, channel block for the per-channel kernels), tuned on an H200
 # (update_bwd, tc_fwd and tc_bwd: `python bench/bench_ddl.py --sweeps`, CUDA-graph GPU time; the other
 # entries' sweeps: git history). An entry may hold a whole launch shape for one state dtype under that
-# dtype's name ("bfloat16"), used instead of the entry's own for that dtype (`_cfg`). PIPELINE: the
-# backward's loop over a program's tokens software-pipelined (two stages) or plain.
+# dtype's name ("bfloat16"), used instead of the entry's own for that dtype (`_cfg`). STAGES: a kernel's loop
+# over a program's tokens software-pipelined (the next tokens' loads in flight) or, 1, plain.
 LAUNCH = {
     "update_fwd": dict(TOKENS=1, num_warps=4),
-    "update_bwd": dict(TOKENS=32, PIPELINE=True, num_warps=4),
+    "update_bwd": dict(TOKENS=32, STAGES=2, num_warps=4),
     "update_row": dict(  # d_v = 1 without a fused read-out; ROWS=0: the general kernel
         ROWS=2, num_warps=4, bfloat16=dict(ROWS=4, num_warps=8)
     ),
@@ -189,7 +189,7 @@ def _update_bwd_op(
     dwp = _new((nprog, D, DV) if compress else (0,), x, dtype=acc_dtype(x))
     _update_bwd_kernel[(nprog,)](
         x, k, v, beta, rs, r, chain, _or(weight, x), g, _or(dh, g), dx, dk, dv, dbeta, dwp, _or(seed, x), N,
-        D, TOKENS=cfg["TOKENS"], PIPELINE=cfg.get("PIPELINE", False), DV=DV, BLOCK_D=_pow2(D),
+        D, TOKENS=cfg["TOKENS"], STAGES=cfg["STAGES"], DV=DV, BLOCK_D=_pow2(D),
         BLOCK_V=_pow2(DV), ERASE=erase, COMPRESS=compress, SR=seed is not None, CT=ct,
         num_warps=cfg["num_warps"],
     )  # fmt: skip
@@ -392,7 +392,7 @@ def _update_tc_bwd_op(
     _update_tc_bwd_kernel[grid](
         x, k, v, beta, rs, r, _chain(ks, betas, rss, rr, seeds), wt, g, dh, gk, dx, dk, dwp, _or(seed, x), N,
         T, D, cfg["TOKENS"], DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), ERASE=erase, KW=KW, KP=_pow2(KW),
-        SR=seed is not None, STAGES=cfg.get("STAGES", 1), CT=ct, num_warps=cfg["num_warps"],
+        SR=seed is not None, STAGES=cfg["STAGES"], CT=ct, num_warps=cfg["num_warps"],
         maxnreg=cfg.get("maxnreg"),
     )  # fmt: skip
     return dx, dk, dv, dbeta, dwp.sum(0).to(wt.dtype)

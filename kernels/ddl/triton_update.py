@@ -184,11 +184,11 @@ def _update_bwd_token(
 @triton.jit
 def _update_bwd_kernel(
     X, Kd, V, BETA, RS, R, CHAIN, W, G, DH, DX, DK, DVo, DBETA, DWP, SEED, N, D,
-    TOKENS: tl.constexpr, PIPELINE: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    TOKENS: tl.constexpr, STAGES: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_V: tl.constexpr, ERASE: tl.constexpr, COMPRESS: tl.constexpr, SR: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # TOKENS tokens per program (the CC weight gradient is summed over them in registers), in a plain loop
-    # (one token's loads in flight at a time) or, PIPELINE, a software-pipelined one (num_stages 2).
+    # (STAGES 1: one token's loads in flight at a time) or a software-pipelined one.
     pid = tl.program_id(0).to(tl.int64)
     offs_d, offs_v, md, mv, off2 = _token_tile(D, DV, BLOCK_D, BLOCK_V)
     if COMPRESS:
@@ -196,18 +196,11 @@ def _update_bwd_kernel(
     else:
         w = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
     dw = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
-    if PIPELINE:
-        for tt in tl.range(0, TOKENS, num_stages=2):
-            dw += _update_bwd_token(
-                pid * TOKENS + tt, X, Kd, V, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, SEED, N, D,
-                offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, SR, CT,
-            )  # fmt: skip
-    else:
-        for tt in range(TOKENS):
-            dw += _update_bwd_token(
-                pid * TOKENS + tt, X, Kd, V, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, SEED, N, D,
-                offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, SR, CT,
-            )  # fmt: skip
+    for tt in tl.range(0, TOKENS, num_stages=STAGES):
+        dw += _update_bwd_token(
+            pid * TOKENS + tt, X, Kd, V, BETA, RS, R, CHAIN, w, G, DH, DX, DK, DVo, DBETA, SEED, N, D,
+            offs_d, offs_v, md, mv, off2, DV, ERASE, COMPRESS, SR, CT,
+        )  # fmt: skip
     if COMPRESS:
         tl.store(DWP + pid * D * DV + off2, dw, mask=md[:, None] & mv[None, :])
 
