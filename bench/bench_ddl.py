@@ -114,10 +114,10 @@ def sweep_update(case, dtype):
     tc_cfgs = ((64, 128, 2, 4), (64, 128, 1, 4), (128, 128, 3, 4), (64, 256, 2, 8), (32, 64, 2, 2))
     cfgs = [dict(TOKENS=t, BLOCK_D=bd, STAGES=st, num_warps=nw) for t, bd, st, nw in tc_cfgs]
     sweep("tc_fwd", cfgs, ("update+tc fwd", tc, 2 * S + 2 * V))
-    keys = ("GK_TOKENS", "GK_BLOCK_D", "GK_WARPS", "TOKENS", "BLOCK_D", "num_warps", "STAGES", "maxnreg")
-    split = [(4, 256, 4, 32, 128, 4, *s) for s in ((1, None), (2, None), (1, 168), (2, 168), (1, 128))]
+    alts = ({}, dict(STAGES=2), dict(GK_STAGES=2), dict(maxnreg=168), dict(STAGES=2, maxnreg=168),
+            dict(maxnreg=128))  # fmt: skip
     sweep(
-        "tc_bwd", [dict(zip(keys, s)) for s in split],
+        "tc_bwd", [{**LAUNCH["tc_bwd"], **a} for a in alts],  # the shipped shape, then each with changes
         ("update+tc f+b", lambda: fused_run(False, 1, True), 6 * S + 6 * V),
         ("8 x update+tc f+b, rebuilt from the first", lambda: fused_run(True, 8, True), 8 * (6 * S + 6 * V)),
     )  # fmt: skip

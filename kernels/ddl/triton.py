@@ -54,10 +54,11 @@ LAUNCH = {
     "tc_fwd": dict(TOKENS=128, BLOCK_D=128, STAGES=3, num_warps=4),
     # the fused update + TC read-out's backward, split: the gk reduction's shape (GK_*, GK_TOKENS a power of
     # two), then the per-channel kernel's, a run of TOKENS by a block of d (128: 256 at 4 warps spills with
-    # the 4 taps and their gradient in registers, bench/compile_check.py); STAGES > 1: its loop over the run
-    # software-pipelined; maxnreg: the registers a thread may take (fewer: more programs an SM; None: no cap)
+    # the 4 taps and their gradient in registers, bench/compile_check.py); GK_STAGES, STAGES: their loops
+    # (over d, over the run); maxnreg, where given: the registers a thread of the second may take (fewer:
+    # more programs on an SM)
     "tc_bwd": dict(
-        GK_TOKENS=4, GK_BLOCK_D=256, GK_WARPS=4, TOKENS=32, BLOCK_D=128, STAGES=1, num_warps=4, maxnreg=None
+        GK_TOKENS=4, GK_BLOCK_D=256, GK_WARPS=4, GK_STAGES=1, TOKENS=32, BLOCK_D=128, STAGES=1, num_warps=4
     ),
 }
 # Tests set this: every output starts as NaN, so that an element a kernel fails to write cannot pass.
@@ -384,7 +385,8 @@ def _update_tc_bwd_op(
     gk = _new((N, DV), x, dtype=acc_dtype(x))
     _update_tc_gk_kernel[(triton.cdiv(N, cfg["GK_TOKENS"]),)](
         k, beta, rs, r, wt, g, dh, gk, dv, dbeta, N, T, D, DV=DV, TOKENS=cfg["GK_TOKENS"],
-        BLOCK_D=min(cfg["GK_BLOCK_D"], _pow2(D)), BLOCK_V=_pow2(DV), KW=KW, CT=ct, num_warps=cfg["GK_WARPS"],
+        BLOCK_D=min(cfg["GK_BLOCK_D"], _pow2(D)), BLOCK_V=_pow2(DV), KW=KW, STAGES=cfg["GK_STAGES"], CT=ct,
+        num_warps=cfg["GK_WARPS"],
     )  # fmt: skip
     bd = min(cfg["BLOCK_D"], _pow2(D))
     grid = (triton.cdiv(N, cfg["TOKENS"]), triton.cdiv(D, bd))

@@ -209,7 +209,7 @@ def _update_bwd_kernel(
 def _update_tc_gk_kernel(
     Kd, BETA, RS, R, WT, G, DH, GK, DVo, DBETA, N, T, D,
     DV: tl.constexpr, TOKENS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, KW: tl.constexpr,
-    CT: tl.constexpr,
+    STAGES: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # The TC backward's reduction over d: gk = khat^T G [N, d_v] of TOKENS tokens, BLOCK_D channels at a
     # time (a small tile, many tokens in flight), G + sum_j WT[j] dh[n + KW-1 - j] (the read-outs of tokens
@@ -220,7 +220,7 @@ def _update_tc_gk_kernel(
     mr, mv = rows < N, offs_v < DV
     rs = tl.load(RS + rows, mask=mr, other=0.0).to(CT)
     acc = tl.zeros([TOKENS, BLOCK_V], dtype=CT)
-    for d0 in range(0, D, BLOCK_D):
+    for d0 in tl.range(0, D, BLOCK_D, num_stages=STAGES):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         m_nd = mr[:, None] & (offs_d < D)[None, :]
         off_nd = rows[:, None] * D + offs_d[None, :]
