@@ -530,7 +530,7 @@ def _update_any(x, k, v, beta, weight, wt, T, eps, erase, rebuild_from, seed):
     that keeps x for the backward, or, given rebuild_from = (x0, steps) with x made from x0 by the updates
     steps = ((k0, beta0, rs0, r0, seed0), ...), the op that rebuilds x there; step = (k, beta, rs, r, seed),
     this update's for a later rebuild_from."""
-    flat, eps, erase = _flat(x, k, v, beta), float(eps), bool(erase)
+    flat, eps, erase, seed = _flat(x, k, v, beta), float(eps), bool(erase), _flat_seed(seed)
     d, dv = x.shape[-2:]
     if rebuild_from is not None:
         x0, steps = rebuild_from
@@ -553,22 +553,20 @@ def _update_any(x, k, v, beta, weight, wt, T, eps, erase, rebuild_from, seed):
 
 
 def update(x, k, v, beta, eps, erase, rebuild_from=None, seed=None):
-    x_new, _, step = _update_any(x, k, v, beta, None, None, 0, eps, erase, rebuild_from, _flat_seed(seed))
+    x_new, _, step = _update_any(x, k, v, beta, None, None, 0, eps, erase, rebuild_from, seed)
     return x_new, step
 
 
 def update_compress_cc(x, k, v, beta, weight, eps, erase, rebuild_from=None, seed=None):
     B, T, d, _ = x.shape
-    x_new, h, step = _update_any(
-        x, k, v, beta, weight.contiguous(), None, T, eps, erase, rebuild_from, _flat_seed(seed)
-    )
+    x_new, h, step = _update_any(x, k, v, beta, weight.contiguous(), None, T, eps, erase, rebuild_from, seed)
     return x_new, h.view(B, T, d), step
 
 
 def update_compress_tc(x, k, v, beta, conv_weight, read, eps, erase, rebuild_from=None, seed=None):
     B, T, d, _ = x.shape
     wt = _tap_weights(conv_weight, read)
-    x_new, h, step = _update_any(x, k, v, beta, None, wt, T, eps, erase, rebuild_from, _flat_seed(seed))
+    x_new, h, step = _update_any(x, k, v, beta, None, wt, T, eps, erase, rebuild_from, seed)
     return x_new, h.view(B, T, d), step
 
 
