@@ -24,12 +24,10 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction, KernelInterface  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, KernelInterface, create_function_from_signature  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32"}
-TYPES |= {torch.float64: "*fp64", torch.int64: "*i64"}
 SEEN, FAILED, SPILLS = {}, [], []
 
 
@@ -49,11 +47,6 @@ def resources(cubin):
     return (int(found[1]), int(found[2])) if found else None
 
 
-def arg_type(value):
-    """A tensor's pointer type, or a tuple's (of tensors and tuples) as a tuple of those."""
-    return tuple(map(arg_type, value)) if isinstance(value, tuple) else TYPES[value.dtype]
-
-
 def check_compilable():
     """Triton imported under TRITON_INTERPRET=1 decorated its own library for the interpreter, which its
     compiler cannot take (Triton 3.9's refuses on its first compile with a bare AssertionError)."""
@@ -62,36 +55,38 @@ def check_compilable():
                            "compilable: run compile_check in a process without TRITON_INTERPRET")  # fmt: skip
 
 
+def specialized(fn, args, kwargs):
+    """(arguments by name, signature, constexprs, attributes) of a launch of fn, specialized by Triton's own
+    binder as at run time: 16-byte aligned pointers and integers divisible by 16 are marked so, integers
+    equal to 1 become constexprs, which decides, e.g., whether loads are vectorized."""
+    backend = make_backend(TARGET)
+    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(
+        *args, **kwargs
+    )
+    _, sig, consts, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return bound, sig, consts, attrs
+
+
 def compile_launch(fn, args, kwargs):
-    """Compile fn for TARGET with the types of this launch's arguments (once per distinct signature)."""
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+    """Compile fn for TARGET with this launch's specialization (once per distinct one)."""
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     bound = dict(zip(fn.arg_names, args)) | kwargs
-    sig, consts = {}, {}
-    for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
-        value = bound[name]
-        if param.is_constexpr:
-            sig[name], consts[(i,)] = "constexpr", value
-        elif isinstance(value, (torch.Tensor, tuple)):
-            sig[name] = arg_type(value)
-        elif isinstance(value, bool):
-            sig[name] = "i1"
-        elif isinstance(value, int):
-            sig[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-        else:
-            sig[name] = "fp32"
-    key = (fn.__name__, tuple(sig.items()), tuple((k, str(v)) for k, v in consts.items()), str(options))
-    if key in SEEN:
-        return
     label = f"{fn.__name__} " + " ".join(f"{n}={bound[n]}" for n, p in zip(fn.arg_names, fn.params)
                                         if p.is_constexpr and n not in ("SPIN_LIMIT",))  # fmt: skip
-    label += f" {fn.arg_names[0]}:{sig[fn.arg_names[0]]}"  # the first argument's type: the data's dtype
-    # a tuple argument of tuples (the DDL rebuild chain): their lengths
-    label += "".join(f" {n}={tuple(map(len, v))}" for n, v in bound.items() if isinstance(v, tuple) and v
-                     and all(isinstance(x, tuple) for x in v))  # fmt: skip
-    label += f" {options}" if options else ""
+    key = label
     try:
         check_compilable()
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET, options=options)
+        bound, sig, consts, attrs = specialized(fn, args, kwargs)
+        key = (fn.__name__, str(sig), str(consts), str(attrs), str(options))
+        if key in SEEN:
+            return
+        label += f" {fn.arg_names[0]}:{sig[fn.arg_names[0]]}"  # the first argument's type: the data's dtype
+        # a tuple argument of tuples (the DDL rebuild chain): their lengths
+        label += "".join(f" {n}={tuple(map(len, v))}" for n, v in bound.items() if isinstance(v, tuple) and v
+                         and all(isinstance(x, tuple) for x in v))  # fmt: skip
+        label += f" {options}" if options else ""
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        k = triton.compile(src, target=TARGET, options=options)
         SEEN[key] = f"ok   {label}: shared memory {k.metadata.shared} B"
         regs = resources(k.asm["cubin"])
         if regs:

@@ -38,6 +38,21 @@ compile_check.compile_launch(triton.jit(_scale), (x, x, pairs, 8), dict(BLOCK=8,
 print("failed:", compile_check.FAILED)
 """
 
+# what the runtime's specialization gives three launches of one kernel: pointers 16-byte aligned or not,
+# integers divisible by 16, equal to 1, or neither
+SPECIALIZED = """
+import sys
+import torch
+import triton
+sys.path[:0] = [{bench!r}, {tests!r}]
+import compile_check
+from test_compile_check import _scale
+fn, x = triton.jit(_scale), torch.empty(64)
+for args in ((x, x, (), 64), (x[1:], x, (), 7), (x, x[1:], (), 1)):
+    _, sig, consts, attrs = compile_check.specialized(fn, args, dict(BLOCK=8, num_warps=1))
+    print(sig["N"], sorted(i for (i,), a in attrs.items() if ["tt.divisibility", 16] in a), consts.get((3,)))
+"""
+
 
 def test_a_launch_compiles_for_sm90_with_its_resources(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -48,6 +63,15 @@ def test_a_launch_compiles_for_sm90_with_its_resources(tmp_path):
     line, failed = result.stdout.strip().splitlines()
     assert line.startswith("ok   _scale BLOCK=8 X:*fp32 PAIRS=(2, 2) {'num_warps': 1}: shared memory"), line
     assert " registers, stack 0 B" in line and failed == "failed: []"
+
+
+def test_launches_are_specialized_as_at_run_time(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = SPECIALIZED.format(bench=os.path.join(REPO, "bench"), tests=os.path.join(REPO, "tests"))
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    # X, Y (arguments 0, 1) and N (3) marked divisible by 16 where they are; N = 1 a constexpr
+    assert result.stdout.splitlines() == ["i32 [0, 1, 3] None", "i32 [1] None", "constexpr [0] 1"]
 
 
 def test_a_process_with_interpreted_triton_is_told_why_it_cannot_compile(monkeypatch, capsys):
