@@ -53,10 +53,10 @@ LAUNCH = {
     # TC read-out runs as the update kernel followed by it); STAGES: its loads in flight
     "tc_fwd": dict(TOKENS=128, BLOCK_D=128, STAGES=3, num_warps=4),
     # the fused update + TC read-out's backward, split: the gk reduction's shape (GK_*, GK_TOKENS a power of
-    # two), then the per-channel kernel's, a run of TOKENS by a block of d (128: 256 at 4 warps spills with
-    # the 4 taps and their gradient in registers, bench/compile_check.py); GK_STAGES, STAGES: their loops
-    # (over d, over the run); maxnreg, where given: the registers a thread of the second may take (fewer:
-    # more programs on an SM)
+    # two), then the per-channel kernel's, a run of TOKENS by a block of d (128 at 4 warps: each thread holds
+    # a [4]-vector of the tile, the taps and their gradient; 256 takes up to 255 registers,
+    # bench/compile_check.py); GK_STAGES, STAGES: their loops (over d, over the run); maxnreg, where given:
+    # the registers a thread of the second may take (fewer: more programs on an SM)
     "tc_bwd": dict(
         GK_TOKENS=4, GK_BLOCK_D=256, GK_WARPS=4, GK_STAGES=1, TOKENS=32, BLOCK_D=128, STAGES=1, num_warps=4
     ),
@@ -287,7 +287,7 @@ def _chan_launch(a, wt, key):
     KW, DV = wt.shape[0], wt.shape[2]
     cfg = _cfg(key, a.dtype)
     bd = min(cfg["BLOCK_D"], _pow2(D))
-    consts = dict(KW=KW, KP=_pow2(KW), DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), num_warps=cfg["num_warps"])
+    consts = dict(KW=KW, DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), num_warps=cfg["num_warps"])
     return N, D, cfg, _chan_grid(N, D, {**cfg, "BLOCK_D": bd}), consts
 
 
@@ -393,9 +393,8 @@ def _update_tc_bwd_op(
     dwp = _new((grid[0], *wt.shape), x, dtype=acc_dtype(x))
     _update_tc_bwd_kernel[grid](
         x, k, v, beta, rs, r, _chain(ks, betas, rss, rr, seeds), wt, g, dh, gk, dx, dk, dwp, _or(seed, x), N,
-        T, D, cfg["TOKENS"], DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), ERASE=erase, KW=KW, KP=_pow2(KW),
-        SR=seed is not None, STAGES=cfg["STAGES"], CT=ct, num_warps=cfg["num_warps"],
-        maxnreg=cfg.get("maxnreg"),
+        T, D, cfg["TOKENS"], DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), ERASE=erase, KW=KW, SR=seed is not None,
+        STAGES=cfg["STAGES"], CT=ct, num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"),
     )  # fmt: skip
     return dx, dk, dv, dbeta, dwp.sum(0).to(wt.dtype)
 

@@ -5,7 +5,15 @@ tokens; weight gradients go to per-program fp32 partials. Launched from triton.p
 import triton
 import triton.language as tl
 
-from .triton_common import _chan_tile, _taps, _vec_mask, _window
+from .triton_common import (
+    _chan_tile,
+    _store_taps,
+    _tap_token,
+    _taps,
+    _tc_read_out_grads,
+    _vec_mask,
+    _zeros_each,
+)
 
 
 @triton.jit
@@ -14,7 +22,7 @@ def _cc_fwd_kernel(
     DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TOKENS: tl.constexpr,
     CT: tl.constexpr,
 ):  # fmt: skip
-    pid, offs_d, offs_v, _, md, mv, _, m2, off2 = _chan_tile(D, 1, 1, DV, BLOCK_D, BLOCK_V)  # no taps
+    pid, offs_d, offs_v, md, mv, m2, off2 = _chan_tile(D, DV, BLOCK_D, BLOCK_V)
     w = tl.load(W + off2, mask=m2, other=0.0).to(CT)
     for tt in tl.static_range(TOKENS):
         n = pid * TOKENS + tt
@@ -28,7 +36,7 @@ def _cc_bwd_kernel(
     X, W, DH, DX, DWP, N, D, TOKENS,
     DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
-    pid, offs_d, offs_v, _, md, mv, _, m2, off2 = _chan_tile(D, 1, 1, DV, BLOCK_D, BLOCK_V)  # no taps
+    pid, offs_d, offs_v, md, mv, m2, off2 = _chan_tile(D, DV, BLOCK_D, BLOCK_V)
     w = tl.load(W + off2, mask=m2, other=0.0).to(CT)
     dw = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
     for tt in range(TOKENS):
@@ -45,85 +53,90 @@ def _cc_bwd_kernel(
 @triton.jit
 def _tc_fwd_kernel(
     X, WT, H, N, T, D, TOKENS,
-    KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-    STAGES: tl.constexpr, CT: tl.constexpr,
+    KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, STAGES: tl.constexpr,
+    CT: tl.constexpr,
 ):  # fmt: skip
     # h[n] = sum_j sum_v WT[j] * x[n - (KW-1) + j] within the token's sequence (WT = conv * read), reading
     # each x once: a program goes through its TOKENS tokens (and the KW-1 before them) in order. Token s
-    # reaches the read-outs of s .. s+KW-1, s+i through tap KW-1-i; after adding it, acc[i] holds the
-    # partial read-out of token s+i, so acc[0] is complete, and acc moves down one slot. At a sequence's
-    # first token nothing earlier reaches on: acc starts from zeros there.
-    pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
-    rev = (KW - 1 - offs_j)[:, None, None] * D * DV + off2[None]
-    w_rev = tl.load(WT + rev, mask=mj[:, None, None] & m2[None], other=0.0).to(CT)  # w_rev[i] = WT[KW-1-i]
-    acc = tl.zeros([KP, BLOCK_D], dtype=CT)
+    # reaches the read-outs of s .. s+KW-1, s+i through tap KW-1-i. acc[i] holds the partial read-out of
+    # token s+i from the tokens before s, so with s added acc[0] is h[s] and the rest move down one slot. At
+    # a sequence's first token nothing earlier reaches on: acc starts from zeros there.
+    pid, offs_d, offs_v, md, mv, m2, off2 = _chan_tile(D, DV, BLOCK_D, BLOCK_V)
+    taps = _taps(WT, off2, m2, D, DV, KW, CT)
+    acc = ()
+    for _ in tl.static_range(KW - 1):
+        acc = acc + (tl.zeros([BLOCK_D], dtype=CT),)
     for i in tl.range(0, TOKENS + KW - 1, num_stages=STAGES):  # STAGES > 1: the next loads in flight
         s = pid * TOKENS - (KW - 1) + i
-        inside = offs_d * 0 + ((s >= 0) & (s < N)).to(tl.int32) != 0  # vector masks, as elsewhere
-        starts = offs_d * 0 + (s % T == 0).to(tl.int32) != 0
-        acc = tl.where(starts[None, :], 0.0, acc)
+        inside = _vec_mask((s >= 0) & (s < N), offs_d)
+        starts = _vec_mask(s % T == 0, offs_d)
         x = tl.load(X + s * D * DV + off2, mask=(md & inside)[:, None] & mv[None, :], other=0.0).to(CT)
-        acc += tl.sum(w_rev * x[None, :, :], axis=2)
-        h = tl.sum(tl.where(offs_j[:, None] == 0, acc, 0.0), axis=0)
-        own = md & inside & (offs_d * 0 + i >= KW - 1)  # the KW-1 tokens before the run only feed it
+        h = tl.sum(taps[KW - 1] * x, axis=1)
+        if KW > 1:
+            h += tl.where(starts, 0.0, acc[0])
+        acc_next = ()
+        for i2 in tl.static_range(KW - 1):  # token s + 1 + i2, through tap KW-2-i2
+            part = tl.sum(taps[KW - 2 - i2] * x, axis=1)
+            if i2 + 1 < KW - 1:
+                part += tl.where(starts, 0.0, acc[i2 + 1])
+            acc_next = acc_next + (part,)
+        acc = acc_next
+        own = md & inside & _vec_mask(s >= pid * TOKENS, offs_d)  # the KW-1 before the run only feed it
         tl.store(H + s * D + offs_d, h.to(H.dtype.element_ty), mask=own)
-        down = offs_j[:, None, None] + 1 == offs_j[None, :, None]  # acc[i] <- acc[i+1]
-        acc = tl.sum(tl.where(down, acc[None, :, :], 0.0), axis=1)
 
 
 @triton.jit
 def _ec_fwd_kernel(
     E, WT, X0, N, T, D,
-    KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-    TOKENS: tl.constexpr, CT: tl.constexpr,
+    KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TOKENS: tl.constexpr,
+    CT: tl.constexpr,
 ):  # fmt: skip
     # X0[n] = sum_j WT[j] * emb[n - (KW-1) + j][:, None]
-    pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
-    _, _, w3 = _taps(WT, offs_j, off2, mj, m2, D, DV, CT)
+    pid, offs_d, offs_v, md, mv, m2, off2 = _chan_tile(D, DV, BLOCK_D, BLOCK_V)
+    taps = _taps(WT, off2, m2, D, DV, KW, CT)
     for tt in tl.static_range(TOKENS):
         n = pid * TOKENS + tt
-        okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
-        src, valid = _window(n, T, N, offs_j, mj, KW, True)
-        e2 = tl.load(E + src[:, None] * D + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
-        out = tl.sum(w3 * e2.to(CT)[:, :, None], axis=0)
-        tl.store(X0 + n * D * DV + off2, out.to(X0.dtype.element_ty), mask=m2 & okd[:, None])
+        out = tl.zeros_like(taps[0])
+        for j in tl.static_range(KW):
+            src, reads = _tap_token(n, j, T, N, KW, True)
+            e = tl.load(E + src * D + offs_d, mask=md & _vec_mask(reads, offs_d), other=0.0).to(CT)
+            out += taps[j] * e[:, None]
+        mn = m2 & _vec_mask(n < N, offs_d)[:, None]
+        tl.store(X0 + n * D * DV + off2, out.to(X0.dtype.element_ty), mask=mn)
 
 
 @triton.jit
 def _conv_bwd_kernel(
     A, WT, G, DA, DWP, N, T, D, TOKENS,
-    KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
-    EC: tl.constexpr, CT: tl.constexpr,
+    KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, EC: tl.constexpr,
+    CT: tl.constexpr,
 ):  # fmt: skip
     # The backward of the two causal depthwise convs over tokens (same sequence only), taps WT [KW, d, d_v]:
     # TC (A = x [N, d, d_v], G = dh [N, d]):  dx[n] = sum_j WT[j] dh[n + KW-1 - j];
     #     dWT[j] = sum_n dh[n + KW-1 - j] x[n]
     # EC (A = emb [N, d], G = dX0 [N, d, d_v]):  demb[n] = sum_j sum_v WT[j] G[n + KW-1 - j];
     #     dWT[j] = sum_n emb[n - (KW-1) + j][:, None] G[n]
-    pid, offs_d, offs_v, offs_j, md, mv, mj, m2, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
-    off3, m3, w3 = _taps(WT, offs_j, off2, mj, m2, D, DV, CT)
-    acc = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
+    pid, offs_d, offs_v, md, mv, m2, off2 = _chan_tile(D, DV, BLOCK_D, BLOCK_V)
+    taps = _taps(WT, off2, m2, D, DV, KW, CT)
+    acc = _zeros_each(taps)
     for tt in range(TOKENS):
         n = pid * TOKENS + tt
-        okd = offs_d * 0 + n < N  # vector masks (the interpreter rejects scalar & vector)
-        dst, valid = _window(n, T, N, offs_j, mj, KW, False)  # the outputs that read token n
+        mn = m2 & _vec_mask(n < N, offs_d)[:, None]
+        acc_next = ()
         if EC:
-            g3 = tl.load(
-                G + dst[:, None, None] * D * DV + off2[None], mask=valid[:, None, None] & m2[None], other=0.0
-            )
-            de = tl.sum(tl.sum(w3 * g3.to(CT), axis=0), axis=1)
-            tl.store(DA + n * D + offs_d, de.to(DA.dtype.element_ty), mask=md & okd)
-            src, vp = _window(n, T, N, offs_j, mj, KW, True)
-            e2 = tl.load(A + src[:, None] * D + offs_d[None, :], mask=vp[:, None] & md[None, :], other=0.0)
-            g = tl.load(G + n * D * DV + off2, mask=m2 & okd[:, None], other=0.0).to(CT)
-            acc += e2.to(CT)[:, :, None] * g[None, :, :]
+            g = tl.load(G + n * D * DV + off2, mask=mn, other=0.0).to(CT)
+            de = tl.zeros([BLOCK_D], dtype=CT)
+            for j in tl.static_range(KW):
+                dst, reads = _tap_token(n, j, T, N, KW, False)  # the output that reads token n
+                gj = tl.load(G + dst * D * DV + off2, mask=m2 & _vec_mask(reads, offs_d)[:, None], other=0.0)
+                de += tl.sum(taps[j] * gj.to(CT), axis=1)
+                src, read = _tap_token(n, j, T, N, KW, True)  # the input that output n reads
+                e = tl.load(A + src * D + offs_d, mask=md & _vec_mask(read, offs_d), other=0.0).to(CT)
+                acc_next = acc_next + (acc[j] + e[:, None] * g,)
+            tl.store(DA + n * D + offs_d, de.to(DA.dtype.element_ty), mask=md & _vec_mask(n < N, offs_d))
         else:
-            dh2 = tl.load(
-                G + dst[:, None] * D + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0
-            )
-            dh2 = dh2.to(CT)
-            x = tl.load(A + n * D * DV + off2, mask=m2 & okd[:, None], other=0.0).to(CT)
-            dx = tl.sum(w3 * dh2[:, :, None], axis=0)
-            tl.store(DA + n * D * DV + off2, dx.to(DA.dtype.element_ty), mask=m2 & okd[:, None])
-            acc += dh2[:, :, None] * x[None, :, :]
-    tl.store(DWP + pid * KW * D * DV + off3, acc, mask=m3)
+            x = tl.load(A + n * D * DV + off2, mask=mn, other=0.0).to(CT)
+            dx, acc_next = _tc_read_out_grads(taps, acc, x, n, G, T, N, D, offs_d, md, KW, CT)
+            tl.store(DA + n * D * DV + off2, dx.to(DA.dtype.element_ty), mask=mn)
+        acc = acc_next
+    _store_taps(DWP + pid * KW * D * DV, acc, off2, m2, D, DV)

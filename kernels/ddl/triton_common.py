@@ -1,6 +1,6 @@
 """The Triton helpers the DDL kernels share: the two tiles (a token's [d, d_v] state; a run of tokens by a
-block of d), the causal conv's taps and token windows, a scalar condition as a vector mask, and the state's
-rounding to its stored dtype (to nearest, or stochastic: `_stored`)."""
+block of d), the causal conv's taps (a tuple of tiles) and the token each tap links, a scalar condition as a
+vector mask, and the state's rounding to its stored dtype (to nearest, or stochastic: `_stored`)."""
 
 import triton
 import triton.language as tl
@@ -21,37 +21,68 @@ def _vec_mask(ok, offs):
 
 
 @triton.jit
-def _chan_tile(D, KW: tl.constexpr, KP: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_V: tl.constexpr):  # fmt: skip
-    # the per-channel kernels' tile: a run of tokens (program 0) x a block of d (program 1) x d_v,
-    # and the KW taps of the token convolution (padded to KP)
+def _chan_tile(D, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):
+    # the per-channel kernels' tile: a run of tokens (program 0) x a block of d (program 1) x d_v
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_v = tl.arange(0, BLOCK_V)
-    offs_j = tl.arange(0, KP)
     md = offs_d < D
     mv = offs_v < DV
     m2 = md[:, None] & mv[None, :]
     off2 = offs_d[:, None] * DV + offs_v[None, :]
-    return tl.program_id(0).to(tl.int64), offs_d, offs_v, offs_j, md, mv, offs_j < KW, m2, off2
+    return tl.program_id(0).to(tl.int64), offs_d, offs_v, md, mv, m2, off2
 
 
 @triton.jit
-def _taps(WT, offs_j, off2, mj, m2, D, DV: tl.constexpr, CT: tl.constexpr):
-    # the KW conv taps of the tile, [KP, BLOCK_D, BLOCK_V], with their offsets and mask
-    off3 = offs_j[:, None, None] * D * DV + off2[None]
-    m3 = mj[:, None, None] & m2[None]
-    return off3, m3, tl.load(WT + off3, mask=m3, other=0.0).to(CT)
+def _taps(WT, off2, m2, D, DV: tl.constexpr, KW: tl.constexpr, CT: tl.constexpr):
+    # the KW conv taps of the tile as a tuple of [BLOCK_D, BLOCK_V] tiles: sums over taps and each tap's
+    # gradient stay in the tile's own layout (a [KW, BLOCK_D, BLOCK_V] tensor's reductions and broadcasts
+    # go through shared memory, with barriers, at every token)
+    taps = ()
+    for j in tl.static_range(KW):
+        taps = taps + (tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT),)
+    return taps
 
 
 @triton.jit
-def _window(n, T, N, offs_j, mj, KW: tl.constexpr, PAST: tl.constexpr):
-    # the tokens tap j connects to token n within its sequence of T (rows of N): PAST, the inputs of
-    # the causal conv, n - (KW-1) + j; else the outputs that read token n, n + (KW-1) - j
+def _zeros_each(tiles):
+    zeros = ()
+    for j in tl.static_range(len(tiles)):
+        zeros = zeros + (tl.zeros_like(tiles[j]),)
+    return zeros
+
+
+@triton.jit
+def _store_taps(P, tiles, off2, m2, D, DV: tl.constexpr):
+    # a tuple of per-tap [BLOCK_D, BLOCK_V] tiles (e.g. the taps' gradient) to P [KW, d, d_v]
+    for j in tl.static_range(len(tiles)):
+        tl.store(P + j * D * DV + off2, tiles[j], mask=m2)
+
+
+@triton.jit
+def _tap_token(n, j: tl.constexpr, T, N, KW: tl.constexpr, PAST: tl.constexpr):
+    # the token tap j links to token n within its sequence of T (rows of N), and whether there is one:
+    # PAST, the input n - (KW-1) + j that the causal conv's output n reads; else the output
+    # n + (KW-1) - j that reads input n
     t = n % T
     if PAST:
-        return n - (KW - 1) + offs_j, mj & (t - (KW - 1) + offs_j >= 0) & (offs_j * 0 + n < N)
+        tok, ok = n - (KW - 1) + j, (n < N) & (t - (KW - 1) + j >= 0)
     else:
-        return n + (KW - 1) - offs_j, mj & (t + (KW - 1) - offs_j < T) & (offs_j * 0 + n < N)
+        tok, ok = n + (KW - 1) - j, (n < N) & (t + (KW - 1) - j < T)
+    return tok, ok
+
+
+@triton.jit
+def _tc_read_out_grads(taps, dw, x, n, DH, T, N, D, offs_d, md, KW: tl.constexpr, CT: tl.constexpr):
+    # the TC read-outs that read token n's state tile x (token n + KW-1-j's, through tap j; their gradients
+    # DH [N, d]): the gradient they send x, sum_j taps[j] dh_j, and the taps' gradients so far, dw[j] + dh_j x
+    gx = tl.zeros_like(x)
+    dw_next = ()
+    for j in tl.static_range(KW):
+        dst, reads = _tap_token(n, j, T, N, KW, False)
+        dh = tl.load(DH + dst * D + offs_d, mask=md & _vec_mask(reads, offs_d), other=0.0).to(CT)[:, None]
+        gx += taps[j] * dh
+        dw_next = dw_next + (dw[j] + dh * x,)
+    return gx, dw_next
 
 
 @triton.jit

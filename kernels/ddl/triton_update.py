@@ -8,7 +8,16 @@ a block of d (`_update_tc_bwd_kernel`). Launched from triton.py."""
 import triton
 import triton.language as tl
 
-from .triton_common import _chan_tile, _stored, _taps, _token_tile, _vec_mask, _window
+from .triton_common import (
+    _chan_tile,
+    _store_taps,
+    _stored,
+    _taps,
+    _tc_read_out_grads,
+    _token_tile,
+    _vec_mask,
+    _zeros_each,
+)
 
 
 @triton.jit
@@ -247,15 +256,15 @@ def _update_tc_gk_kernel(
 def _update_tc_bwd_kernel(
     X, Kd, V, BETA, RS, R, CHAIN, WT, G, DH, GK, DX, DK, DWP, SEED, N, T, D, TOKENS,
     DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, ERASE: tl.constexpr, KW: tl.constexpr,
-    KP: tl.constexpr, SR: tl.constexpr, STAGES: tl.constexpr, CT: tl.constexpr,
+    SR: tl.constexpr, STAGES: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # The TC backward's elementwise part, after _update_tc_gk_kernel: a run of TOKENS tokens by a block of d
     # (x rebuilt through CHAIN per block), dx and dk from the stored gk without a reduction over d, so a
     # program's tile is BLOCK_D x d_v rather than a token's d x d_v; the taps' gradient as partials summed
     # over the run. STAGES > 1: the next tokens' loads in flight (software-pipelined).
-    pid, offs_d, offs_v, offs_j, md, mv, mj, m2w, off2 = _chan_tile(D, KW, KP, DV, BLOCK_D, BLOCK_V)
-    off3, m3, taps = _taps(WT, offs_j, off2, mj, m2w, D, DV, CT)
-    dw = tl.zeros([KP, BLOCK_D, BLOCK_V], dtype=CT)
+    pid, offs_d, offs_v, md, mv, m2w, off2 = _chan_tile(D, DV, BLOCK_D, BLOCK_V)
+    taps = _taps(WT, off2, m2w, D, DV, KW, CT)
+    dw = _zeros_each(taps)
     for tt in tl.range(0, TOKENS, num_stages=STAGES):
         n = pid * TOKENS + tt
         ok = n < N
@@ -263,19 +272,15 @@ def _update_tc_bwd_kernel(
             n, ok, X, Kd, V, BETA, RS, R, CHAIN, D, offs_d, offs_v, md, mv, off2, DV, CT, SR
         )
         g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-        # dh of the KW read-outs that read x'[n]: G += sum_j taps[j] dh_j, dWT[j] += dh_j x'[n]
-        dst, valid = _window(n, T, N, offs_j, mj, KW, False)
-        offs_dh = dst[:, None] * D + offs_d[None, :]
-        dh2 = tl.load(DH + offs_dh, mask=valid[:, None] & md[None, :], other=0.0).to(CT)[:, :, None]
-        g += tl.sum(taps * dh2, axis=0)
         xn = _stored(x + b * kh[:, None] * r[None, :], SEED, n * D * DV + off2, X.dtype.element_ty, SR)
         xn = xn.to(CT)  # x'[n] as stored
-        dw += dh2 * xn[None, :, :]
+        gx, dw = _tc_read_out_grads(taps, dw, xn, n, DH, T, N, D, offs_d, md, KW, CT)  # the reads of x'[n]
+        g += gx
         gk = tl.load(GK + n * DV + offs_v, mask=mv & _vec_mask(ok, offs_v), other=0.0).to(CT)
         dx, dk = _update_dx_dk(g, x, kh, rs, b, r, v, gk, ERASE)
         tl.store(DX + n * D * DV + off2, dx.to(DX.dtype.element_ty), mask=m2)
         tl.store(DK + n * D + offs_d, dk.to(DK.dtype.element_ty), mask=md & okd)
-    tl.store(DWP + pid * KW * D * DV + off3, dw, mask=m3)
+    _store_taps(DWP + pid * KW * D * DV, dw, off2, m2w, D, DV)
 
 
 @triton.jit
