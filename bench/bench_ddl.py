@@ -114,8 +114,8 @@ def sweep_update(case, dtype):
     tc_cfgs = ((64, 128, 2, 4), (64, 128, 1, 4), (128, 128, 3, 4), (64, 256, 2, 8), (32, 64, 2, 2))
     cfgs = [dict(TOKENS=t, BLOCK_D=bd, STAGES=st, num_warps=nw) for t, bd, st, nw in tc_cfgs]
     sweep("tc_fwd", cfgs, ("update+tc fwd", tc, 2 * S + 2 * V))
-    alts = ({}, dict(STAGES=2), dict(GK_STAGES=2), dict(TOKENS=16), dict(BLOCK_D=256, num_warps=8),
-            dict(maxnreg=128))  # fmt: skip
+    alts = ({}, dict(STAGES=2), dict(GK_STAGES=2), dict(GK_BLOCK_D=256), dict(TOKENS=16),
+            dict(BLOCK_D=256, num_warps=8), dict(maxnreg=128))  # fmt: skip
     sweep(
         "tc_bwd", [{**LAUNCH["tc_bwd"], **a} for a in alts],  # the shipped shape, then each with changes
         ("update+tc f+b", lambda: fused_run(False, 1, True), 6 * S + 6 * V),

@@ -260,10 +260,9 @@ def test_bad_inputs_raise_naming_the_argument():
 
 
 # The TC backward's small launch shape: d = 20 spans three d-blocks of 8 (the last ragged) and 10 tokens
-# end in a ragged run (3 a run, 4 per gk program); runs of 3 start before, at and after a sequence's first
-# token (T = 5).
+# end in a ragged run (3 a run); runs of 3 start before, at and after a sequence's first token (T = 5).
 TC_BWD_SMALL = dict(
-    GK_TOKENS=4, GK_BLOCK_D=8, GK_WARPS=4, GK_STAGES=2, TOKENS=3, BLOCK_D=8, STAGES=2, num_warps=4, maxnreg=96
+    GK_BLOCK_D=8, GK_WARPS=4, GK_STAGES=2, TOKENS=3, BLOCK_D=8, STAGES=2, num_warps=4, maxnreg=96
 )
 
 

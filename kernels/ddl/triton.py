@@ -52,14 +52,13 @@ LAUNCH = {
     # the TC read-out's forward (_tc_fwd_kernel, one pass over the state in token order; the fused update +
     # TC read-out runs as the update kernel followed by it); STAGES: its loads in flight
     "tc_fwd": dict(TOKENS=128, BLOCK_D=128, STAGES=3, num_warps=4),
-    # the fused update + TC read-out's backward, split: the gk reduction's shape (GK_*, GK_TOKENS a power of
-    # two), then the per-channel kernel's, a run of TOKENS by a block of d (128 at 4 warps: each thread holds
-    # a [4]-vector of the tile, the taps and their gradient; 256 takes up to 255 registers,
-    # bench/compile_check.py); GK_STAGES, STAGES: their loops (over d, over the run); maxnreg, where given:
-    # the registers a thread of the second may take (fewer: more programs on an SM)
-    "tc_bwd": dict(
-        GK_TOKENS=4, GK_BLOCK_D=256, GK_WARPS=4, GK_STAGES=1, TOKENS=32, BLOCK_D=128, STAGES=1, num_warps=4
-    ),
+    # the fused update + TC read-out's backward, split: the gk reduction's shape (GK_*: one token a program,
+    # GK_BLOCK_D channels at a time, 128 at 4 warps: one per thread), then the per-channel kernel's, a run of
+    # TOKENS by a block of d (128 at 4 warps: each thread holds a [4]-vector of the tile, the taps and their
+    # gradient; 256 takes up to 255 registers, bench/compile_check.py); GK_STAGES, STAGES: their loops (over
+    # d, over the run); maxnreg, where given: the registers a thread of the second may take (fewer: more
+    # programs on an SM)
+    "tc_bwd": dict(GK_BLOCK_D=128, GK_WARPS=4, GK_STAGES=1, TOKENS=32, BLOCK_D=128, STAGES=1, num_warps=4),
 }
 # Tests set this: every output starts as NaN, so that an element a kernel fails to write cannot pass.
 _FILL_OUTPUTS_WITH_NAN = False
@@ -383,10 +382,9 @@ def _update_tc_bwd_op(
     KW, cfg, ct = wt.shape[0], _cfg("tc_bwd", x.dtype), _ct(x, k, v, beta, g)
     dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
     gk = _new((N, DV), x, dtype=acc_dtype(x))
-    _update_tc_gk_kernel[(triton.cdiv(N, cfg["GK_TOKENS"]),)](
-        k, beta, rs, r, wt, g, dh, gk, dv, dbeta, N, T, D, DV=DV, TOKENS=cfg["GK_TOKENS"],
-        BLOCK_D=min(cfg["GK_BLOCK_D"], _pow2(D)), BLOCK_V=_pow2(DV), KW=KW, STAGES=cfg["GK_STAGES"], CT=ct,
-        num_warps=cfg["GK_WARPS"],
+    _update_tc_gk_kernel[(N,)](
+        k, beta, rs, r, wt, g, dh, gk, dv, dbeta, N, T, D, DV=DV, BLOCK_D=min(cfg["GK_BLOCK_D"], _pow2(D)),
+        KW=KW, STAGES=cfg["GK_STAGES"], CT=ct, num_warps=cfg["GK_WARPS"],
     )  # fmt: skip
     bd = min(cfg["BLOCK_D"], _pow2(D))
     grid = (triton.cdiv(N, cfg["TOKENS"]), triton.cdiv(D, bd))

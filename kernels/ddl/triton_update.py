@@ -12,6 +12,7 @@ from .triton_common import (
     _chan_tile,
     _store_taps,
     _stored,
+    _tap_token,
     _taps,
     _tc_read_out_grads,
     _token_tile,
@@ -217,39 +218,42 @@ def _update_bwd_kernel(
 @triton.jit
 def _update_tc_gk_kernel(
     Kd, BETA, RS, R, WT, G, DH, GK, DVo, DBETA, N, T, D,
-    DV: tl.constexpr, TOKENS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, KW: tl.constexpr,
-    STAGES: tl.constexpr, CT: tl.constexpr,
+    DV: tl.constexpr, BLOCK_D: tl.constexpr, KW: tl.constexpr, STAGES: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
-    # The TC backward's reduction over d: gk = khat^T G [N, d_v] of TOKENS tokens, BLOCK_D channels at a
-    # time (a small tile, many tokens in flight), G + sum_j WT[j] dh[n + KW-1 - j] (the read-outs of tokens
-    # n .. n+KW-1 of n's sequence read x'[n]); it needs neither x nor the chain. With gk, a token's
+    # The TC backward's reduction over d, one token n a program: gk = khat^T G [d_v] with G + sum_j WT[j]
+    # dh[n + KW-1 - j] (the read-outs of tokens n .. n+KW-1 of n's sequence read x'[n]), BLOCK_D channels at
+    # a time; it needs neither x nor the chain. Each v of d_v is its own [BLOCK_D] vector (G read at a stride
+    # of d_v), so that every tile has one layout (no shared-memory round trip), a program takes few
+    # registers (many tokens in flight) and the sums over d wait for the end. With gk, the token's
     # dv = beta gk and dbeta = gk . r, stored here once.
-    rows = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
-    offs_v = tl.arange(0, BLOCK_V)
-    mr, mv = rows < N, offs_v < DV
-    rs = tl.load(RS + rows, mask=mr, other=0.0).to(CT)
-    acc = tl.zeros([TOKENS, BLOCK_V], dtype=CT)
+    n = tl.program_id(0).to(tl.int64)
+    rs = tl.load(RS + n).to(CT)
+    acc = ()
+    for _ in tl.static_range(DV):
+        acc = acc + (tl.zeros([BLOCK_D], dtype=CT),)
     for d0 in tl.range(0, D, BLOCK_D, num_stages=STAGES):
         offs_d = d0 + tl.arange(0, BLOCK_D)
-        m_nd = mr[:, None] & (offs_d < D)[None, :]
-        off_nd = rows[:, None] * D + offs_d[None, :]
-        kh = tl.load(Kd + off_nd, mask=m_nd, other=0.0).to(CT) * rs[:, None]
-        off3 = off_nd[:, :, None] * DV + offs_v[None, None, :]
-        g = tl.load(G + off3, mask=m_nd[:, :, None] & mv[None, None, :], other=0.0).to(CT)
-        mw = (offs_d < D)[:, None] & mv[None, :]  # a [d-block, d_v] tap tile
+        md = offs_d < D
+        kh = tl.load(Kd + n * D + offs_d, mask=md, other=0.0).to(CT) * rs
+        dh = ()
         for j in tl.static_range(KW):
-            mj = m_nd & ((rows % T) + (KW - 1) - j < T)[:, None]
-            dh = tl.load(DH + off_nd + (KW - 1 - j) * D, mask=mj, other=0.0).to(CT)
-            w = tl.load(WT + j * D * DV + offs_d[:, None] * DV + offs_v[None, :], mask=mw, other=0.0)
-            g += dh[:, :, None] * w.to(CT)[None, :, :]
-        acc += tl.sum(kh[:, :, None] * g, axis=1)
-    m2 = mr[:, None] & mv[None, :]
-    off2 = rows[:, None] * DV + offs_v[None, :]
-    b = tl.load(BETA + rows, mask=mr, other=0.0).to(CT)
-    r = tl.load(R + off2, mask=m2, other=0.0).to(CT)
-    tl.store(GK + off2, acc.to(GK.dtype.element_ty), mask=m2)
-    tl.store(DVo + off2, (b[:, None] * acc).to(DVo.dtype.element_ty), mask=m2)
-    tl.store(DBETA + rows, tl.sum(acc * r, axis=1).to(DBETA.dtype.element_ty), mask=mr)
+            dst, reads = _tap_token(n, j, T, N, KW, False)
+            dh = dh + (tl.load(DH + dst * D + offs_d, mask=md & _vec_mask(reads, offs_d), other=0.0).to(CT),)
+        acc_next = ()
+        for v in tl.static_range(DV):
+            g = tl.load(G + (n * D + offs_d) * DV + v, mask=md, other=0.0).to(CT)
+            for j in tl.static_range(KW):
+                g += dh[j] * tl.load(WT + (j * D + offs_d) * DV + v, mask=md, other=0.0).to(CT)
+            acc_next = acc_next + (acc[v] + kh * g,)
+        acc = acc_next
+    b = tl.load(BETA + n).to(CT)
+    dbeta = 0.0
+    for v in tl.static_range(DV):
+        gk = tl.sum(acc[v], axis=0)
+        tl.store(GK + n * DV + v, gk.to(GK.dtype.element_ty))
+        tl.store(DVo + n * DV + v, (b * gk).to(DVo.dtype.element_ty))
+        dbeta += gk * tl.load(R + n * DV + v).to(CT)
+    tl.store(DBETA + n, dbeta.to(DBETA.dtype.element_ty))
 
 
 @triton.jit
