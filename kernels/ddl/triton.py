@@ -53,7 +53,7 @@ LAUNCH = {
     # TC read-out runs as the update kernel followed by it); STAGES: its loads in flight
     "tc_fwd": dict(TOKENS=128, BLOCK_D=128, STAGES=3, num_warps=4),
     # the fused update + TC read-out's backward, split: the gk reduction's shape (GK_*: one token a program,
-    # GK_BLOCK_D channels at a time, 128 at 4 warps: one per thread), then the per-channel kernel's, a run of
+    # [GK_BLOCK_D, d_v] at a time, 128 at 4 warps: a row per thread), then the per-channel kernel's, a run of
     # TOKENS by a block of d (128 at 4 warps: each thread holds a [4]-vector of the tile, the taps and their
     # gradient; 256 takes up to 255 registers, bench/compile_check.py); GK_STAGES, STAGES: their loops (over
     # d, over the run); maxnreg, where given: the registers a thread of the second may take (fewer: more
@@ -384,7 +384,7 @@ def _update_tc_bwd_op(
     gk = _new((N, DV), x, dtype=acc_dtype(x))
     _update_tc_gk_kernel[(N,)](
         k, beta, rs, r, wt, g, dh, gk, dv, dbeta, N, T, D, DV=DV, BLOCK_D=min(cfg["GK_BLOCK_D"], _pow2(D)),
-        KW=KW, STAGES=cfg["GK_STAGES"], CT=ct, num_warps=cfg["GK_WARPS"],
+        BLOCK_V=_pow2(DV), KW=KW, STAGES=cfg["GK_STAGES"], CT=ct, num_warps=cfg["GK_WARPS"],
     )  # fmt: skip
     bd = min(cfg["BLOCK_D"], _pow2(D))
     grid = (triton.cdiv(N, cfg["TOKENS"]), triton.cdiv(D, bd))

@@ -218,42 +218,37 @@ def _update_bwd_kernel(
 @triton.jit
 def _update_tc_gk_kernel(
     Kd, BETA, RS, R, WT, G, DH, GK, DVo, DBETA, N, T, D,
-    DV: tl.constexpr, BLOCK_D: tl.constexpr, KW: tl.constexpr, STAGES: tl.constexpr, CT: tl.constexpr,
+    DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, KW: tl.constexpr, STAGES: tl.constexpr,
+    CT: tl.constexpr,
 ):  # fmt: skip
     # The TC backward's reduction over d, one token n a program: gk = khat^T G [d_v] with G + sum_j WT[j]
-    # dh[n + KW-1 - j] (the read-outs of tokens n .. n+KW-1 of n's sequence read x'[n]), BLOCK_D channels at
-    # a time; it needs neither x nor the chain. Each v of d_v is its own [BLOCK_D] vector (G read at a stride
-    # of d_v), so that every tile has one layout (no shared-memory round trip), a program takes few
-    # registers (many tokens in flight) and the sums over d wait for the end. With gk, the token's
-    # dv = beta gk and dbeta = gk . r, stored here once.
+    # dh[n + KW-1 - j] (the read-outs of tokens n .. n+KW-1 of n's sequence read x'[n]), a [BLOCK_D, d_v]
+    # tile at a time, as _update_tc_bwd_kernel's (its [BLOCK_D] vectors in the tile's layout: no
+    # shared-memory round trip); the sum over d waits for the end. It needs neither x nor the chain. With gk,
+    # the token's dv = beta gk and dbeta = gk . r, stored here once.
     n = tl.program_id(0).to(tl.int64)
+    offs_v = tl.arange(0, BLOCK_V)
+    mv = offs_v < DV
     rs = tl.load(RS + n).to(CT)
-    acc = ()
-    for _ in tl.static_range(DV):
-        acc = acc + (tl.zeros([BLOCK_D], dtype=CT),)
+    acc = tl.zeros([BLOCK_D, BLOCK_V], dtype=CT)
     for d0 in tl.range(0, D, BLOCK_D, num_stages=STAGES):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         md = offs_d < D
+        m2 = md[:, None] & mv[None, :]
+        off2 = offs_d[:, None] * DV + offs_v[None, :]
         kh = tl.load(Kd + n * D + offs_d, mask=md, other=0.0).to(CT) * rs
-        dh = ()
+        g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
         for j in tl.static_range(KW):
             dst, reads = _tap_token(n, j, T, N, KW, False)
-            dh = dh + (tl.load(DH + dst * D + offs_d, mask=md & _vec_mask(reads, offs_d), other=0.0).to(CT),)
-        acc_next = ()
-        for v in tl.static_range(DV):
-            g = tl.load(G + (n * D + offs_d) * DV + v, mask=md, other=0.0).to(CT)
-            for j in tl.static_range(KW):
-                g += dh[j] * tl.load(WT + (j * D + offs_d) * DV + v, mask=md, other=0.0).to(CT)
-            acc_next = acc_next + (acc[v] + kh * g,)
-        acc = acc_next
+            dh = tl.load(DH + dst * D + offs_d, mask=md & _vec_mask(reads, offs_d), other=0.0).to(CT)
+            g += tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT) * dh[:, None]
+        acc += kh[:, None] * g
+    gk = tl.sum(acc, axis=0)
     b = tl.load(BETA + n).to(CT)
-    dbeta = 0.0
-    for v in tl.static_range(DV):
-        gk = tl.sum(acc[v], axis=0)
-        tl.store(GK + n * DV + v, gk.to(GK.dtype.element_ty))
-        tl.store(DVo + n * DV + v, (b * gk).to(DVo.dtype.element_ty))
-        dbeta += gk * tl.load(R + n * DV + v).to(CT)
-    tl.store(DBETA + n, dbeta.to(DBETA.dtype.element_ty))
+    r = tl.load(R + n * DV + offs_v, mask=mv, other=0.0).to(CT)
+    tl.store(GK + n * DV + offs_v, gk.to(GK.dtype.element_ty), mask=mv)
+    tl.store(DVo + n * DV + offs_v, (b * gk).to(DVo.dtype.element_ty), mask=mv)
+    tl.store(DBETA + n, tl.sum(gk * r, axis=0).to(DBETA.dtype.element_ty))
 
 
 @triton.jit
