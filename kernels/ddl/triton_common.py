@@ -72,14 +72,21 @@ def _tap_token(n, j: tl.constexpr, T, N, KW: tl.constexpr, PAST: tl.constexpr):
 
 
 @triton.jit
+def _read_out_grad(n, j: tl.constexpr, DH, T, N, D, offs_d, md, KW: tl.constexpr, CT: tl.constexpr):
+    # the gradient (of DH [N, d]) of the TC read-out that reads token n through tap j, token n + KW-1-j's
+    # (zeros past the end of n's sequence), as a [BLOCK_D, 1] column
+    dst, reads = _tap_token(n, j, T, N, KW, False)
+    return tl.load(DH + dst * D + offs_d, mask=md & _vec_mask(reads, offs_d), other=0.0).to(CT)[:, None]
+
+
+@triton.jit
 def _tc_read_out_grads(taps, dw, x, n, DH, T, N, D, offs_d, md, KW: tl.constexpr, CT: tl.constexpr):
-    # the TC read-outs that read token n's state tile x (token n + KW-1-j's, through tap j; their gradients
-    # DH [N, d]): the gradient they send x, sum_j taps[j] dh_j, and the taps' gradients so far, dw[j] + dh_j x
+    # the TC read-outs that read token n's state tile x: the gradient they send x, sum_j taps[j] dh_j, and
+    # the taps' gradients so far, dw[j] + dh_j x
     gx = tl.zeros_like(x)
     dw_next = ()
     for j in tl.static_range(KW):
-        dst, reads = _tap_token(n, j, T, N, KW, False)
-        dh = tl.load(DH + dst * D + offs_d, mask=md & _vec_mask(reads, offs_d), other=0.0).to(CT)[:, None]
+        dh = _read_out_grad(n, j, DH, T, N, D, offs_d, md, KW, CT)
         gx += taps[j] * dh
         dw_next = dw_next + (dw[j] + dh * x,)
     return gx, dw_next

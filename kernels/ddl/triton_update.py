@@ -10,9 +10,9 @@ import triton.language as tl
 
 from .triton_common import (
     _chan_tile,
+    _read_out_grad,
     _store_taps,
     _stored,
-    _tap_token,
     _taps,
     _tc_read_out_grads,
     _token_tile,
@@ -239,9 +239,8 @@ def _update_tc_gk_kernel(
         kh = tl.load(Kd + n * D + offs_d, mask=md, other=0.0).to(CT) * rs
         g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
         for j in tl.static_range(KW):
-            dst, reads = _tap_token(n, j, T, N, KW, False)
-            dh = tl.load(DH + dst * D + offs_d, mask=md & _vec_mask(reads, offs_d), other=0.0).to(CT)
-            g += tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT) * dh[:, None]
+            dh = _read_out_grad(n, j, DH, T, N, D, offs_d, md, KW, CT)
+            g += tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT) * dh
         acc += kh[:, None] * g
     gk = tl.sum(acc, axis=0)
     b = tl.load(BETA + n).to(CT)
