@@ -568,6 +568,21 @@ def test_triton_update_tc_taps(triton_small, K):
     compare(chained_update("tc", 1, True, "triton", True), chained_update("tc", 1, True), inputs)
 
 
+@pytest.mark.parametrize("dv", [1, 4])
+@pytest.mark.parametrize("erase", [True, False])
+@pytest.mark.parametrize("n_steps", [0, 2])
+def test_triton_update_cc_backward_split(triton_small, monkeypatch, dv, erase, n_steps):
+    """LAUNCH['update_bwd'] SPLIT: the CC backward through the TC backward's two kernels (the read-out a TC
+    read-out of one tap), against the reference, float64; with n_steps > 0 the state rebuilt from x0."""
+    calls = []
+    split = ddl_triton._split_backward
+    monkeypatch.setattr(ddl_triton, "_split_backward", lambda *a: calls.append(1) or split(*a))
+    monkeypatch.setitem(ddl_triton.LAUNCH, "update_bwd", {**ddl_triton.LAUNCH["update_bwd"], "SPLIT": True})
+    fused, ref = chained_update("cc", n_steps, erase, "triton", True), chained_update("cc", n_steps, erase)
+    compare(fused, ref, chain_inputs("cc", dv, n_steps))
+    assert calls
+
+
 def test_triton_update_tc_shipped_shapes(monkeypatch):
     """The shipped TC backward shape (d-blocks wider than d = 20, 42 tokens), float64, NaN-filled."""
     monkeypatch.setattr(ddl_triton, "_FILL_OUTPUTS_WITH_NAN", True)
