@@ -6,8 +6,8 @@ Triton is importable, so that another version's frontend errors show up before a
 Each `kernel[grid](...)` launch is compiled, not run, with its argument types and constexprs: a forward and
 backward of every model variant (gpt2-small width, four blocks: states rebuilt by 1-7 updates; an fp32 DDL
 state, and bf16 rounded to nearest and stochastically) and the Deltaformer u-stage (every kernel, head dim
-64 and 128, each dtype, both `lowp`). Prints each distinct compile (shared memory; registers and spill stack
-from the triton wheel's cuobjdump) or its error; exit 1 if any failed."""
+64 and 128, each dtype, both `lowp`). Prints each distinct compile (shared memory; registers, spill stack and
+barrier instructions from the triton wheel's cuobjdump) or its error; exit 1 if any failed."""
 
 import os
 import re
@@ -32,8 +32,9 @@ SEEN, FAILED, SPILLS = {}, [], []
 
 
 def resources(cubin):
-    """(registers per thread, stack bytes per thread: where spilled registers go) of a kernel's cubin, from
-    the cuobjdump that ships with Triton; None where it is missing."""
+    """(registers per thread, stack bytes per thread: where spilled registers go, barrier instructions: what
+    cross-warp reductions and layout conversions through shared memory cost) of a kernel's cubin, from the
+    cuobjdump that ships with Triton; None where it is missing."""
     import triton.backends.nvidia as nvidia
 
     tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
@@ -42,9 +43,9 @@ def resources(cubin):
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
-    return (int(found[1]), int(found[2])) if found else None
+        out = subprocess.run([tool, "--dump-resource-usage", "-sass", f.name], capture_output=True, text=True)
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out.stdout)
+    return (int(found[1]), int(found[2]), out.stdout.count("BAR.SYNC")) if found else None
 
 
 def check_compilable():
@@ -90,7 +91,7 @@ def compile_launch(fn, args, kwargs):
         SEEN[key] = f"ok   {label}: shared memory {k.metadata.shared} B"
         regs = resources(k.asm["cubin"])
         if regs:
-            SEEN[key] += f", {regs[0]} registers, stack {regs[1]} B"
+            SEEN[key] += f", {regs[0]} registers, stack {regs[1]} B, barriers {regs[2]}"
             if regs[1]:
                 SPILLS.append((regs[1], label))
     except Exception as e:  # noqa: BLE001

@@ -23,6 +23,10 @@ def _scale(X, Y, PAIRS, N, BLOCK: tl.constexpr):
     tl.store(Y + offs, y, mask=offs < N)
 
 
+def _total(X, Y, BLOCK: tl.constexpr):  # a sum across 4 warps: through shared memory, with barriers
+    tl.store(Y, tl.sum(tl.load(X + tl.arange(0, BLOCK)), axis=0))
+
+
 # as compile_check runs: a process whose triton was imported without TRITON_INTERPRET (this one's was, by
 # conftest.py, for the kernel tests)
 CHILD = """
@@ -31,10 +35,11 @@ import torch
 import triton
 sys.path[:0] = [{bench!r}, {tests!r}]
 import compile_check
-from test_compile_check import _scale
-x = torch.empty(8)
+from test_compile_check import _scale, _total
+x = torch.empty(512)
 pairs = ((x, x), (x, x))  # a tuple of tuples: the label gives their lengths
 compile_check.compile_launch(triton.jit(_scale), (x, x, pairs, 8), dict(BLOCK=8, num_warps=1))
+compile_check.compile_launch(triton.jit(_total), (x, x), dict(BLOCK=512, num_warps=4))
 print("failed:", compile_check.FAILED)
 """
 
@@ -60,9 +65,10 @@ def test_a_launch_compiles_for_sm90_with_its_resources(tmp_path):
     code = CHILD.format(bench=os.path.join(REPO, "bench"), tests=os.path.join(REPO, "tests"))
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    line, failed = result.stdout.strip().splitlines()
+    line, total, failed = result.stdout.strip().splitlines()
     assert line.startswith("ok   _scale BLOCK=8 X:*fp32 PAIRS=(2, 2) {'num_warps': 1}: shared memory"), line
-    assert " registers, stack 0 B" in line and failed == "failed: []"
+    assert line.endswith(" registers, stack 0 B, barriers 0") and failed == "failed: []", line
+    assert total.startswith("ok   _total BLOCK=512") and int(total.split("barriers ")[1]) > 0, total
 
 
 def test_launches_are_specialized_as_at_run_time(tmp_path):
