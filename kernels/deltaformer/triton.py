@@ -67,7 +67,7 @@ LAUNCH = {
     # Deltaformer step (bench/RESULTS.md); at D = 64 it keeps the stages above
     "num_stages_bwd_g": 1,
     "num_stages_dk": 2,  # the dK pass: 131 -> 104 us, where two stages cost the wavefronts 4%
-    "norm_rows": 16,  # rows a program of `_row_norms_kernel` takes (untuned; 64 held 204-250 registers)
+    "norm_rows": 16,  # rows a program of `_row_norms_kernel` takes (untuned; 64 holds 32-48 registers)
 }
 # dK accumulated by the backward wavefront (`_bwd_g_kernel` DKW) instead of its own pass up to this head dim:
 # -49 us softmax, -32 us relu at D = 64; at D = 128 it cost +80 and +77 us (the extra [C, D] accumulator).
