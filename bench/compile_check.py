@@ -9,6 +9,7 @@ state, and bf16 rounded to nearest and stochastically) and the Deltaformer u-sta
 64 and 128, each dtype, both `lowp`). Prints each distinct compile (shared memory; registers, spill stack and
 barrier instructions from the triton wheel's cuobjdump) or its error; exit 1 if any failed."""
 
+import functools
 import os
 import re
 import subprocess
@@ -56,14 +57,18 @@ def check_compilable():
                            "compilable: run compile_check in a process without TRITON_INTERPRET")  # fmt: skip
 
 
+@functools.cache
+def _binder(fn):  # Triton's backend for TARGET and fn's binder, built once per kernel as the runtime does
+    backend = make_backend(TARGET)
+    return backend, create_function_from_signature(fn.signature, fn.params, backend)
+
+
 def specialized(fn, args, kwargs):
     """(arguments by name, signature, constexprs, attributes) of a launch of fn, specialized by Triton's own
     binder as at run time: 16-byte aligned pointers and integers divisible by 16 are marked so, integers
     equal to 1 become constexprs, which decides, e.g., whether loads are vectorized."""
-    backend = make_backend(TARGET)
-    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(
-        *args, **kwargs
-    )
+    backend, binder = _binder(fn)
+    bound, specialization, options = binder(*args, **kwargs)
     _, sig, consts, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
     return bound, sig, consts, attrs
 
@@ -72,9 +77,8 @@ def compile_launch(fn, args, kwargs):
     """Compile fn for TARGET with this launch's specialization (once per distinct one)."""
     options = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     bound = dict(zip(fn.arg_names, args)) | kwargs
-    label = f"{fn.__name__} " + " ".join(f"{n}={bound[n]}" for n, p in zip(fn.arg_names, fn.params)
-                                        if p.is_constexpr and n not in ("SPIN_LIMIT",))  # fmt: skip
-    key = label
+    key = label = f"{fn.__name__} " + " ".join(f"{n}={bound[n]}" for n, p in zip(fn.arg_names, fn.params)
+                                              if p.is_constexpr and n not in ("SPIN_LIMIT",))  # fmt: skip
     try:
         check_compilable()
         bound, sig, consts, attrs = specialized(fn, args, kwargs)
