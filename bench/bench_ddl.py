@@ -69,8 +69,8 @@ def bench_kernels(args):
 def sweep_update(case, dtype):
     """Launch shapes, d_v = 4, each line naming the LAUNCH entry it sets (the shipped one marked): the CC
     backward's (update_bwd; one update + CC read-out f+b, four in a row with inputs kept, eight rebuilt from
-    the first: chains of 0-7 as the model's at every 4th block's state), TC's forward (tc_fwd), backward
-    (tc_bwd). Bytes: minimal passes (S state, V)."""
+    the first: chains of 0-7 as the model's at every 4th block's state), TC's forward (update_tc_fwd: one
+    kernel, or the update and tc_fwd's), backward (tc_bwd). Bytes: minimal passes (S state, V)."""
     from kernels import ddl
     from kernels.ddl.triton import LAUNCH, _cfg
 
@@ -102,9 +102,8 @@ def sweep_update(case, dtype):
             X, hs = out[0], hs + [out[1]]
         return torch.autograd.grad([X, *hs], (x, k, v, beta, *ws), [gx] + [gh] * n)
 
-    # (tokens, pipelined, warps)
     bwd = ((32, 0, 4), (16, 1, 4), (32, 1, 4), (64, 1, 4), (32, 0, 8), (16, 1, 8), (32, 1, 8))
-    cfgs = [dict(TOKENS=t, STAGES=1 + p, num_warps=nw) for t, p, nw in bwd]
+    cfgs = [dict(TOKENS=t, STAGES=1 + p, num_warps=nw) for t, p, nw in bwd]  # (tokens, pipelined, warps)
     cfgs.append({**LAUNCH["update_bwd"], "SPLIT": True})  # the TC backward's two kernels, one tap
     sweep(  # the rebuilt runs' bytes as without the rebuild, whose reads of k come on top
         "update_bwd", cfgs, ("update+cc f+b", lambda: fused_run(False, 1), 5 * S + 5 * V),
@@ -112,9 +111,10 @@ def sweep_update(case, dtype):
         ("8 x update+cc f+b, rebuilt from the first", lambda: fused_run(True, 8), 8 * (5 * S + 5 * V)),
     )  # fmt: skip
     tc = lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton")  # noqa: E731
-    tc_cfgs = ((64, 128, 2, 4), (64, 128, 1, 4), (128, 128, 3, 4), (64, 256, 2, 8), (32, 64, 2, 2))
-    cfgs = [dict(TOKENS=t, BLOCK_D=bd, STAGES=st, num_warps=nw) for t, bd, st, nw in tc_cfgs]
-    sweep("tc_fwd", cfgs, ("update+tc fwd", tc, 2 * S + 2 * V))
+    fused = ((32, 2, 4), (16, 2, 4), (64, 2, 4), (32, 3, 4), (32, 2, 8))  # (tokens, stages, warps)
+    cfgs = [{**LAUNCH["update_tc_fwd"], "FUSED": False}]  # the update, then tc_fwd's read-out
+    cfgs += [dict(FUSED=True, TOKENS=t, STAGES=st, num_warps=nw) for t, st, nw in fused]
+    sweep("update_tc_fwd", cfgs, ("update+tc fwd", tc, 2 * S + 2 * V))
     alts = ({}, dict(STAGES=2), dict(GK_STAGES=2), dict(GK_BLOCK_D=256), dict(TOKENS=16),
             dict(BLOCK_D=256, num_warps=8), dict(maxnreg=128))  # fmt: skip
     sweep(

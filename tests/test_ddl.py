@@ -277,6 +277,10 @@ def triton_small(monkeypatch):
     # token (T = 5) and the last run is ragged
     monkeypatch.setitem(ddl_triton.LAUNCH, "tc_fwd", dict(TOKENS=3, BLOCK_D=8, STAGES=2, num_warps=4))
     monkeypatch.setitem(ddl_triton.LAUNCH, "tc_bwd", TC_BWD_SMALL)
+    # off, as shipped; the tests of the fused TC forward turn it on at this shape (runs of 3 tokens)
+    monkeypatch.setitem(
+        ddl_triton.LAUNCH, "update_tc_fwd", dict(FUSED=False, TOKENS=3, STAGES=2, num_warps=4)
+    )
 
 
 def compare(fn_triton, fn_ref, inputs, rtol=1e-10, atol=1e-10):
@@ -581,6 +585,24 @@ def test_triton_update_cc_backward_split(triton_small, monkeypatch, dv, erase, n
     fused, ref = chained_update("cc", n_steps, erase, "triton", True), chained_update("cc", n_steps, erase)
     compare(fused, ref, chain_inputs("cc", dv, n_steps))
     assert calls
+
+
+@pytest.mark.parametrize(
+    "dv,K,erase,stages", [(1, 3, True, 2), (4, 6, True, 1), (3, 1, False, 2), (4, 4, True, 1)]
+)
+@pytest.mark.parametrize("n_steps", [0, 2])
+def test_triton_update_tc_forward_fused(triton_small, monkeypatch, dv, K, erase, stages, n_steps):
+    """LAUNCH['update_tc_fwd'] FUSED: the update + TC read-out forward as one kernel over runs of 3 whole
+    tokens (10 tokens: runs start before, at and after a sequence's first token, T = 5, the last ragged),
+    against the reference, float64, NaN-filled; K = 6 taps reach past a sequence; n_steps > 0: the op that
+    rebuilds its state in the backward. The two-kernel forward must not run."""
+    cfg = {**ddl_triton.LAUNCH["update_tc_fwd"], "FUSED": True, "STAGES": stages}
+    monkeypatch.setitem(ddl_triton.LAUNCH, "update_tc_fwd", cfg)
+    monkeypatch.setattr(ddl_triton, "_tc_forward", None)  # calling it fails
+    inputs = chain_inputs("tc", dv, n_steps, K=K)
+    compare(
+        chained_update("tc", n_steps, erase, "triton", True), chained_update("tc", n_steps, erase), inputs
+    )
 
 
 def test_triton_update_tc_shipped_shapes(monkeypatch):
@@ -999,11 +1021,18 @@ def exact_update_args(lead, d, dv, gen):
     return x, k, v, beta
 
 
-@pytest.mark.parametrize("kind,dv", [("plain", 1), ("plain", 4), ("cc", 4), ("tc", 4), ("norm", 1)])
+@pytest.mark.parametrize(
+    "kind,dv", [("plain", 1), ("plain", 4), ("cc", 4), ("tc", 4), ("tc-fused", 4), ("norm", 1)]
+)
 @pytest.mark.parametrize("erase", [True, False])
-def test_triton_stochastic_rounding_matches_reference(triton_small, kind, dv, erase):
+def test_triton_stochastic_rounding_matches_reference(triton_small, monkeypatch, kind, dv, erase):
     """With a seed, every kernel's x' is the reference's bit for bit (exact_update_args), and differs from
-    another seed's and from rounding to nearest; read-outs and gradients to bf16 precision."""
+    another seed's and from rounding to nearest; read-outs and gradients to bf16 precision. tc-fused: the
+    TC forward as one kernel (LAUNCH['update_tc_fwd'] FUSED)."""
+    if kind == "tc-fused":
+        monkeypatch.setitem(ddl_triton.LAUNCH["update_tc_fwd"], "FUSED", True)
+        monkeypatch.setattr(ddl_triton, "_tc_forward", None)  # calling it fails
+        kind = "tc"
     gen = torch.Generator().manual_seed(0)
     x, k, v, beta = exact_update_args((2, 5), 20, dv, gen)
     extra = [w.float() for w in read_out_weights(kind, dv)] if kind != "norm" else []

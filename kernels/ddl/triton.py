@@ -29,6 +29,7 @@ from .triton_update import (
     _update_row_bwd_kernel,
     _update_row_fwd_kernel,
     _update_tc_bwd_kernel,
+    _update_tc_fwd_kernel,
     _update_tc_gk_kernel,
 )
 
@@ -54,6 +55,8 @@ LAUNCH = {
     # the TC read-out's forward (_tc_fwd_kernel, one pass over the state in token order; the fused update +
     # TC read-out runs as the update kernel followed by it); STAGES: its loads in flight
     "tc_fwd": dict(TOKENS=128, BLOCK_D=128, STAGES=3, num_warps=4),
+    # FUSED: one kernel on runs of TOKENS whole tokens, not the update then _tc_fwd_kernel (a pass fewer)
+    "update_tc_fwd": dict(FUSED=False, TOKENS=32, STAGES=2, num_warps=4),
     # the fused update + TC read-out's backward, split: the gk reduction's shape (GK_*: one token a program,
     # [GK_BLOCK_D, d_v] at a time, 128 at 4 warps: a row per thread), then the per-channel kernel's, a run of
     # TOKENS by a block of d (128 at 4 warps: each thread holds a [4]-vector of the tile, the taps and their
@@ -219,9 +222,8 @@ def _update_bwd_op(
     dwp = _new((nprog, D, DV) if compress else (0,), x, dtype=acc_dtype(x))
     _update_bwd_kernel[(nprog,)](
         x, k, v, beta, rs, r, chain, _or(weight, x), g, _or(dh, g), dx, dk, dv, dbeta, dwp, _or(seed, x), N,
-        D, TOKENS=cfg["TOKENS"], STAGES=cfg["STAGES"], DV=DV, BLOCK_D=_pow2(D),
-        BLOCK_V=_pow2(DV), ERASE=erase, COMPRESS=compress, SR=seed is not None, CT=ct,
-        num_warps=cfg["num_warps"],
+        D, TOKENS=cfg["TOKENS"], STAGES=cfg["STAGES"], DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV),
+        ERASE=erase, COMPRESS=compress, SR=seed is not None, CT=ct, num_warps=cfg["num_warps"],
     )  # fmt: skip
     dw = dwp.sum(0).to(weight.dtype) if compress else x.new_empty(0)
     return dx, dk, dv, dbeta, dw
@@ -411,13 +413,7 @@ def _update_tc_bwd_op(
 
 @_update_tc_bwd_op.register_fake
 def _(x, k, v, beta, rs, r, wt, g, dh, T, erase, seed, ks, betas, rss, rr, seeds):
-    return (
-        torch.empty_like(x),
-        torch.empty_like(k),
-        torch.empty_like(v),
-        torch.empty_like(beta),
-        torch.empty_like(wt),
-    )
+    return tuple(torch.empty_like(t) for t in (x, k, v, beta, wt))
 
 
 def _update_tc_setup(ctx, inputs, output):
@@ -445,10 +441,19 @@ torch.library.register_autograd("ddl::update_tc", _update_tc_backward, setup_con
 
 def _update_with_read(x, k, v, beta, weight, wt, T, eps, erase, seed):
     """The forward of ddl::update (wt None; weight: the CC read-out or None) or of ddl::update_tc (wt: the
-    TC taps), as plain code for the ops to share: (x_new, h, rs, r); h is empty without a read-out."""
-    x_new, h, rs, r = _update_forward(x, k, v, beta, weight, eps, erase, seed)
-    if wt is not None:
-        h = _tc_forward(x_new, wt, T)
+    TC taps; one kernel with LAUNCH['update_tc_fwd'] FUSED), as plain code for the ops to share: (x_new, h,
+    rs, r); h is empty without a read-out."""
+    cfg = _cfg("update_tc_fwd", x.dtype)
+    if wt is None or not cfg["FUSED"]:
+        x_new, h, rs, r = _update_forward(x, k, v, beta, weight, eps, erase, seed)
+        return x_new, (h if wt is None else _tc_forward(x_new, wt, T)), rs, r
+    (N, D, DV), ft = x.shape, acc_dtype(x)
+    x_new, h, rs, r = _new(x.shape, x), _new((N, D), x), _new((N,), x, dtype=ft), _new((N, DV), x, dtype=ft)
+    _update_tc_fwd_kernel[(triton.cdiv(N, cfg["TOKENS"]),)](
+        x, k, v, beta, wt, x_new, h, rs, r, _or(seed, x), N, T, D, eps, cfg["TOKENS"], KW=wt.shape[0], DV=DV,
+        BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), ERASE=erase, SR=seed is not None, STAGES=cfg["STAGES"],
+        CT=_ct(x, k, v, beta, wt), num_warps=cfg["num_warps"],
+    )  # fmt: skip
     return x_new, h, rs, r
 
 

@@ -11,6 +11,8 @@ from .triton_common import (
     _tap_token,
     _taps,
     _tc_read_out_grads,
+    _tc_read_out_start,
+    _tc_read_out_step,
     _vec_mask,
     _zeros_each,
 )
@@ -63,24 +65,13 @@ def _tc_fwd_kernel(
     # a sequence's first token nothing earlier reaches on: acc starts from zeros there.
     pid, offs_d, offs_v, md, mv, m2, off2 = _chan_tile(D, DV, BLOCK_D, BLOCK_V)
     taps = _taps(WT, off2, m2, D, DV, KW, CT)
-    acc = ()
-    for _ in tl.static_range(KW - 1):
-        acc = acc + (tl.zeros([BLOCK_D], dtype=CT),)
+    acc = _tc_read_out_start(BLOCK_D, KW, CT)
     for i in tl.range(0, TOKENS + KW - 1, num_stages=STAGES):  # STAGES > 1: the next loads in flight
         s = pid * TOKENS - (KW - 1) + i
         inside = _vec_mask((s >= 0) & (s < N), offs_d)
         starts = _vec_mask(s % T == 0, offs_d)
         x = tl.load(X + s * D * DV + off2, mask=(md & inside)[:, None] & mv[None, :], other=0.0).to(CT)
-        h = tl.sum(taps[KW - 1] * x, axis=1)
-        if KW > 1:
-            h += tl.where(starts, 0.0, acc[0])
-        acc_next = ()
-        for i2 in tl.static_range(KW - 1):  # token s + 1 + i2, through tap KW-2-i2
-            part = tl.sum(taps[KW - 2 - i2] * x, axis=1)
-            if i2 + 1 < KW - 1:
-                part += tl.where(starts, 0.0, acc[i2 + 1])
-            acc_next = acc_next + (part,)
-        acc = acc_next
+        h, acc = _tc_read_out_step(taps, acc, x, starts)
         own = md & inside & _vec_mask(s >= pid * TOKENS, offs_d)  # the KW-1 before the run only feed it
         tl.store(H + s * D + offs_d, h.to(H.dtype.element_ty), mask=own)
 

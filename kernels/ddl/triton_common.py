@@ -93,6 +93,33 @@ def _tc_read_out_grads(taps, dw, x, n, DH, T, N, D, offs_d, md, KW: tl.constexpr
 
 
 @triton.jit
+def _tc_read_out_start(BLOCK_D: tl.constexpr, KW: tl.constexpr, CT: tl.constexpr):
+    # the TC read-out's partial sums in token order (_tc_read_out_step) before the first token: KW-1 zeros
+    acc = ()
+    for _ in tl.static_range(KW - 1):
+        acc = acc + (tl.zeros([BLOCK_D], dtype=CT),)
+    return acc
+
+
+@triton.jit
+def _tc_read_out_step(taps, acc, x, starts):
+    # the TC read-out in token order, token s's state tile x: h[s] = acc[0] + sum_v taps[KW-1] x, and
+    # acc[i], the partial read-out of token s+1+i from the tokens before it, with s's term added (through
+    # tap KW-2-i); starts (s is its sequence's first token): nothing earlier reaches on
+    KW: tl.constexpr = len(taps)
+    h = tl.sum(taps[KW - 1] * x, axis=1)
+    if KW > 1:
+        h += tl.where(starts, 0.0, acc[0])
+    acc_next = ()
+    for i in tl.static_range(KW - 1):
+        part = tl.sum(taps[KW - 2 - i] * x, axis=1)
+        if i + 1 < KW - 1:
+            part += tl.where(starts, 0.0, acc[i + 1])
+        acc_next = acc_next + (part,)
+    return h, acc_next
+
+
+@triton.jit
 def _mix32(h):
     # murmur3's 32-bit finaliser: a bijection of uint32 in which every output bit depends on every input bit
     h = h ^ (h >> 16)

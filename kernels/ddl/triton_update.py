@@ -15,6 +15,8 @@ from .triton_common import (
     _stored,
     _taps,
     _tc_read_out_grads,
+    _tc_read_out_start,
+    _tc_read_out_step,
     _token_tile,
     _vec_mask,
     _zeros_each,
@@ -154,6 +156,40 @@ def _update_fwd_kernel(
         if COMPRESS:  # the next sublayer's CC read-out of the state just written (as stored)
             h = tl.sum(xn.to(CT) * w, axis=1)
             tl.store(H + n * D + offs_d, h.to(H.dtype.element_ty), mask=md & okd)
+
+
+@triton.jit
+def _update_tc_fwd_kernel(
+    X, Kd, V, BETA, WT, XOUT, H, RS, R, SEED, N, T, D, eps, TOKENS,
+    KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, ERASE: tl.constexpr,
+    SR: tl.constexpr, STAGES: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    # The update and the next sublayer's TC read-out of x' in one pass over the state: a program takes a run
+    # of TOKENS whole tokens in order, as _update_fwd_kernel's, the read-outs in flight as _tc_fwd_kernel's.
+    # The KW-1 tokens before the run only feed its read-outs: their updates are recomputed (the same
+    # arithmetic, so the same x' as their own program stores), not stored. The taps stay in registers:
+    # loaded at every token, the pipeliner would copy all of them from L2 to shared memory each time.
+    pid = tl.program_id(0).to(tl.int64)
+    offs_d, offs_v, md, mv, off2 = _token_tile(D, DV, BLOCK_D, BLOCK_V)
+    m2w = md[:, None] & mv[None, :]
+    taps = _taps(WT, off2, m2w, D, DV, KW, CT)
+    acc = _tc_read_out_start(BLOCK_D, KW, CT)
+    for i in tl.range(0, TOKENS + KW - 1, num_stages=STAGES):
+        s = pid * TOKENS - (KW - 1) + i
+        ok = (s >= 0) & (s < N)
+        okd, okv = _vec_mask(ok, offs_d), _vec_mask(ok, offs_v)
+        x = tl.load(X + s * D * DV + off2, mask=(md & okd)[:, None] & mv[None, :], other=0.0).to(CT)
+        rs, kh, b, r = _token_update_terms(
+            s, ok, okd, okv, x, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, DV, ERASE, CT
+        )
+        xn = _stored(x + b * kh[:, None] * r[None, :], SEED, s * D * DV + off2, XOUT.dtype.element_ty, SR)
+        own = ok & (s >= pid * TOKENS)
+        ownd = _vec_mask(own, offs_d)
+        tl.store(XOUT + s * D * DV + off2, xn, mask=(md & ownd)[:, None] & mv[None, :])
+        tl.store(R + s * DV + offs_v, r, mask=mv & _vec_mask(own, offs_v))
+        tl.store(RS + s, rs, mask=own)
+        h, acc = _tc_read_out_step(taps, acc, xn.to(CT), _vec_mask(s % T == 0, offs_d))
+        tl.store(H + s * D + offs_d, h.to(H.dtype.element_ty), mask=md & ownd)
 
 
 @triton.jit
