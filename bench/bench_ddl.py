@@ -116,7 +116,7 @@ def sweep_update(case, dtype):
     cfgs += [dict(FUSED=True, TOKENS=t, STAGES=st, num_warps=nw) for t, st, nw in fused]
     sweep("update_tc_fwd", cfgs, ("update+tc fwd", tc, 2 * S + 2 * V))
     alts = ({}, dict(STAGES=2), dict(GK_STAGES=2), dict(GK_BLOCK_D=256), dict(TOKENS=16),
-            dict(BLOCK_D=256, num_warps=8), dict(maxnreg=128))  # fmt: skip
+            dict(BLOCK_D=256, num_warps=8), dict(maxnreg=128), dict(TOKENS=64))  # fmt: skip
     sweep(
         "tc_bwd", [{**LAUNCH["tc_bwd"], **a} for a in alts],  # the shipped shape, then each with changes
         ("update+tc f+b", lambda: fused_run(False, 1, True), 6 * S + 6 * V),
