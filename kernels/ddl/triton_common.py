@@ -1,6 +1,7 @@
 """The Triton helpers the DDL kernels share: the two tiles (a token's [d, d_v] state; a run of tokens by a
-block of d), the causal conv's taps (a tuple of tiles) and the token each tap links, a scalar condition as a
-vector mask, and the state's rounding to its stored dtype (to nearest, or stochastic: `_stored`)."""
+block of d), the causal conv's taps (a tuple of tiles) and the token each tap links, the TC read-out's
+gradient and its forward in token order, a scalar condition as a vector mask, and the state's rounding to
+its stored dtype (to nearest, or stochastic: `_stored`)."""
 
 import triton
 import triton.language as tl

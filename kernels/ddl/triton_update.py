@@ -1,5 +1,5 @@
 """The DDL update's Triton kernels: forward (+ the fused CC read-out), backward (+ its weight gradient), the
-d_v = 1 row kernels, and the backward of the update fused with the TC read-out. One program owns whole
+d_v = 1 row kernels, and the update fused with the TC read-out (forward, backward). One program owns whole
 tokens (the update reduces over d); the forward stores rs and r for the backward, and a state rebuilt from
 an earlier one goes through the chain of the updates since (`_rebuilt_state`). The TC backward runs in two
 kernels: the one reduction over d per token (`_update_tc_gk_kernel`), then programs of a run of tokens by
