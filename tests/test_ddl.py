@@ -842,7 +842,9 @@ def rel_err(a, b):
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_update_compress_tc_realistic(dtype):
+@pytest.mark.parametrize("fused_forward", [False, True])  # LAUNCH['update_tc_fwd'] FUSED
+def test_gpu_update_compress_tc_realistic(dtype, fused_forward, monkeypatch):
+    monkeypatch.setitem(ddl_triton.LAUNCH["update_tc_fwd"], "FUSED", fused_forward)
     dev = "cuda"
     B, T, d, dv, K = 8, 1024, 768, 4, 4
     x = torch.randn(B, T, d, dv, device=dev, dtype=dtype, requires_grad=True)
