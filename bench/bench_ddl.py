@@ -111,9 +111,9 @@ def sweep_update(case, dtype):
         ("8 x update+cc f+b, rebuilt from the first", lambda: fused_run(True, 8), 8 * (5 * S + 5 * V)),
     )  # fmt: skip
     tc = lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton")  # noqa: E731
-    fused = ((32, 2, 4), (16, 2, 4), (64, 2, 4), (32, 3, 4), (32, 2, 8))  # (tokens, stages, warps)
-    cfgs = [{**LAUNCH["update_tc_fwd"], "FUSED": False}]  # the update, then tc_fwd's read-out
-    cfgs += [dict(FUSED=True, TOKENS=t, STAGES=st, num_warps=nw) for t, st, nw in fused]
+    fused = ((32, 2, 4, None), (32, 2, 8, 128), (64, 2, 8, 128), (32, 3, 8, 128), (32, 2, 16, 64))
+    cfgs = [{**LAUNCH["update_tc_fwd"], "FUSED": False}]  # 2 kernels; fused: 2 programs an SM at these regs
+    cfgs += [dict(FUSED=True, TOKENS=t, STAGES=st, num_warps=nw, maxnreg=r) for t, st, nw, r in fused]
     sweep("update_tc_fwd", cfgs, ("update+tc fwd", tc, 2 * S + 2 * V))
     alts = ({}, dict(STAGES=2), dict(GK_STAGES=2), dict(GK_BLOCK_D=256), dict(TOKENS=16),
             dict(BLOCK_D=256, num_warps=8), dict(maxnreg=128), dict(TOKENS=64))  # fmt: skip

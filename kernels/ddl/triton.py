@@ -452,7 +452,7 @@ def _update_with_read(x, k, v, beta, weight, wt, T, eps, erase, seed):
     _update_tc_fwd_kernel[(triton.cdiv(N, cfg["TOKENS"]),)](
         x, k, v, beta, wt, x_new, h, rs, r, _or(seed, x), N, T, D, eps, cfg["TOKENS"], KW=wt.shape[0], DV=DV,
         BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), ERASE=erase, SR=seed is not None, STAGES=cfg["STAGES"],
-        CT=_ct(x, k, v, beta, wt), num_warps=cfg["num_warps"],
+        CT=_ct(x, k, v, beta, wt), num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"),
     )  # fmt: skip
     return x_new, h, rs, r
 
