@@ -104,7 +104,7 @@ def sweep_update(case, dtype):
 
     bwd = ((32, 0, 4), (16, 1, 4), (32, 1, 4), (64, 1, 4), (32, 0, 8), (16, 1, 8), (32, 1, 8))
     cfgs = [dict(TOKENS=t, STAGES=1 + p, num_warps=nw) for t, p, nw in bwd]  # (tokens, pipelined, warps)
-    cfgs.append({**LAUNCH["update_bwd"], "SPLIT": True})  # the TC backward's two kernels, one tap
+    cfgs += [dict(TOKENS=32, STAGES=2, num_warps=8, maxnreg=128), {**LAUNCH["update_bwd"], "SPLIT": True}]
     sweep(  # the rebuilt runs' bytes as without the rebuild, whose reads of k come on top
         "update_bwd", cfgs, ("update+cc f+b", lambda: fused_run(False, 1), 5 * S + 5 * V),
         ("4 x update+cc f+b, each input kept", lambda: fused_run(False), 4 * (5 * S + 5 * V)),

@@ -37,7 +37,8 @@ from .triton_update import (
 # (update_bwd, tc_fwd and tc_bwd: `python bench/bench_ddl.py --sweeps`, CUDA-graph GPU time; the other
 # entries' sweeps: git history). An entry may hold a whole launch shape for one state dtype under that
 # dtype's name ("bfloat16"), used instead of the entry's own for that dtype (`_cfg`). STAGES: a kernel's loop
-# over a program's tokens software-pipelined (the next tokens' loads in flight) or, 1, plain.
+# over a program's tokens software-pipelined (the next tokens' loads in flight) or, 1, plain. maxnreg
+# (update_bwd, update_tc_fwd, tc_bwd's second kernel): the registers a thread may take (fewer: more programs).
 LAUNCH = {
     "update_fwd": dict(TOKENS=1, num_warps=4),
     # SPLIT: with the CC read-out, the TC backward's two kernels (at LAUNCH['tc_bwd']'s shape; the read-out
@@ -61,8 +62,7 @@ LAUNCH = {
     # [GK_BLOCK_D, d_v] at a time, 128 at 4 warps: a row per thread), then the per-channel kernel's, a run of
     # TOKENS by a block of d (128 at 4 warps: each thread holds a [4]-vector of the tile, the taps and their
     # gradient; 256 takes up to 255 registers, bench/compile_check.py); GK_STAGES, STAGES: their loops (over
-    # d, over the run); maxnreg, where given: the registers a thread of the second may take (fewer: more
-    # programs on an SM)
+    # d, over the run)
     "tc_bwd": dict(GK_BLOCK_D=128, GK_WARPS=4, GK_STAGES=1, TOKENS=32, BLOCK_D=128, STAGES=1, num_warps=4),
 }
 # Tests set this: every output starts as NaN, so that an element a kernel fails to write cannot pass.
@@ -216,14 +216,14 @@ def _update_bwd_op(
             STEPS=1, BLOCK_D=_pow2(D), ERASE=erase, NORM=False, SR=False, CT=ct, num_warps=rcfg["num_warps"],
         )  # fmt: skip
         return dx, dk, dv, dbeta, x.new_empty(0)
-    compress = weight is not None
-    chain = _chain(ks, betas, rss, rr, seeds)
+    compress, chain = weight is not None, _chain(ks, betas, rss, rr, seeds)
     nprog = triton.cdiv(N, cfg["TOKENS"])
     dwp = _new((nprog, D, DV) if compress else (0,), x, dtype=acc_dtype(x))
     _update_bwd_kernel[(nprog,)](
         x, k, v, beta, rs, r, chain, _or(weight, x), g, _or(dh, g), dx, dk, dv, dbeta, dwp, _or(seed, x), N,
         D, TOKENS=cfg["TOKENS"], STAGES=cfg["STAGES"], DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV),
         ERASE=erase, COMPRESS=compress, SR=seed is not None, CT=ct, num_warps=cfg["num_warps"],
+        maxnreg=cfg.get("maxnreg"),
     )  # fmt: skip
     dw = dwp.sum(0).to(weight.dtype) if compress else x.new_empty(0)
     return dx, dk, dv, dbeta, dw
