@@ -55,7 +55,7 @@ def bench_kernels(args):
     case("copy 1 GiB (read + write)", lambda: bufs[1].copy_(bufs[0]), 2 * 2**30)
     bufs.clear()
     if args.sweeps:  # only these
-        for dtype in (torch.bfloat16, torch.float32):
+        for dtype in (torch.float32, torch.bfloat16):  # the model's state dtype first
             sweep_update(case, dtype)
             torch.cuda.empty_cache()
         return rows
@@ -67,10 +67,10 @@ def bench_kernels(args):
 
 
 def sweep_update(case, dtype):
-    """Launch shapes, d_v = 4, each line naming the LAUNCH entry it sets (the shipped one marked): the CC
+    """Launch shapes, d_v = 4, each line naming the LAUNCH entry it sets (the shipped one marked): TC's
+    forward (update_tc_fwd: one kernel, or the update and tc_fwd's), backward (tc_bwd), then the CC
     backward's (update_bwd; one update + CC read-out f+b, four in a row with inputs kept, eight rebuilt from
-    the first: chains of 0-7 as the model's at every 4th block's state), TC's forward (update_tc_fwd: one
-    kernel, or the update and tc_fwd's), backward (tc_bwd). Bytes: minimal passes (S state, V)."""
+    the first: chains of 0-7 as the model's at every 4th block's state). Bytes: minimal passes (S, V)."""
     from kernels import ddl
     from kernels.ddl.triton import LAUNCH, _cfg
 
@@ -102,14 +102,6 @@ def sweep_update(case, dtype):
             X, hs = out[0], hs + [out[1]]
         return torch.autograd.grad([X, *hs], (x, k, v, beta, *ws), [gx] + [gh] * n)
 
-    bwd = ((32, 0, 4), (16, 1, 4), (32, 1, 4), (64, 1, 4), (32, 0, 8), (16, 1, 8), (32, 1, 8))
-    cfgs = [dict(TOKENS=t, STAGES=1 + p, num_warps=nw) for t, p, nw in bwd]  # (tokens, pipelined, warps)
-    cfgs += [dict(TOKENS=32, STAGES=2, num_warps=8, maxnreg=128), {**LAUNCH["update_bwd"], "SPLIT": True}]
-    sweep(  # the rebuilt runs' bytes as without the rebuild, whose reads of k come on top
-        "update_bwd", cfgs, ("update+cc f+b", lambda: fused_run(False, 1), 5 * S + 5 * V),
-        ("4 x update+cc f+b, each input kept", lambda: fused_run(False), 4 * (5 * S + 5 * V)),
-        ("8 x update+cc f+b, rebuilt from the first", lambda: fused_run(True, 8), 8 * (5 * S + 5 * V)),
-    )  # fmt: skip
     tc = lambda: ddl.ddl_update_compress_tc(x, k, v, beta, cw, read, backend="triton")  # noqa: E731
     fused = ((32, 2, 4, None), (32, 2, 8, 128), (64, 2, 8, 128), (32, 3, 8, 128), (32, 2, 16, 64))
     cfgs = [{**LAUNCH["update_tc_fwd"], "FUSED": False}]  # 2 kernels; fused: 2 programs an SM at these regs
@@ -121,6 +113,14 @@ def sweep_update(case, dtype):
         "tc_bwd", [{**LAUNCH["tc_bwd"], **a} for a in alts],  # the shipped shape, then each with changes
         ("update+tc f+b", lambda: fused_run(False, 1, True), 6 * S + 6 * V),
         ("8 x update+tc f+b, rebuilt from the first", lambda: fused_run(True, 8, True), 8 * (6 * S + 6 * V)),
+    )  # fmt: skip
+    bwd = ((32, 1, 4), (16, 1, 4), (32, 0, 4))
+    cfgs = [dict(TOKENS=t, STAGES=1 + p, num_warps=nw) for t, p, nw in bwd]  # (tokens, pipelined, warps)
+    cfgs += [dict(TOKENS=32, STAGES=2, num_warps=8, maxnreg=128), {**LAUNCH["update_bwd"], "SPLIT": True}]
+    sweep(  # the rebuilt runs' bytes as without the rebuild, whose reads of k come on top
+        "update_bwd", cfgs, ("update+cc f+b", lambda: fused_run(False, 1), 5 * S + 5 * V),
+        ("4 x update+cc f+b, each input kept", lambda: fused_run(False), 4 * (5 * S + 5 * V)),
+        ("8 x update+cc f+b, rebuilt from the first", lambda: fused_run(True, 8), 8 * (5 * S + 5 * V)),
     )  # fmt: skip
 
 
