@@ -57,7 +57,9 @@ LAUNCH = {
     # TC read-out runs as the update kernel followed by it); STAGES: its loads in flight
     "tc_fwd": dict(TOKENS=128, BLOCK_D=128, STAGES=3, num_warps=4),
     # FUSED: one kernel on runs of TOKENS whole tokens, not the update then _tc_fwd_kernel (a pass fewer)
-    "update_tc_fwd": dict(FUSED=False, TOKENS=32, STAGES=2, num_warps=4),
+    "update_tc_fwd": dict(  # a bf16 state: the two kernels (faster there)
+        FUSED=True, TOKENS=32, STAGES=3, num_warps=8, maxnreg=128, bfloat16=dict(FUSED=False)
+    ),
     # the fused update + TC read-out's backward, split: the gk reduction's shape (GK_*: one token a program,
     # [GK_BLOCK_D, d_v] at a time, 128 at 4 warps: a row per thread), then the per-channel kernel's, a run of
     # TOKENS by a block of d (128 at 4 warps: each thread holds a [4]-vector of the tile, the taps and their
