@@ -67,9 +67,6 @@ LAUNCH = {
     # Deltaformer step (bench/RESULTS.md); at D = 64 it keeps the stages above
     "num_stages_bwd_g": 1,
     "num_stages_dk": 2,  # the dK pass: 131 -> 104 us, where two stages cost the wavefronts 4%
-    # the dK and dW passes' at D = 128: two stages take 98-107 KB of shared memory a program (two an SM), one
-    # 64 KB (three an SM at their 118-128 registers; Triton 3.6, bench/compile_check.py)
-    "num_stages_dk_dw_128": 2,
     "norm_rows": 16,  # rows a program of `_row_norms_kernel` takes (untuned; 64 holds 32-48 registers)
 }
 # dK accumulated by the backward wavefront (`_bwd_g_kernel` DKW) instead of its own pass up to this head dim:
@@ -198,7 +195,6 @@ def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, norms, kernel, scale, chunk, l
     counters = torch.zeros(BH + 1, device=k.device, dtype=torch.int32)
     dkw = D <= DK_IN_WAVEFRONT_MAX_D
     g_launch = {**launch, "num_stages": LAUNCH["num_stages_bwd_g"]} if D == 128 else launch
-    p_launch = {**launch, "num_stages": LAUNCH["num_stages_dk_dw_128"]} if D == 128 else launch
     with _device_guard(k):
         _bwd_g_kernel[(BH * NC,)](
             w, k, nw, nk, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], u,
@@ -208,9 +204,9 @@ def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, norms, kernel, scale, chunk, l
         args = (w, k, nw, nk, u, u_lo, gb, gb_lo, lse, rowterm, dk, dw, scale, T, NC)
         consts = dict(KERNEL=kid, NORM=norm, D=D, C=C, LOWP=lowp, PREC=prec, SPLIT=split)
         if not dkw:  # dK not already done by the wavefront
-            dk_launch = {"num_stages": LAUNCH["num_stages_dk"], **p_launch}
+            dk_launch = {"num_stages": LAUNCH["num_stages_dk"], **launch}
             _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=0, **dk_launch)
-        _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=1, **p_launch)
+        _dk_dw_kernel[(NC, BH)](*args, **consts, ROLE=1, **launch)
     return dk, dv, dw, dbeta
 
 
