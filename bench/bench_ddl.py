@@ -108,7 +108,7 @@ def sweep_update(case, dtype):
     cfgs += [dict(FUSED=True, TOKENS=t, STAGES=st, num_warps=nw, maxnreg=r) for t, st, nw, r in fused]
     sweep("update_tc_fwd", cfgs, ("update+tc fwd", tc, 2 * S + 2 * V))
     alts = ({}, dict(STAGES=2), dict(GK_STAGES=2), dict(GK_BLOCK_D=256), dict(TOKENS=16),
-            dict(BLOCK_D=256, num_warps=8), dict(maxnreg=128), dict(TOKENS=64))  # fmt: skip
+            dict(BLOCK_D=256, num_warps=8), dict(TOKENS=64))  # fmt: skip
     sweep(
         "tc_bwd", [{**LAUNCH["tc_bwd"], **a} for a in alts],  # the shipped shape, then each with changes
         ("update+tc f+b", lambda: fused_run(False, 1, True), 6 * S + 6 * V),
@@ -116,7 +116,6 @@ def sweep_update(case, dtype):
     )  # fmt: skip
     bwd = ((32, 1, 4), (16, 1, 4), (32, 0, 4))
     cfgs = [dict(TOKENS=t, STAGES=1 + p, num_warps=nw) for t, p, nw in bwd]  # (tokens, pipelined, warps)
-    cfgs += [dict(TOKENS=32, STAGES=2, num_warps=8, maxnreg=128), {**LAUNCH["update_bwd"], "SPLIT": True}]
     sweep(  # the rebuilt runs' bytes as without the rebuild, whose reads of k come on top
         "update_bwd", cfgs, ("update+cc f+b", lambda: fused_run(False, 1), 5 * S + 5 * V),
         ("4 x update+cc f+b, each input kept", lambda: fused_run(False), 4 * (5 * S + 5 * V)),

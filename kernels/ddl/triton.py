@@ -34,15 +34,13 @@ from .triton_update import (
 )
 
 # Launch shapes (tokens per program, warps, channel block for the per-channel kernels), tuned on an H200
-# (update_bwd, tc_fwd and tc_bwd: `python bench/bench_ddl.py --sweeps`, CUDA-graph GPU time; the other
-# entries' sweeps: git history). An entry may hold a whole launch shape for one state dtype under that
+# (update_bwd, tc_fwd, update_tc_fwd, tc_bwd: `python bench/bench_ddl.py --sweeps`, CUDA-graph GPU time; the
+# other entries' sweeps: git history). An entry may hold a whole launch shape for one state dtype under that
 # dtype's name ("bfloat16"), used instead of the entry's own for that dtype (`_cfg`). STAGES: a kernel's loop
 # over a program's tokens software-pipelined (the next tokens' loads in flight) or, 1, plain. maxnreg
-# (update_bwd, update_tc_fwd, tc_bwd's second kernel): the registers a thread may take (fewer: more programs).
+# (update_tc_fwd): the registers a thread may take (fewer: more programs an SM).
 LAUNCH = {
     "update_fwd": dict(TOKENS=1, num_warps=4),
-    # SPLIT: with the CC read-out, the TC backward's two kernels (at LAUNCH['tc_bwd']'s shape; the read-out
-    # a TC read-out of one tap) instead of the whole-token kernel
     "update_bwd": dict(TOKENS=32, STAGES=2, num_warps=4),
     "update_row": dict(  # d_v = 1 without a fused read-out; ROWS=0: the general kernel
         ROWS=2, num_warps=4, bfloat16=dict(ROWS=4, num_warps=8)
@@ -167,30 +165,6 @@ def _(x, k, v, beta, weight, eps, erase, seed):
     return _fake_update_forward(x, weight)
 
 
-def _split_backward(x, k, v, beta, rs, r, wt, g, dh, T, erase, seed, ks, betas, rss, rr, seeds):
-    """(dx, dk, dv, dbeta, dwt): the backward of the update with a TC read-out (taps wt; T the sequence
-    length) at LAUNCH['tc_bwd']'s shape, in two kernels: gk = khat^T G per token, with dv and dbeta
-    (_update_tc_gk_kernel), then dx, dk and the taps' gradient partials on runs of tokens by blocks of d, x'
-    rebuilt in registers."""
-    N, D, DV = x.shape
-    KW, cfg, ct = wt.shape[0], _cfg("tc_bwd", x.dtype), _ct(x, k, v, beta, g)
-    dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
-    gk = _new((N, DV), x, dtype=acc_dtype(x))
-    _update_tc_gk_kernel[(N,)](
-        k, beta, rs, r, wt, g, dh, gk, dv, dbeta, N, T, D, DV=DV, BLOCK_D=min(cfg["GK_BLOCK_D"], _pow2(D)),
-        BLOCK_V=_pow2(DV), KW=KW, STAGES=cfg["GK_STAGES"], CT=ct, num_warps=cfg["GK_WARPS"],
-    )  # fmt: skip
-    bd = min(cfg["BLOCK_D"], _pow2(D))
-    grid = (triton.cdiv(N, cfg["TOKENS"]), triton.cdiv(D, bd))
-    dwp = _new((grid[0], *wt.shape), x, dtype=acc_dtype(x))
-    _update_tc_bwd_kernel[grid](
-        x, k, v, beta, rs, r, _chain(ks, betas, rss, rr, seeds), wt, g, dh, gk, dx, dk, dwp, _or(seed, x), N,
-        T, D, cfg["TOKENS"], DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), ERASE=erase, KW=KW, SR=seed is not None,
-        STAGES=cfg["STAGES"], CT=ct, num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"),
-    )  # fmt: skip
-    return dx, dk, dv, dbeta, dwp.sum(0).to(wt.dtype)
-
-
 # The backward ops read the update's stored rs and r instead of recomputing them, and v (khat^T x = v - r:
 # one reduction over d a token, not two). They take the chain (ks, betas, rss, rr, seeds) of updates that
 # made their state x from x0 (rebuild_from): given one, x is x0 and the kernels rebuild x in registers as
@@ -205,10 +179,6 @@ def _update_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     N, D, DV = x.shape
     cfg = _cfg("update_bwd", x.dtype)
-    if weight is not None and cfg.get("SPLIT"):  # the CC read-out as a TC read-out of one tap
-        grads = _split_backward(x, k, v, beta, rs, r, weight[None], g, dh, N, erase, seed, ks, betas, rss, rr,
-                                seeds)  # fmt: skip
-        return *grads[:4], grads[4][0]
     dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
     ct = _ct(x, k, v, beta, g)
     if _use_rows(DV, weight, x.dtype) and not ks:
@@ -225,7 +195,6 @@ def _update_bwd_op(
         x, k, v, beta, rs, r, chain, _or(weight, x), g, _or(dh, g), dx, dk, dv, dbeta, dwp, _or(seed, x), N,
         D, TOKENS=cfg["TOKENS"], STAGES=cfg["STAGES"], DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV),
         ERASE=erase, COMPRESS=compress, SR=seed is not None, CT=ct, num_warps=cfg["num_warps"],
-        maxnreg=cfg.get("maxnreg"),
     )  # fmt: skip
     dw = dwp.sum(0).to(weight.dtype) if compress else x.new_empty(0)
     return dx, dk, dv, dbeta, dw
@@ -410,7 +379,27 @@ def _update_tc_bwd_op(
     ks: list[torch.Tensor], betas: list[torch.Tensor], rss: list[torch.Tensor], rr: list[torch.Tensor],
     seeds: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    return _split_backward(x, k, v, beta, rs, r, wt, g, dh, T, erase, seed, ks, betas, rss, rr, seeds)
+    """(dx, dk, dv, dbeta, dwt): the backward of ddl::update_tc (taps wt; T the sequence length) at
+    LAUNCH['tc_bwd']'s shape, in two kernels: gk = khat^T G per token, with dv and dbeta
+    (_update_tc_gk_kernel), then dx, dk and the taps' gradient partials on runs of tokens by blocks of d, x'
+    rebuilt in registers."""
+    N, D, DV = x.shape
+    KW, cfg, ct = wt.shape[0], _cfg("tc_bwd", x.dtype), _ct(x, k, v, beta, g)
+    dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
+    gk = _new((N, DV), x, dtype=acc_dtype(x))
+    _update_tc_gk_kernel[(N,)](
+        k, beta, rs, r, wt, g, dh, gk, dv, dbeta, N, T, D, DV=DV, BLOCK_D=min(cfg["GK_BLOCK_D"], _pow2(D)),
+        BLOCK_V=_pow2(DV), KW=KW, STAGES=cfg["GK_STAGES"], CT=ct, num_warps=cfg["GK_WARPS"],
+    )  # fmt: skip
+    bd = min(cfg["BLOCK_D"], _pow2(D))
+    grid = (triton.cdiv(N, cfg["TOKENS"]), triton.cdiv(D, bd))
+    dwp = _new((grid[0], *wt.shape), x, dtype=acc_dtype(x))
+    _update_tc_bwd_kernel[grid](
+        x, k, v, beta, rs, r, _chain(ks, betas, rss, rr, seeds), wt, g, dh, gk, dx, dk, dwp, _or(seed, x), N,
+        T, D, cfg["TOKENS"], DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), ERASE=erase, KW=KW, SR=seed is not None,
+        STAGES=cfg["STAGES"], CT=ct, num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return dx, dk, dv, dbeta, dwp.sum(0).to(wt.dtype)
 
 
 @_update_tc_bwd_op.register_fake
