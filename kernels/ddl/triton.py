@@ -51,8 +51,8 @@ LAUNCH = {
     "update_norm_bwd": dict(ROWS=2, STEPS=16, num_warps=4),
     "chan_fwd": dict(TOKENS=4, BLOCK_D=256, num_warps=4),
     "chan_bwd": dict(TOKENS=64, BLOCK_D=256, num_warps=4),
-    # the TC read-out's forward (_tc_fwd_kernel, one pass over the state in token order; the fused update +
-    # TC read-out runs as the update kernel followed by it); STAGES: its loads in flight
+    # the TC read-out's forward (_tc_fwd_kernel, one pass over the state in token order; also the update +
+    # TC read-out's second kernel where update_tc_fwd is not FUSED); STAGES: its loads in flight
     "tc_fwd": dict(TOKENS=128, BLOCK_D=128, STAGES=3, num_warps=4),
     # FUSED: one kernel on runs of TOKENS whole tokens, not the update then _tc_fwd_kernel (a pass fewer)
     "update_tc_fwd": dict(  # a bf16 state: the two kernels (faster there)
