@@ -120,14 +120,20 @@ def _chain(ks, betas, rss, rr, seeds):
     return (tuple(ks), tuple(betas), tuple(rss), tuple(rr), tuple(seeds or ks))
 
 
+def _update_outputs(x, read_out):
+    """The outputs of an update of x [N, d, d_v], unwritten: x_new, h [N, d] (read_out; else empty), and the
+    terms rs [N], r [N, d_v] (fp32 or float64) that its backward and a later rebuild_from read."""
+    (N, D, DV), ft = x.shape, acc_dtype(x)
+    h = _new((N, D) if read_out else (0,), x)
+    return _new(x.shape, x), h, _new((N,), x, dtype=ft), _new((N, DV), x, dtype=ft)
+
+
 def _update_forward(x, k, v, beta, weight, eps, erase, seed):
     """(x_new, h, rs, r): the update, with weight also h = the CC read-out of x_new (else empty), and the
-    terms rs [N], r [N, d_v] (fp32) that its backward and a later rebuild_from read. seed: x_new rounded
-    stochastically (triton_common._stored), else to nearest."""
+    terms rs, r (_update_outputs). seed: x_new rounded stochastically (triton_common._stored), else to
+    nearest."""
     N, D, DV = x.shape
-    x_new = _new((N, D, DV), x)
-    h = _new((N, D) if weight is not None else (0,), x)
-    rs, r = _new((N,), x, dtype=acc_dtype(x)), _new((N, DV), x, dtype=acc_dtype(x))
+    x_new, h, rs, r = _update_outputs(x, weight is not None)
     ct = _ct(x, k, v, beta)
     if _use_rows(DV, weight, x.dtype):
         cfg = _cfg("update_row", x.dtype)
@@ -438,8 +444,8 @@ def _update_with_read(x, k, v, beta, weight, wt, T, eps, erase, seed):
     if wt is None or not cfg["FUSED"]:
         x_new, h, rs, r = _update_forward(x, k, v, beta, weight, eps, erase, seed)
         return x_new, (h if wt is None else _tc_forward(x_new, wt, T)), rs, r
-    (N, D, DV), ft = x.shape, acc_dtype(x)
-    x_new, h, rs, r = _new(x.shape, x), _new((N, D), x), _new((N,), x, dtype=ft), _new((N, DV), x, dtype=ft)
+    N, D, DV = x.shape
+    x_new, h, rs, r = _update_outputs(x, True)
     _update_tc_fwd_kernel[(triton.cdiv(N, cfg["TOKENS"]),)](
         x, k, v, beta, wt, x_new, h, rs, r, _or(seed, x), N, T, D, eps, cfg["TOKENS"], KW=wt.shape[0], DV=DV,
         BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), ERASE=erase, SR=seed is not None, STAGES=cfg["STAGES"],
