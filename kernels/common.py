@@ -80,5 +80,10 @@ class _Logits(torch.autograd.Function):
     def backward(ctx, dy):
         x_lp, weight = ctx.saved_tensors
         dw = dy.flatten(0, -2).T.to(x_lp.dtype) @ x_lp.flatten(0, -2)
-        dx = (dy.unsqueeze(-1) * weight).sum(-2) if torch.compiler.is_compiling() else dy @ weight
+        if torch.compiler.is_compiling():  # one elementwise kernel for any number of outputs: as .sum(-2),
+            dx = dy[..., 0, None] * weight[0]  # 8 outputs became a slow reduction kernel (RESULTS.md)
+            for i in range(1, weight.shape[0]):
+                dx = dx + dy[..., i, None] * weight[i]
+        else:
+            dx = dy @ weight
         return dx, dw.to(weight.dtype), None

@@ -293,6 +293,38 @@ def test_fp32_linear_against_float64(rows):
         assert dw_err < dw_tol and (dw_tol < 1e-3 or dw_err > 1e-5)  # under autocast: bf16 operands, not fp32
 
 
+@pytest.mark.parametrize("rows", [1, 6, 8])
+def test_fp32_linear_compiled_against_float64(rows):
+    """The compiled form (the products summed over d forward, dx written out as a sum of products, no
+    reduction over the outputs) against float64 under bf16 autocast; its backward graph has one matmul
+    (dW) where the eager form has two."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def grab(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch.manual_seed(rows)
+    x, w, b = torch.randn(3, 5, 48), torch.randn(rows, 48), torch.randn(rows)
+    dy = torch.randn(3, 5, rows)
+    xd, wd, bd = (t.double().requires_grad_() for t in (x, w, b))
+    (xd @ wd.T + bd).backward(dy.double())
+    xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
+    linear = torch.compile(model_module.fp32_linear, backend=aot_autograd(fw_compiler=grab, bw_compiler=grab))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear(xg, wg, bg)
+    got.backward(dy)
+    torch.testing.assert_close(got.double(), (xd @ wd.T + bd).detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xg.grad.double(), xd.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bg.grad.double(), bd.grad, rtol=1e-5, atol=1e-5)
+    assert (wg.grad.double() - wd.grad).abs().max() / wd.grad.abs().max() < 1e-2  # bf16 operands
+    backward = [n.target for n in graphs[-1].graph.nodes if n.op == "call_function"]
+    assert backward.count(torch.ops.aten.mm.default) == 1, backward
+
+
 @pytest.mark.parametrize(
     "residual,erase,ddl_v",
     [(r, e, "sigmoid") for r in DDL_RESIDUALS for e in (True, False)]
