@@ -39,17 +39,17 @@ Three implementations of the same function:
   triton_bwd.py.
 
 The Triton path in short: stage 1 in chunks of C = 64 rows, a wavefront over (chunk, batch*head) tiles for
-the recurrence (softmax kappa's row normalisers summed online, the in-chunk inverses in the tiles), the
-reversed wavefront plus dK / dW passes for the backward; stage 2 is SDPA. With half-precision inputs
-everything accumulates in fp32; the recurrence's inter-chunk products take hi + lo half operands (~16 bits)
-and the in-chunk inverse 3-pass tf32, because where updates are near reflections (beta kappa ~ 2, the regime
-state tracking needs) every rounding there is carried into all later u; the other O(T^2) products take half
-operands (lowp, as FlashAttention), which costs dK and dW ~2e-2 in that regime (tests/test_deltaformer.py;
-lowp=False removes it for +30% GPU time at 8,12,1024,64). Forward+backward GPU time is 3.2-4.4x causal SDPA's
-on an H200 at B,H,T,D = 8,12,1024,64 .. 2,12,4096,64 (bench/RESULTS.md). Counted in [64, 64] @ [64, 64]
-products over the causal triangle's block pairs, stage 1 does ~13 (S re-formed per pass, the split's three
-products) and SDPA 7, so (13 + 7) / 7 = 2.9x SDPA even at SDPA's efficiency; the wavefronts run at the SMs'
-throughput, so scheduling does not shorten that.
+the recurrence, a parallel prep kernel for the in-chunk inverses and softmax log-sum-exps, the reversed
+wavefront plus dK / dW passes for the backward; stage 2 is SDPA. With half-precision inputs everything
+accumulates in fp32; the recurrence's inter-chunk products take hi + lo half operands (~16 bits) and
+the in-chunk inverse 3-pass tf32, because where updates are near reflections (beta kappa
+~ 2, the regime state tracking needs) every rounding there is carried into all later u; the other O(T^2)
+products take half operands (lowp, as FlashAttention), which costs dK and dW ~2e-2 in that regime
+(tests/test_deltaformer.py; lowp=False removes it for +30% GPU time at 8,12,1024,64). Forward+backward
+GPU time is 3.2-4.4x causal SDPA's on an H200 at B,H,T,D = 8,12,1024,64 .. 2,12,4096,64
+(bench/RESULTS.md). Counted in [64, 64] @ [64, 64] products over the causal triangle's block pairs, stage 1
+does ~14 (S re-formed per pass, the split's three products) and SDPA 7, so (14 + 7) / 7 = 3x SDPA even at
+SDPA's efficiency; the wavefronts run at the SMs' throughput, so scheduling does not shorten that.
 """
 
 import torch

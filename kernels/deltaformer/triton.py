@@ -1,18 +1,19 @@
 """Triton path: stage 1 (u) forward and backward in Triton; stage 2 stays SDPA (FlashAttention on CUDA).
 
 The rows are cut into chunks of C. Chunk c of one (batch, head) needs the u of every earlier chunk, so
-chunks are sequential; but most of a chunk's work (scores against earlier keys, A @ u) only needs chunks
-that finished long before. Hence the forward, `_fwd_kernel`, is a wavefront: every (chunk, batch*head)
-tile is its own program; it takes whatever earlier chunks are already published in a loop with no
-synchronisation inside (which the compiler may software-pipeline safely), then waits for the next one.
-Softmax kappa's row normaliser (over every j < i) is summed online as in FlashAttention: the running row
-max and sum, the accumulated A @ u rescaled as the max grows, so the scores against earlier keys are
-formed once. Once all chunks are in: the log-sum-exp, A_cc, X_c = (I + diag(beta_c) A_cc)^-1 and
-u_c = X_c (v_c - beta_c * sum_{j < chunk} A_cj u_j); it publishes u_c, then stores X_c and
-h_c = sum_{j<i} A_ij u_j for the backward. Most tiles find their earlier chunks already published, so the
-wavefront runs at the SMs' throughput for its work, not at its critical path (measured before: a parallel
-prep kernel forming X_c and the log-sum-exps ahead of the wavefront, which re-formed every score, lost to
-this single pass at the model's shapes, bench/RESULTS.md).
+chunks are sequential; but the in-chunk matrices and the softmax row statistics depend only on w, k and
+beta, and most of a chunk's remaining work (scores against earlier keys, A @ u) only needs chunks that
+finished long before. Hence, forward:
+  1. `_prep_kernel`, fully parallel over (chunk, batch*head): the softmax log-sum-exp of every row over
+     j < i, and X_c = (I + diag(beta_c) A_cc)^-1 for every chunk.
+  2. `_fwd_kernel`, a wavefront: every (chunk, batch*head) tile is its own program; it takes whatever
+     earlier chunks are already published in a loop with no synchronisation inside (which the compiler
+     may software-pipeline safely), then waits for the next one. Once all are in,
+     u_c = X_c (v_c - beta_c * sum_{j < chunk} A_cj u_j); it publishes u_c, then computes
+     h_c = sum_{j<i} A_ij u_j for the backward. The critical path per chunk is one block of scores and
+     A @ u plus one product with X_c; but most tiles find their earlier chunks already published, so the
+     wavefront runs at the SMs' throughput for its work (measured: running prep beside it in the same
+     launch, or shortening the chain with extra products, only added time).
 Each program takes a ticket from an atomic counter and maps it to (chunk, batch*head) in chunk order, so
 a tile only waits on tiles holding smaller tickets, which are already running: no deadlock, whatever the
 number of resident programs. Each (batch, head) has a progress counter (chunks published): a tile
@@ -20,8 +21,8 @@ publishes with a release after a barrier; readers spin on an acquire. A spin tha
 gives up and writes NaN.
 
 In-chunk inverse: N = diag(beta_c) A_cc is strictly lower triangular (nilpotent), so (I + N)^-1 by
-doubling the block size (`_unit_lower_inverse`, which says why not the Neumann series by squaring nor
-forward substitution); X_c is saved for the backward.
+doubling the block size in the parallel prep kernel (`_unit_lower_inverse`, which says why not the Neumann
+series by squaring nor forward substitution); X_c is saved for the backward.
 
 Precision (half-precision inputs): products take half operands with fp32 accumulation, as in
 FlashAttention, except the recurrence's inter-chunk products, whose rounding every later u inherits: those
@@ -47,7 +48,7 @@ import triton
 from ..common import default_scale
 from .naive import KERNELS
 from .triton_bwd import _bwd_g_kernel, _dk_dw_kernel
-from .triton_fwd import _fwd_kernel, _row_norms_kernel
+from .triton_fwd import _fwd_kernel, _prep_kernel, _row_norms_kernel
 
 _KERNEL_IDS = {"softmax": 0, "relu": 1, "linear": 2}
 _SPIN_LIMIT = 20_000_000  # ~10 s of spinning: only a bug gets there
@@ -141,6 +142,10 @@ def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp):
     with _device_guard(v):
         norms = _row_norms(k, w, same) if norm else v.new_empty(0, dtype=torch.float32)  # softmax: unused
         nw, nk = norms if norm else (norms, norms)
+        _prep_kernel[(NC, BH)](
+            w, k, nw, nk, beta, lse, xinv, scale, T, NC,
+            KERNEL=kid, NORM=norm, D=D, C=C, PREC=prec, XPREC=xprec, **launch,
+        )  # fmt: skip
         _fwd_kernel[(BH * NC,)](
             w, k, nw, nk, v, beta, u, u_lo if split else u, h, lse, xinv, counters, counters[BH:],
             scale, T, NC, BH, H, *v.stride()[:3], KERNEL=kid, NORM=norm, D=D, C=C, SPLIT=split, PREC=prec,

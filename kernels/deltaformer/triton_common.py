@@ -180,10 +180,10 @@ def _unit_lower_inverse(n, C: tl.constexpr, PREC: tl.constexpr):
     n^2)(I + n^4)...), exact in exact arithmetic but where beta * kappa ~ 1-2 (a token's update is a
     reflection, the regime state tracking needs) the powers of n grow huge and cancel: fp32 lost up to 7e-2 of
     u at C = 64 (tests/test_deltaformer.py, reflection regime). Forward substitution row by row and by 16-row
-    blocks is as accurate but slow: C - 1 or 15 dependent steps of cross-warp reductions, measured 123 of
-    179 us (a kernel of only the inverses and log-sum-exps, 8,12,1024,64, H200). The levels b < 16 only
-    touch the [16, 16] diagonal blocks, so they run as batched [C / 16, 16, 16] products (C / 16 times fewer
-    MACs; f+b -55 us at 8,12,1024,64 and -30 us at 8,6,1024,128 against [C, C] products)."""
+    blocks is as accurate but slow: C - 1 or 15 dependent steps of cross-warp reductions, measured 123 of the
+    prep kernel's 179 us at 8,12,1024,64 on an H200. The levels b < 16 only touch the [16, 16] diagonal
+    blocks, so they run as batched [C / 16, 16, 16] products (C / 16 times fewer MACs; f+b -55 us at
+    8,12,1024,64 and -30 us at 8,6,1024,128 against [C, C] products)."""
     if C > 16:  # levels b < 16 on the [16, 16] diagonal blocks alone, then the rest
         d = _diagonal_blocks(n, C)
         y = _block_diagonal(_doubling_levels(d, d, 16, 0, PREC, True), C)

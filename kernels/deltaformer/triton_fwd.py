@@ -1,6 +1,6 @@
-"""Deltaformer stage 1, forward kernels (triton.py's docstring): `_fwd_kernel`, the wavefront: u chunk by
-chunk, and what the backward needs (softmax kappa's log-sum-exps, the in-chunk inverses, h = sum_{j<i}
-A_ij u_j); `_row_norms_kernel`, the norms relu and linear kappa scale their scores by."""
+"""Deltaformer stage 1, forward kernels (triton.py's docstring): `_prep_kernel`, parallel over (chunk, head):
+the softmax rows' log-sum-exps and each chunk's in-chunk inverse; `_fwd_kernel`, the wavefront: u chunk by
+chunk, and h = sum_{j<i} A_ij u_j for the backward."""
 
 import triton
 import triton.language as tl
@@ -12,12 +12,48 @@ from .triton_common import (
     _lse_of,
     _lse_update,
     _mm_rec,
+    _scaled,
     _scores,
     _store_split,
     _unit_lower_inverse,
     _wait_progress,
     _wavefront_tile,
 )
+
+
+@triton.jit
+def _prep_kernel(
+    W, K, NW, NK, Beta, LSE, Xinv, scale, T, NC,
+    KERNEL: tl.constexpr, NORM: tl.constexpr, D: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr,
+    XPREC: tl.constexpr,
+):  # fmt: skip
+    """Chunk c of head bh: the softmax lse of its rows over every j < i, and X_c (module docstring)."""
+    c = NC - 1 - tl.program_id(0)  # the longest rows (most earlier chunks) first: a shorter tail
+    bh = tl.program_id(1).to(tl.int64)
+    offs_c = tl.arange(0, C)
+    offs_d = tl.arange(0, D)
+    rows = c * C + offs_c
+    rmask = rows < T
+    tile = bh * T * D + rows[:, None] * D + offs_d[None, :]
+    w = tl.load(W + tile, mask=rmask[:, None], other=0.0)
+    k_c = tl.load(K + tile, mask=rmask[:, None], other=0.0)
+    b = tl.load(Beta + bh * T + rows, mask=rmask, other=0.0).to(tl.float32)
+    lower = offs_c[:, None] > offs_c[None, :]
+    rw, rk = _inv_norms(NW, bh * T + rows, rmask, NORM), _inv_norms(NK, bh * T + rows, rmask, NORM)
+    s_cc = _scaled(tl.dot(w, tl.trans(k_c), input_precision=PREC), scale, rw, rk, NORM)
+    lse = tl.zeros((C,), dtype=tl.float32)
+    if KERNEL == 0:
+        m = tl.full((C,), -1e30, dtype=tl.float32)
+        l = tl.zeros((C,), dtype=tl.float32)
+        m, l = _lse_update(m, l, tl.where(lower, s_cc, float("-inf")))
+        for cp in range(0, c):
+            keys = K + bh * T * D + (cp * C + offs_c)[:, None] * D + offs_d[None, :]
+            m, l = _lse_update(m, l, _scores(w, keys, None, scale, rw, rk, PREC, False))
+        lse = _lse_of(m, l)
+        tl.store(LSE + bh * T + rows, lse, mask=rmask)
+    a_cc = _kappa(s_cc, lower, lse, KERNEL)
+    x = _unit_lower_inverse(b[:, None] * a_cc, C, XPREC)
+    tl.store(Xinv + (bh * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :], x)
 
 
 @triton.jit
@@ -30,17 +66,17 @@ def _fwd_kernel(
     sv_t; unit along D), as the attention's projection leaves it."""
     c, bh, bh64, offs_c, offs_d, rows, rmask, tile = _wavefront_tile(Ticket, T, NC, BH, D, C, False)
     w = tl.load(W + tile, mask=rmask[:, None], other=0.0)
-    rw, rk_c = _inv_norms(NW, bh64 * T + rows, rmask, NORM), _inv_norms(NK, bh64 * T + rows, rmask, NORM)
-    lower = offs_c[:, None] > offs_c[None, :]
-    everything = offs_c[:, None] >= 0  # earlier chunks: every j < i
-    # softmax: the running max m and sum l of exp(s - m) of every row over j < i (online, as FlashAttention),
-    # from its own chunk's columns first; acc holds sum_j exp(s_ij - m_i) u_j, rescaled as m grows
-    m = tl.full((C,), -1e30, dtype=tl.float32)
-    l = tl.zeros((C,), dtype=tl.float32)
+    rw = _inv_norms(NW, bh64 * T + rows, rmask, NORM)
     lse = tl.zeros((C,), dtype=tl.float32)
     if KERNEL == 0:
-        s_cc = _scores(w, K + tile, rmask[:, None], scale, rw, rk_c, PREC, NORM)
-        m, l = _lse_update(m, l, tl.where(lower, s_cc, float("-inf")))
+        lse = tl.load(LSE + bh64 * T + rows, mask=rmask, other=0.0)
+    everything = offs_c[:, None] >= 0  # earlier chunks: every j < i
+    xt = Xinv + (bh64 * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :]
+    # loaded before the waits: off the critical path (but live in registers through them)
+    b = tl.load(Beta + bh64 * T + rows, mask=rmask, other=0.0).to(tl.float32)
+    v_tile = (bh64 // H) * sv_b + (bh64 % H) * sv_h + rows[:, None].to(tl.int64) * sv_t + offs_d[None, :]
+    v = tl.load(V + v_tile, mask=rmask[:, None], other=0.0).to(tl.float32)
+    x = tl.load(xt)
     acc = tl.zeros((C, D), dtype=tl.float32)
     done = c * 0  # earlier chunks consumed
     ok = done + 1
@@ -51,36 +87,20 @@ def _fwd_kernel(
         for cp in range(done, ready):
             prev = bh64 * T * D + (cp * C + offs_c)[:, None] * D + offs_d[None, :]
             rk = _inv_norms(NK, bh64 * T + cp * C + offs_c, offs_c < C, NORM)
-            s = _scores(w, K + prev, None, scale, rw, rk, PREC, NORM)
-            if KERNEL == 0:
-                m_new = tl.maximum(m, tl.max(s, axis=1))
-                alpha = tl.exp(m - m_new)
-                p = tl.exp(s - m_new[:, None])
-                l = l * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None]
-                m = m_new
-            else:
-                p = _kappa(s, everything, lse, KERNEL)
+            p = _kappa(_scores(w, K + prev, None, scale, rw, rk, PREC, NORM), everything, lse, KERNEL)
             u_hi, u_lo = _load_published(U, ULO, prev, None, SPLIT)
             acc += _mm_rec(p, u_hi, u_lo, W, SPLIT, PREC)
         done = ready
-    if KERNEL == 0:  # kappa's normaliser is known only now
-        lse = _lse_of(m, l)
-        acc = acc * tl.exp(m - lse)[:, None]  # / l (row 0: 0 * 1)
-        tl.store(LSE + bh64 * T + rows, lse, mask=rmask)
-    a_cc = _kappa(_scores(w, K + tile, rmask[:, None], scale, rw, rk_c, PREC, NORM), lower, lse, KERNEL)
-    b = tl.load(Beta + bh64 * T + rows, mask=rmask, other=0.0).to(tl.float32)
-    x = _unit_lower_inverse(b[:, None] * a_cc, C, XPREC)
-    # v loaded only now: fewer registers live in the loop and the inverse
-    v_tile = (bh64 // H) * sv_b + (bh64 % H) * sv_h + rows[:, None].to(tl.int64) * sv_t + offs_d[None, :]
-    v = tl.load(V + v_tile, mask=rmask[:, None], other=0.0).to(tl.float32)
     u = tl.dot(x, v - b[:, None] * acc, input_precision=XPREC)
     u = tl.where(ok != 0, u, float("nan"))
     _store_split(U, ULO, tile, u, rmask[:, None], SPLIT)
     tl.debug_barrier()  # every thread's stores precede the release below
     tl.atomic_xchg(Prog + bh, c + 1, sem="release")
-    # off the critical path: X_c and h = sum_{j<i} A_ij u_j, for the backward
-    tl.store(Xinv + (bh64 * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :], x)
+    # off the critical path: h = sum_{j<i} A_ij u_j, for the backward
+    k_c = tl.load(K + tile, mask=rmask[:, None], other=0.0)
+    rk = _inv_norms(NK, bh64 * T + rows, rmask, NORM)
+    s_cc = _scaled(tl.dot(w, tl.trans(k_c), input_precision=PREC), scale, rw, rk, NORM)
+    a_cc = _kappa(s_cc, offs_c[:, None] > offs_c[None, :], lse, KERNEL)
     h = acc + tl.dot(a_cc, u, input_precision=PREC)
     tl.store(Hs + tile, h, mask=rmask[:, None])
 
