@@ -13,7 +13,8 @@ finished long before. Hence, forward:
      h_c = sum_{j<i} A_ij u_j for the backward. The critical path per chunk is one block of scores and
      A @ u plus one product with X_c; but most tiles find their earlier chunks already published, so the
      wavefront runs at the SMs' throughput for its work (measured: running prep beside it in the same
-     launch, or shortening the chain with extra products, only added time).
+     launch, shortening the chain with extra products, or forming the log-sum-exps online and X_c in the
+     tile without prep, all added time: bench/RESULTS.md).
 Each program takes a ticket from an atomic counter and maps it to (chunk, batch*head) in chunk order, so
 a tile only waits on tiles holding smaller tickets, which are already running: no deadlock, whatever the
 number of resident programs. Each (batch, head) has a progress counter (chunks published): a tile
