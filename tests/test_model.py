@@ -321,8 +321,10 @@ def test_fp32_linear_compiled_against_float64(rows):
     torch.testing.assert_close(xg.grad.double(), xd.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(bg.grad.double(), bd.grad, rtol=1e-5, atol=1e-5)
     assert (wg.grad.double() - wd.grad).abs().max() / wd.grad.abs().max() < 1e-2  # bf16 operands
-    backward = [n.target for n in graphs[-1].graph.nodes if n.op == "call_function"]
-    assert backward.count(torch.ops.aten.mm.default) == 1, backward
+    backward = [n for n in graphs[-1].graph.nodes if n.op == "call_function"]
+    assert [n.target for n in backward].count(torch.ops.aten.mm.default) == 1, backward
+    sums = [n.args[1] for n in backward if n.target == torch.ops.aten.sum.dim_IntList]
+    assert sums == [[0, 1]], sums  # the bias's gradient over the tokens; none over the outputs
 
 
 @pytest.mark.parametrize(
