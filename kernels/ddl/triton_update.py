@@ -128,6 +128,26 @@ def _store_update_grads(n, ok, okd, m2, off2, dx, dk, dv, dbeta, DX, DK, DVo, DB
 
 
 @triton.jit
+def _update_token(
+    X, Kd, V, BETA, XOUT, RS, R, SEED, n, ok, store, D, eps, offs_d, offs_v, md, mv, off2,
+    DV: tl.constexpr, ERASE: tl.constexpr, SR: tl.constexpr, CT: tl.constexpr,
+):  # fmt: skip
+    # token n's update (ok: n is a token): x' as stored, and where `store`, x', rs and r stored; returns x'
+    # and `store` as a mask over d
+    okd, okv = _vec_mask(ok, offs_d), _vec_mask(ok, offs_v)
+    x = tl.load(X + n * D * DV + off2, mask=(md & okd)[:, None] & mv[None, :], other=0.0).to(CT)
+    rs, kh, b, r = _token_update_terms(
+        n, ok, okd, okv, x, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, DV, ERASE, CT
+    )
+    xn = _stored(x + b * kh[:, None] * r[None, :], SEED, n * D * DV + off2, XOUT.dtype.element_ty, SR)
+    stored = _vec_mask(store, offs_d)
+    tl.store(XOUT + n * D * DV + off2, xn, mask=(md & stored)[:, None] & mv[None, :])
+    tl.store(R + n * DV + offs_v, r, mask=mv & _vec_mask(store, offs_v))
+    tl.store(RS + n, rs, mask=store)
+    return xn, stored
+
+
+@triton.jit
 def _update_fwd_kernel(
     X, Kd, V, BETA, W, XOUT, H, RS, R, SEED, N, D, eps,
     DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TOKENS: tl.constexpr,
@@ -142,17 +162,10 @@ def _update_fwd_kernel(
     for tt in tl.static_range(TOKENS):
         n = pid * TOKENS + tt
         ok = n < N
-        okd = _vec_mask(ok, offs_d)
-        okv = _vec_mask(ok, offs_v)
-        m2 = (md & okd)[:, None] & mv[None, :]
-        x = tl.load(X + n * D * DV + off2, mask=m2, other=0.0).to(CT)
-        rs, kh, b, r = _token_update_terms(
-            n, ok, okd, okv, x, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, DV, ERASE, CT
-        )
-        xn = _stored(x + b * kh[:, None] * r[None, :], SEED, n * D * DV + off2, XOUT.dtype.element_ty, SR)
-        tl.store(XOUT + n * D * DV + off2, xn, mask=m2)
-        tl.store(R + n * DV + offs_v, r, mask=mv & okv)
-        tl.store(RS + n, rs, mask=ok)
+        xn, okd = _update_token(
+            X, Kd, V, BETA, XOUT, RS, R, SEED, n, ok, ok, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE,
+            SR, CT,
+        )  # fmt: skip
         if COMPRESS:  # the next sublayer's CC read-out of the state just written (as stored)
             h = tl.sum(xn.to(CT) * w, axis=1)
             tl.store(H + n * D + offs_d, h.to(H.dtype.element_ty), mask=md & okd)
@@ -177,17 +190,11 @@ def _update_tc_fwd_kernel(
     for i in tl.range(0, TOKENS + KW - 1, num_stages=STAGES):
         s = pid * TOKENS - (KW - 1) + i
         ok = (s >= 0) & (s < N)
-        okd, okv = _vec_mask(ok, offs_d), _vec_mask(ok, offs_v)
-        x = tl.load(X + s * D * DV + off2, mask=(md & okd)[:, None] & mv[None, :], other=0.0).to(CT)
-        rs, kh, b, r = _token_update_terms(
-            s, ok, okd, okv, x, Kd, V, BETA, D, eps, offs_d, offs_v, md, mv, DV, ERASE, CT
-        )
-        xn = _stored(x + b * kh[:, None] * r[None, :], SEED, s * D * DV + off2, XOUT.dtype.element_ty, SR)
         own = ok & (s >= pid * TOKENS)
-        ownd = _vec_mask(own, offs_d)
-        tl.store(XOUT + s * D * DV + off2, xn, mask=(md & ownd)[:, None] & mv[None, :])
-        tl.store(R + s * DV + offs_v, r, mask=mv & _vec_mask(own, offs_v))
-        tl.store(RS + s, rs, mask=own)
+        xn, ownd = _update_token(
+            X, Kd, V, BETA, XOUT, RS, R, SEED, s, ok, own, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE,
+            SR, CT,
+        )  # fmt: skip
         h, acc = _tc_read_out_step(taps, acc, xn.to(CT), _vec_mask(s % T == 0, offs_d))
         tl.store(H + s * D + offs_d, h.to(H.dtype.element_ty), mask=md & ownd)
 
