@@ -30,14 +30,20 @@ def tiny(**overrides):
     return GPTConfig(**{**base, **overrides})
 
 
-def make(cfg, noise=0.1, seed=0):
-    """A float64 model in eval mode with every parameter moved off its init by N(0, noise)."""
+def perturbed(cfg, noise=0.1, seed=0, double=False):
+    """A model (float64 if double) with every parameter moved off its init by N(0, noise): unit norm
+    weights, zero biases and identity convs would hide wiring mistakes."""
     torch.manual_seed(seed)
-    model = GPT(cfg).double().eval()
+    model = GPT(cfg).double() if double else GPT(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(noise * torch.randn_like(p))
     return model
+
+
+def make(cfg, noise=0.1, seed=0):
+    """A float64 model in eval mode, moved off its init (perturbed)."""
+    return perturbed(cfg, noise, seed, double=True).eval()
 
 
 def tokens(B=2, T=11, seed=1):
@@ -140,11 +146,7 @@ def test_triton_backend_matches_torch_backend(overrides):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {}
     for backend in ("torch", "triton"):
-        torch.manual_seed(0)
-        model = GPT(tiny(backend=backend, **overrides)).to(device)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.1 * torch.randn_like(p))
+        model = perturbed(tiny(backend=backend, **overrides)).to(device)
         idx, targets = tokens(T=9).to(device), tokens(T=9, seed=2).to(device)
         logits, loss = model(idx, targets)
         loss.backward()
@@ -175,11 +177,7 @@ def test_ddl_reads_through_the_fused_norm(monkeypatch):
     losses = {}
     for name, (backend, extra, fuses) in cases.items():
         calls.clear()
-        torch.manual_seed(0)
-        model = GPT(tiny(**{"residual": "ddl", "backend": backend, **extra}))
-        with torch.no_grad():  # off the init, where every norm's weight is 1
-            for p in model.parameters():
-                p.add_(0.1 * torch.randn_like(p))
+        model = perturbed(tiny(**{"residual": "ddl", "backend": backend, **extra}))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             losses[name] = model(tokens(), tokens(seed=2))[1]
         assert calls == [torch.bfloat16] * fuses, name
@@ -682,11 +680,7 @@ def test_bf16_state_close_to_fp32_state(residual):
     rounded once per sublayer, 8 bits of mantissa), and the state really is bf16 (not a silent no-op)."""
     results = {}
     for state in ("float32", "bfloat16"):
-        torch.manual_seed(0)
-        model = GPT(tiny(residual=residual, ddl_state_dtype=state))
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.1 * torch.randn_like(p))
+        model = perturbed(tiny(residual=residual, ddl_state_dtype=state))
         idx, targets = tokens(T=9), tokens(T=9, seed=2)
         seen = StatesRead()  # every state a read sees
         logits, loss = model(idx, targets)
@@ -754,11 +748,7 @@ def bf16_backends_agree(device, **overrides):
     the batch and its loss."""
     results, idx, targets = {}, tokens(T=9).to(device), tokens(T=9, seed=2).to(device)
     for backend in ("torch", "triton"):
-        torch.manual_seed(0)
-        model = GPT(tiny(backend=backend, **overrides)).to(device)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.1 * torch.randn_like(p))
+        model = perturbed(tiny(backend=backend, **overrides)).to(device)
         torch.manual_seed(1)
         _, loss = model(idx, targets)
         loss.backward()
