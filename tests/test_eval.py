@@ -269,6 +269,43 @@ def test_generate_until_cuts_at_eot(monkeypatch):
     assert out == [" Good night, sweet prince"] * 2 + [" Good night"]
 
 
+def test_generate_until_keeps_the_last_block_size_tokens_of_a_long_prompt():
+    """A prompt longer than block_size is cut to its last block_size tokens, those next to the
+    continuation (as loglikelihood cuts a context): the output is greedy decoding by plain forward passes
+    over the last block_size tokens of the growing sequence, not that of another cut of the prompt."""
+    block = 8  # short, and sublayers that weigh the context: one token less often changes the first choice
+    model = tiny(seed=6, block_size=block)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("blocks") and p.dim() == 2:
+                p.mul_(3)
+    lm = ev.CheckpointLM(model=model, device="cpu", batch_size=4)
+    eos = lm.tok_decode([EOT])
+    rng = random.Random(9)
+
+    def greedy_from(ids, n=6):
+        seq = list(ids)
+        with torch.no_grad():
+            for _ in range(n):
+                logits, _ = model(torch.tensor([seq[-block:]]))
+                seq.append(int(logits[0, -1].argmax()))
+        return lm.tok_decode(seq[len(ids) :]).split(eos)[0]
+
+    prompts, wanted, told_apart = [], [], set()
+    for n_words in range(12, 36, 2):
+        prompt = random_text(rng, n_words)
+        ids = lm.tok_encode(prompt)
+        assert len(ids) > block + 2
+        prompts.append(prompt)
+        wanted.append(greedy_from(ids[-block:]))
+        for name, other in (("head", ids[:block]), ("one short", ids[1 - block :])):
+            told_apart |= {name} if greedy_from(other) != wanted[-1] else set()
+    assert told_apart == {"head", "one short"}  # the test tells those cuts from the right one
+    gen = {"until": ["@@never@@"], "max_gen_toks": 6}
+    reqs = [Instance("generate_until", {}, (p, gen), k) for k, p in enumerate(prompts)]
+    assert lm.generate_until(reqs, disable_tqdm=True) == wanted
+
+
 # ---- checkpoints ----
 def write_checkpoint(out_dir, model):
     """ckpt.pt with the keys train.py's save_checkpoint writes."""
