@@ -126,3 +126,30 @@ def test_key_help_lists_defaults_with_the_comment_of_their_assignment(tmp_path):
     assert batch.index("#") == dv.index("#")  # the comments in one column
     assert lines["learning_rate"] == "  learning_rate = 0.001"  # no comment on its line
     assert lines["betas"] == "  betas = (0.9, 0.95)"
+
+
+@pytest.mark.parametrize(
+    "arg, element",
+    [
+        ('--betas=(0.9,"a")', "key 'betas[1]' expects float (default 0.95), got str 'a'"),
+        ("--betas=(True, 0.95)", "key 'betas[0]' expects float (default 0.9), got bool True"),
+        ("--betas=[0.9, None]", "key 'betas[1]' expects float (default 0.95), got NoneType None"),
+        ("--lengths=(256, 5.5)", "key 'lengths[1]' expects int (default 512), got float 5.5"),
+        ("--lengths=('256', 512)", "key 'lengths[0]' expects int (default 256), got str '256'"),
+    ],
+)
+def test_tuple_keys_check_each_element(tmp_path, arg, element):
+    defaults = {**DEFAULTS, "lengths": (256, 512)}
+    with pytest.raises(ConfigError) as e:
+        load_config(defaults, [arg])
+    assert element in str(e.value)
+    key, value = arg[2:].split("=", 1)
+    config = tmp_path / "config.py"  # the same check on a config file's assignment
+    config.write_text(f"{key} = {value}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(defaults, [str(config)])
+    assert f"config file '{config}': {element}" in str(e.value)
+    # well-typed elements pass, a float key's ints become floats, a list becomes a tuple
+    good = load_config(defaults, ["--betas=[0.9, 1]", "--lengths=(128, 1024)"])
+    assert good["betas"] == (0.9, 1.0) and type(good["betas"][1]) is float
+    assert good["lengths"] == (128, 1024)
