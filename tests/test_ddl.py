@@ -1128,3 +1128,68 @@ def test_triton_stochastic_read_out_weight_grads_see_the_stored_state(triton_sma
     want = torch.autograd.grad(reads64, ws64, [u.double() for u in ups])
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A model's updates with ddl_state_rounding="stochastic": each draws its own rounding noise.
+
+
+def model_roundings(monkeypatch, passes, **cfg):
+    """Runs the tiny model `passes` times on the same tokens (with gradients, so kept states and rebuilds
+    are in play) and returns, per DDL update in call order, (f, up): the fraction f of a bf16 step that the
+    update's fp32 result lies past the bf16 value toward zero (0 where it is one), and whether the stored
+    bf16 state went up (away from zero). The updates are seen where the model hands them to kernels/ddl."""
+    import kernels.ddl.stream as stream
+    from model import GPT, GPTConfig
+
+    calls = []
+
+    def spy(op):
+        def run(X, h, v, beta, *args, **kw):
+            out = op(X, h, v, beta, *args, **kw)
+            x_new = out[0] if isinstance(out, tuple) else out
+            calls.append((X, h, v, beta, kw["eps"], kw["erase"], x_new))
+            return out
+
+        return run
+
+    for name in ("ddl_update", "ddl_update_compress_cc", "ddl_update_compress_tc"):
+        monkeypatch.setattr(stream, name, spy(getattr(stream, name)))
+    torch.manual_seed(0)
+    shape = dict(n_layer=2, n_head=2, n_embd=32, head_dim=16, block_size=32, vocab_size=64, backend="torch")
+    model = GPT(GPTConfig(**shape, ddl_state_dtype="bfloat16", ddl_state_rounding="stochastic", **cfg))
+    idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+    for _ in range(passes):
+        model(idx, idx)[1].backward()
+    out = []
+    for X, h, v, beta, eps, erase, x_new in calls:
+        with torch.no_grad():  # the fp32 result before rounding: the same arithmetic on X in fp32
+            x32 = ddl_update_ref(X.float(), h, v, beta, eps=eps, erase=erase)
+        lo, hi, f = bf16_neighbours(x32)
+        stored = x_new.detach().float()
+        assert x_new.dtype == torch.bfloat16 and ((stored == lo) | (stored == hi)).all()
+        out.append((f.double(), (stored == hi).double()))
+    return out
+
+
+@pytest.mark.parametrize(
+    "cfg", [dict(residual="ddl"), dict(residual="ddl-cc"), dict(residual="ddl-tc", ddl_keep_state_every=1)]
+)
+def test_a_models_updates_round_with_independent_noise(monkeypatch, cfg):
+    """Two updates' rounding decisions are independent (each layer's, each sublayer's, each forward
+    pass's, the same first update of two passes on the same state included), and unbiased. With shared
+    noise, up = [u >= 1 - f] with the same u for both, so (up_a - f_a)(up_b - f_b) has the mean
+    min(f_a, f_b) - f_a f_b (~1/12) instead of 0."""
+    rounded = model_roundings(monkeypatch, passes=2, **cfg)
+    assert len(rounded) == 2 * 2 * 2  # 2 passes x 2 layers x 2 sublayers
+    for (a, (fa, ua)), (b, (fb, ub)) in itertools.combinations(enumerate(rounded), 2):
+        m = (fa > 0) & (fb > 0)
+        fa, fb, ra, rb = fa[m], fb[m], ua[m] - fa[m], ub[m] - fb[m]
+        sd = (fa * (1 - fa) * fb * (1 - fb)).sum().sqrt() / m.sum()  # of the mean of ra * rb, independent
+        shared = (torch.minimum(fa, fb) - fa * fb).mean()  # its mean, were the noise shared
+        assert shared > 10 * sd, (a, b)  # the test can tell
+        assert abs((ra * rb).mean()) < 5 * sd, (a, b, (ra * rb).mean().item(), shared.item())
+    f = torch.cat([f.flatten() for f, _ in rounded])
+    up = torch.cat([u.flatten() for _, u in rounded])
+    assert abs((up - f).mean()) < 5 * (f * (1 - f)).sum().sqrt() / f.numel()  # E[stored] = the fp32 value
+    assert (f > 0).float().mean() > 0.9  # nearly every element's update is not a bf16 value already
