@@ -715,3 +715,92 @@ def test_the_optimizer_gets_the_clipped_gradient_and_decays_only_matrices(tmp_pa
     for i, s in state.items():
         assert decay_of[i] == (0.3 if s["exp_avg"].dim() >= 2 else 0.0), (i, s["exp_avg"].shape)
     assert sum(decay_of[i] == 0.0 for i in state) == vectors
+
+
+# ---- what a run keeps: the stop before a bad update, the best evaluation, the run settings on resume ----
+
+
+def test_a_non_finite_gradient_norm_with_a_finite_loss_stops_before_the_update(tmp_path, data_dir):
+    import re
+
+    out = str(tmp_path / "out")
+    train(out, data_dir, "--max_iters=2", "--eval_interval=2")
+    ckpt_path, log_path = os.path.join(out, "ckpt.pt"), os.path.join(out, "log.jsonl")
+    ckpt = torch.load(ckpt_path, weights_only=True)
+    # logits ~1e22: the loss (~1e21) stays finite in float32, the gradients' norm overflows it (each gradient
+    # is finite, so clipping would scale them all to 0 and step on, silently)
+    ckpt["model"]["ln_f.weight"] *= 1e22
+    torch.save(ckpt, ckpt_path)
+    good, log = file_bytes(ckpt_path), file_bytes(log_path)
+    result = train(out, data_dir, "--max_iters=4", "--eval_interval=2", "--init_from=resume", check=False)
+    assert_one_line_error(result, "iteration 2: train loss", "stopping before the update", "last good")
+    loss, norm = re.search(r"train loss (\S+), gradient norm (\S+):", result.stderr).groups()
+    assert math.isfinite(float(loss)) and not math.isfinite(float(norm)), result.stderr
+    assert file_bytes(ckpt_path) == good and file_bytes(log_path) == log  # no update, no record of one
+
+
+def test_best_val_loss_is_the_minimum_over_evaluations(tmp_path, data_dir):
+    # down over a first run, then up after a resume at a learning rate far too high: the best evaluation
+    # is one of the first run's, neither the latest nor the resumed run's own best
+    out = str(tmp_path / "out")
+    train(out, data_dir, "--max_iters=4", "--eval_interval=2", "--learning_rate=1e-2", "--lr_decay_iters=4")
+    high = ["--learning_rate=0.3", "--min_lr=0.3", "--warmup_iters=0"]
+    result = train(out, data_dir, "--max_iters=8", "--eval_interval=2", "--init_from=resume", *high)
+    _, _, val = read_log(out)
+    assert sorted(val) == [0, 2, 4, 6, 8]
+    best = min(val.values())
+    assert val[4] < val[0] and best in (val[2], val[4]) and best < min(val[6], val[8]), val
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["best_val_loss"] == best
+    assert f"best val loss {best:.4f}," in result.stdout
+
+
+def test_overwrite_drops_the_earlier_checkpoint_with_the_new_runs_first_record(tmp_path, data_dir):
+    # the new run crashes after logging its evaluation at 0, before its first checkpoint: the earlier run's
+    # ckpt.pt must not survive next to the new log, where a resume would continue the earlier run
+    out = str(tmp_path / "out")
+    train(out, data_dir, "--max_iters=3", "--eval_interval=3")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    tokens = counting_tokens(20_000, 0)
+    tokens[0] = 65535  # the first training batch fails, after the evaluation at 0 is logged
+    write_shard(str(bad / "train.bin"), tokens)
+    shutil.copy(os.path.join(data_dir, "val.bin"), bad / "val.bin")
+    crashed = train(out, str(bad), "--overwrite=True", "--max_iters=4", "--eval_interval=2", check=False)
+    assert_one_line_error(crashed, "token id 65535 >= vocab_size 64")
+    assert os.listdir(out) == ["log.jsonl"]
+    records, _, _ = read_log(out)
+    assert [set(r) for r in records] == [{"iter", "val_loss"}] and records[0]["iter"] == 0  # the new run's
+    resumed = train(out, data_dir, "--max_iters=4", "--init_from=resume", check=False)
+    assert_one_line_error(resumed, "no checkpoint", "stopped before its first checkpoint")
+
+
+def test_resume_takes_dropout_and_backend_from_this_run(tmp_path, data_dir):
+    # both directions: a checkpoint of dropout 0.1 and the Triton kernels (as a GPU run writes it) resumed
+    # on the CPU with 0.0 and torch, and one of 0.0 and torch resumed with 0.1 and auto; without Triton's
+    # interpreter, backend='triton' would fail on the CPU
+    from data.loader import ShardLoader
+
+    args = ["--residual=ddl", "--eval_interval=2"]
+    base = tmp_path / "base"
+    train(str(base), data_dir, "--max_iters=2", "--dropout=0.0", "--backend=torch", *args)
+    runs = {"a": ({"dropout": 0.1, "backend": "triton"}, 0.0, "torch"), "b": ({}, 0.1, "auto")}
+    for name, (in_checkpoint, dropout, backend) in runs.items():
+        shutil.copytree(base, tmp_path / name)
+        path = str(tmp_path / name / "ckpt.pt")
+        ckpt = torch.load(path, weights_only=True)
+        ckpt["model_args"].update(in_checkpoint)
+        torch.save(ckpt, path)
+        resume = ["--max_iters=3", "--init_from=resume", f"--dropout={dropout}", f"--backend={backend}"]
+        train(str(tmp_path / name), data_dir, *resume, *args, extra_env={"TRITON_INTERPRET": "0"})
+        saved = torch.load(path, weights_only=True)["model_args"]
+        assert (saved["dropout"], saved["backend"]) == (dropout, backend), name
+    # the dropout in effect: without it, iteration 2's loss is the checkpoint model's plain loss
+    ckpt = torch.load(os.path.join(base, "ckpt.pt"), weights_only=True)
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    model.load_state_dict(ckpt["model"])
+    x, y = ShardLoader([os.path.join(data_dir, "train.bin")], 16, seed=1337).get_batch(2, 0, 8, 8)
+    with torch.no_grad():
+        plain = model.eval()(x, y)[1].item()
+    loss = {name: read_log(str(tmp_path / name))[1][2] for name in runs}
+    assert loss["a"] == pytest.approx(plain, rel=1e-5), (loss, plain)
+    assert abs(loss["b"] - plain) > 1e-3 * plain, (loss, plain)
