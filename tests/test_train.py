@@ -732,11 +732,13 @@ def test_a_non_finite_gradient_norm_with_a_finite_loss_stops_before_the_update(t
     ckpt["model"]["ln_f.weight"] *= 1e22
     torch.save(ckpt, ckpt_path)
     good, log = file_bytes(ckpt_path), file_bytes(log_path)
-    result = train(out, data_dir, "--max_iters=4", "--eval_interval=2", "--init_from=resume", check=False)
-    assert_one_line_error(result, "iteration 2: train loss", "stopping before the update", "last good")
-    loss, norm = re.search(r"train loss (\S+), gradient norm (\S+):", result.stderr).groups()
-    assert math.isfinite(float(loss)) and not math.isfinite(float(norm)), result.stderr
-    assert file_bytes(ckpt_path) == good and file_bytes(log_path) == log  # no update, no record of one
+    for clip in ("--grad_clip=1.0", "--grad_clip=0"):  # clipped, or only measured
+        args = ["--max_iters=4", "--eval_interval=2", "--init_from=resume", clip]
+        result = train(out, data_dir, *args, check=False)
+        assert_one_line_error(result, "iteration 2: train loss", "stopping before the update", "last good")
+        loss, norm = re.search(r"train loss (\S+), gradient norm (\S+):", result.stderr).groups()
+        assert math.isfinite(float(loss)) and not math.isfinite(float(norm)), result.stderr
+        assert file_bytes(ckpt_path) == good and file_bytes(log_path) == log  # no update, no record of one
 
 
 def test_best_val_loss_is_the_minimum_over_evaluations(tmp_path, data_dir):
