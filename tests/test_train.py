@@ -778,14 +778,14 @@ def test_overwrite_drops_the_earlier_checkpoint_with_the_new_runs_first_record(t
 
 def test_resume_takes_dropout_and_backend_from_this_run(tmp_path, data_dir):
     # both directions: a checkpoint of dropout 0.1 and the Triton kernels (as a GPU run writes it) resumed
-    # on the CPU with 0.0 and torch, and one of 0.0 and torch resumed with 0.1 and auto; without Triton's
+    # on the CPU with 0.0 and torch, and one of 0.0 and torch resumed with 0.3 and auto; without Triton's
     # interpreter, backend='triton' would fail on the CPU
     from data.loader import ShardLoader
 
     args = ["--residual=ddl", "--eval_interval=2"]
     base = tmp_path / "base"
     train(str(base), data_dir, "--max_iters=2", "--dropout=0.0", "--backend=torch", *args)
-    runs = {"a": ({"dropout": 0.1, "backend": "triton"}, 0.0, "torch"), "b": ({}, 0.1, "auto")}
+    runs = {"a": ({"dropout": 0.1, "backend": "triton"}, 0.0, "torch"), "b": ({}, 0.3, "auto")}
     for name, (in_checkpoint, dropout, backend) in runs.items():
         shutil.copytree(base, tmp_path / name)
         path = str(tmp_path / name / "ckpt.pt")
@@ -805,4 +805,4 @@ def test_resume_takes_dropout_and_backend_from_this_run(tmp_path, data_dir):
         plain = model.eval()(x, y)[1].item()
     loss = {name: read_log(str(tmp_path / name))[1][2] for name in runs}
     assert loss["a"] == pytest.approx(plain, rel=1e-5), (loss, plain)
-    assert abs(loss["b"] - plain) > 1e-3 * plain, (loss, plain)
+    assert abs(loss["b"] - plain) > 1e-4 * plain, (loss, plain)  # 10x the tolerance above
