@@ -5,6 +5,7 @@ each against additive + softmax attention of the same size measured in the same 
     python bench/bench_train.py ... --accum 8        # 8 micro-batches an optimizer step, as train.py
     python bench/bench_train.py ... --profile        # + where one step's GPU and host time go
     python bench/bench_train.py ... --nanogpt ../nanoGPT/model.py   # + nanoGPT's GPT, timed the same way
+    python bench/bench_train.py ... --against ../other-checkout      # + each variant on that tree's model
 
 additive is always run (added to --variants when missing): every ratio is against it. Each (model, variant)
 runs in a fresh process, one after another: bf16 autocast, torch.compile with static shapes, fused AdamW,
@@ -198,7 +199,9 @@ def nanogpt_model(path, size, seq, overrides):
 def worker(job):
     """One (model, variant) in a fresh process: static shapes, compiled at the batch it is timed at."""
     name, size, overrides, args = job["variant"], job["model"], job["overrides"], job["args"]
-    row = dict(model=size, variant=name)
+    row = dict(model=size, variant=name + ("@against" if job["against"] else ""))
+    if job["against"]:  # the model and kernels of the other checkout
+        sys.path.insert(0, args.against)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     torch._dynamo.config.automatic_dynamic_shapes = False  # a smaller batch after an OOM: static again
@@ -240,10 +243,12 @@ def run_table(args):
     one after another, additive first (common.run_commands)."""
     tmp, t0, done = tempfile.mkdtemp(prefix="bench_train-"), time.time(), []
 
-    def job(i, m, v):
+    def job(i, m, v, against):
         path = os.path.join(tmp, f"{i}.pkl")
         with open(path, "wb") as f:
-            pickle.dump(dict(model=m, variant=v, overrides=VARIANTS[v], batches=args.batches, args=args), f)
+            pickle.dump(dict(model=m, variant=v, overrides=VARIANTS[v], batches=args.batches, args=args,
+                             against=against), f)  # fmt: skip
+        v += "@against" if against else ""
         return dict(name=f"{m} {v}", model=m, variant=v, cmd=[sys.executable, __file__, "--job", path])
 
     def on_end(job):
@@ -264,7 +269,11 @@ def run_table(args):
         done.append(row)
         save(args, done)
 
-    jobs = [job(i, m, v) for i, (m, v) in enumerate((m, v) for m in args.models for v in args.variants)]
+    both = (True, False) if args.against else (False,)  # the other checkout's row, then this one's
+    todo = [
+        (m, v, a) for m in args.models for v in args.variants for a in (both if v != "additive" else [False])
+    ]
+    jobs = [job(i, *mva) for i, mva in enumerate(todo)]
     try:
         run_commands(jobs, [None], args.time_limit, JOB_TIMEOUT, min_left=30, on_end=on_end, poll_s=0.2)
     finally:
@@ -338,6 +347,8 @@ def main():
     p.add_argument("--nanogpt", default="", help="nanoGPT's model.py: adds the row 'nanogpt', its GPT at the "
                    "same depth and width (64-wide heads), timed like the others")  # fmt: skip
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_train.json / .md")
+    p.add_argument("--against", default="", help="another checkout: every variant but additive also runs on "
+                   "its model.py and kernels/, just before this one's (rows VARIANT@against)")  # fmt: skip
     if sys.argv[1:2] == ["--job"]:  # one job of run_table, in its own process
         with open(sys.argv[2], "rb") as f:
             return write_json(sys.argv[2] + ".json", worker(pickle.load(f)))
@@ -365,6 +376,9 @@ def main():
         raise SystemExit(f"--batches {text!r}: expected positive integers like 64,32")
     pairs = (kv.split("=", 1) for kv in args.model_overrides.split(",") if kv)
     args.model_overrides = {key: (int(val) if val.isdigit() else val) for key, val in pairs}
+    if args.against and not os.path.isfile(os.path.join(args.against, "model.py")):
+        raise SystemExit(f"--against: expected a checkout of this repo (its model.py), got {args.against!r}")
+    args.against = os.path.abspath(args.against) if args.against else ""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_train.py needs a CUDA GPU (or --device cpu for a smoke test)")
     print(f"Command: `{args.command}`", versions(), sep="\n", flush=True)

@@ -51,6 +51,34 @@ def test_cpu_smoke(tmp_path):
     assert text.strip() in p.stdout  # printed as written
 
 
+def test_against_runs_each_variant_on_the_other_checkout_first(tmp_path):
+    """--against DIR: every variant but additive also on DIR's model.py and kernels/ (a copy whose GPT counts
+    7M parameters), just before this tree's; one additive baseline; a DIR without model.py is refused."""
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(os.path.join(ROOT, "kernels"), other / "kernels")
+    text = open(os.path.join(ROOT, "model.py")).read()
+    (other / "model.py").write_text(text + "\nGPT.num_params = lambda self, non_embedding=False: 7e6\n")
+    cmd = [
+        sys.executable, "bench/bench_train.py", "--device", "cpu", "--compile", "0", "--models", "gpt2-small",
+        "--variants", "ddl", "--batches", "2", "--seq", "16", "--warmup", "1", "--steps", "1",
+        "--model-overrides", "n_layer=1,n_embd=32,n_head=2,vocab_size=64", "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    p = subprocess.run(
+        cmd + ["--against", str(other)], cwd=ROOT, capture_output=True, text=True, timeout=1800
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads((tmp_path / "out" / "bench_train.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["additive", "ddl@against", "ddl"]
+    assert rows[1]["params_M"] == 7.0 and rows[0]["params_M"] != 7.0 and rows[2]["params_M"] != 7.0, rows
+    assert all(r["tok_s"] > 0 and "error" not in r for r in rows), rows
+    p = subprocess.run(
+        cmd + ["--against", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=1800
+    )
+    assert p.returncode != 0 and "--against: expected a checkout" in p.stderr, p.stderr[-2000:]
+
+
 NANOGPT_STANDIN = """
 from dataclasses import dataclass
 
