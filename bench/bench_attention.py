@@ -1,11 +1,15 @@
 """Deltaformer attention speed on one GPU: causal SDPA vs FLA 0.6.0's Deltaformer vs ours (Triton).
 
     python bench/bench_attention.py --json bench.json   # five shapes (SHAPES), bf16
+    python bench/bench_attention.py --no-fla --profile --shapes 8,12,1024,64 2,12,4096,64   # + per kernel
 
 ms of forward + backward of all inputs: "f+b", do_bench's median (common.median_ms, the host's launch work
 included, which at these sizes can exceed the GPU's); "f+b graph", a CUDA graph's replay (the GPU's time).
 FLA's Deltaformer (when `fla` imports): its u-stage (ParallelDeltaformerFunction) then causal SDPA.
---json writes every number.
+--json writes every number. --profile: each kernel's GPU time per f+b of ours (softmax κ), torch.profiler;
+stage 1 (its Triton kernels) against stage 2 (SDPA's), each at the least FLOPs the math needs (7 B H T^2 D:
+stage 1 forms and multiplies by kappa's scores forward, then scores, G, dA, dK, dW backward; causal SDPA the
+same count), as TFLOP/s against the H200's 790 dense bf16.
 """
 
 import argparse
@@ -90,15 +94,68 @@ def measure_shape(B, H, T, D, fla):
     return res
 
 
+# stage 1's kernels by their exact names (SDPA's FlashAttention has a "flash_fwd_kernel"), and words in SDPA's
+STAGE1 = ("_prep_kernel", "_fwd_kernel", "_bwd_g_kernel", "_dk_dw_kernel", "_row_norms_kernel")
+SDPA = ("flash", "fmha", "attention", "sdpa")
+
+
+def part_of(name):
+    """ "stage 1" (our Triton kernels, by exact name), "sdpa" or "other" for a GPU kernel's name."""
+    if name in STAGE1:
+        return "stage 1"
+    return "sdpa" if any(s in name.lower() for s in SDPA) else "other"
+
+
+def kernel_split(kernels, B, H, T, D, runs):
+    """(lines, us per f+b of stage 1, SDPA and the rest) from [(kernel name, GPU us over `runs` f+b)]; the
+    last line has stage 1's and SDPA's TFLOP/s at the least count, 7 B H T^2 D each."""
+    totals, lines = {"stage 1": 0.0, "sdpa": 0.0, "other": 0.0}, []
+    for name, us in sorted(kernels, key=lambda k: -k[1]):
+        totals[part_of(name)] += us / runs
+        lines.append(f"  {us / runs:9.1f} us  {part_of(name):7s}  {name[:110]}")
+    tflops = {k: 7 * B * H * T * T * D / v / 1e6 if v else math.nan for k, v in totals.items()}
+    lines.append(f"  stage 1 {totals['stage 1']:.1f} us ({tflops['stage 1']:.0f} TFLOP/s), SDPA "
+                 f"{totals['sdpa']:.1f} us ({tflops['sdpa']:.0f} TFLOP/s), other {totals['other']:.1f} us; "
+                 f"stage 1 / SDPA {totals['stage 1'] / (totals['sdpa'] or math.nan):.2f}x")  # fmt: skip
+    return lines, totals
+
+
+def profile_shape(B, H, T, D, runs=10):
+    """Each kernel's GPU us per f+b of ours (softmax κ), torch.profiler over `runs` of them (kernel_split)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run = fwd_bwd(ours("softmax"), make(B, H, T, D), reset=True)
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            run()
+        torch.cuda.synchronize()
+
+    def gpu_us(e):  # the attribute was renamed (cuda -> device) across torch versions
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    on_gpu = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    lines, totals = kernel_split([(e.key, gpu_us(e)) for e in on_gpu if gpu_us(e) > 0], B, H, T, D, runs)
+    print(f"profile {B},{H},{T},{D} (softmax κ, us per f+b):", *lines, sep="\n", flush=True)
+    return totals
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--json", default="", help="write all numbers to this file")
+    ap.add_argument("--profile", action="store_true", help="+ each kernel's GPU time (softmax κ)")
+    ap.add_argument("--shapes", nargs="*", default=[], help="B,H,T,D each (default: SHAPES)")
     args = ap.parse_args()
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] or SHAPES
     print(f"Command: `{command(__file__)}`", versions(), sep="\n")
     results, fla = {"shapes": {}}, None if args.no_fla else fla_fn()
-    for shape in SHAPES:
+    for shape in shapes:
         results["shapes"][",".join(map(str, shape))] = measure_shape(*shape, fla)
+        if args.profile:
+            results["shapes"][",".join(map(str, shape))]["profile_us"] = profile_shape(*shape)
         if args.json:  # after every shape: a run cut short keeps what it measured
             write_json(args.json, results)
 
