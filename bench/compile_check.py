@@ -7,7 +7,14 @@ Each `kernel[grid](...)` launch is compiled, not run, with its argument types an
 backward of every model variant (gpt2-small width, four blocks: states rebuilt by 1-7 updates; an fp32 DDL
 state, and bf16 rounded to nearest and stochastically) and the Deltaformer u-stage (every kernel, head dim
 64 and 128, each dtype, both `lowp`). Prints each distinct compile (shared memory; registers, spill stack and
-barrier instructions from the triton wheel's cuobjdump) or its error; exit 1 if any failed."""
+barrier instructions from the triton wheel's cuobjdump) or its error; exit 1 if any failed.
+
+    python bench/compile_check.py --mix    # the Deltaformer u-stage only (bf16), + each loop's SASS mix
+
+--mix: per compile, the SASS instructions a warp issues in one pass of each loop body (over 30 of them) by
+class (MMA: HMMA/HGMMA tensor-core ops; MUFU: exp2 etc.; FP32; CVT: conversions; INT; LDG: global loads and
+async copies; SMEM; BAR), set beside each pipe's rate to bound a loop's time by its issue rather than its
+FLOPs."""
 
 import functools
 import os
@@ -47,6 +54,36 @@ def resources(cubin):
         out = subprocess.run([tool, "--dump-resource-usage", "-sass", f.name], capture_output=True, text=True)
     found = re.search(r"REG:(\d+) STACK:(\d+)", out.stdout)
     return (int(found[1]), int(found[2]), out.stdout.count("BAR.SYNC")) if found else None
+
+
+MIX = [("MMA", "HMMA HGMMA"), ("MUFU", "MUFU"), ("FP32", "FFMA FMUL FADD FMNMX FSEL FSETP"),
+       ("CVT", "F2F F2FP I2F F2I FRND"), ("LDG", "LDG LDGSTS"), ("SMEM", "LDS STS LDSM"), ("BAR", "BAR"),
+       ("INT", "IMAD IADD3 LOP3 SHF ISETP LEA SEL IMNMX PRMT MOV VIADD")]  # fmt: skip
+
+
+def loop_mix(cubin):
+    """[(instructions, {class: count})] of each loop body (a backward branch's span) of over 30 instructions
+    in the kernel's SASS (cuobjdump), innermost first; [] without cuobjdump."""
+    import triton.backends.nvidia as nvidia
+
+    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return []
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    ins = re.findall(
+        r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)[^;]*?(?:0x([0-9a-f]+))?\s*;", sass
+    )
+    at = {int(a, 16): i for i, (a, _, _) in enumerate(ins)}
+    spans = {(at[int(t, 16)], i) for i, (a, op, t) in enumerate(ins) if op == "BRA" and t and int(t, 16) in at
+             and int(t, 16) < int(a, 16)}  # fmt: skip
+    mixes = []
+    for lo, hi in sorted((s for s in spans if s[1] - s[0] >= 30), key=lambda s: s[1] - s[0]):
+        ops = [op for _, op, _ in ins[lo : hi + 1]]
+        mixes.append((len(ops), {c: sum(op in names.split() for op in ops) for c, names in MIX}))
+    return mixes
 
 
 def check_compilable():
@@ -98,6 +135,8 @@ def compile_launch(fn, args, kwargs):
             SEEN[key] += f", {regs[0]} registers, stack {regs[1]} B, barriers {regs[2]}"
             if regs[1]:
                 SPILLS.append((regs[1], label))
+        for n, mix in loop_mix(k.asm["cubin"]) if "--mix" in sys.argv else ():
+            SEEN[key] += f"\n       loop of {n}: " + " ".join(f"{c} {x}" for c, x in mix.items() if x)
     except Exception as e:  # noqa: BLE001
         while e.__cause__ is not None:
             e = e.__cause__
@@ -136,11 +175,11 @@ def run_model_variants():
             loss.backward()
 
 
-def run_deltaformer_variants():
+def run_deltaformer_variants(mix=False):
     from kernels.deltaformer import KERNELS, deltaformer_u_triton
 
     for D, dtype in ((64, torch.bfloat16), (128, torch.bfloat16), (64, torch.float32), (64, torch.float16),
-                     (128, torch.float32)):  # fmt: skip
+                     (128, torch.float32))[: 2 if mix else 5]:  # fmt: skip
         k, v, w = (torch.randn(1, 2, 70, D, dtype=dtype, requires_grad=True) for _ in range(3))
         w = k if dtype == torch.float16 else w  # once w is k, as in the model by default
         beta = torch.rand(1, 2, 70, dtype=dtype, requires_grad=True)
@@ -154,8 +193,9 @@ def main():
     print("triton", triton.__version__, "from", os.path.dirname(triton.__file__))
     KernelInterface.__getitem__ = lambda self, grid: lambda *a, **kw: compile_launch(self, a, kw)  # compiles
     torch.manual_seed(0)
-    run_deltaformer_variants()
-    run_model_variants()
+    run_deltaformer_variants(mix="--mix" in sys.argv)
+    if "--mix" not in sys.argv:
+        run_model_variants()
     print(f"{len(SEEN)} distinct compiles; failed: {FAILED or 'none'}")
     largest = [f"stack {b} B: {label}" for b, label in sorted(SPILLS, reverse=True)[:10]]
     print(f"{len(SPILLS)} spill registers to the stack; the largest (per thread):", *largest, sep="\n  ")

@@ -27,6 +27,13 @@ def _total(X, Y, BLOCK: tl.constexpr):  # a sum across 4 warps: through shared m
     tl.store(Y, tl.sum(tl.load(X + tl.arange(0, BLOCK)), axis=0))
 
 
+def _loop(X, Y, N, BLOCK: tl.constexpr):  # a loop over N: loads, an exp and fp32 arithmetic per pass
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(0, N, BLOCK):
+        acc += tl.exp(tl.load(X + i + tl.arange(0, BLOCK)) * 3.0)
+    tl.store(Y + tl.arange(0, BLOCK), acc)
+
+
 # as compile_check runs: a process whose triton was imported without TRITON_INTERPRET (this one's was, by
 # conftest.py, for the kernel tests)
 CHILD = """
@@ -35,12 +42,25 @@ import torch
 import triton
 sys.path[:0] = [{bench!r}, {tests!r}]
 import compile_check
-from test_compile_check import _scale, _total
+from test_compile_check import _loop, _scale, _total
 x = torch.empty(512)
 pairs = ((x, x), (x, x))  # a tuple of tuples: the label gives their lengths
 compile_check.compile_launch(triton.jit(_scale), (x, x, pairs, 8), dict(BLOCK=8, num_warps=1))
 compile_check.compile_launch(triton.jit(_total), (x, x), dict(BLOCK=512, num_warps=4))
 print("failed:", compile_check.FAILED)
+"""
+
+# --mix: the SASS of a kernel with one loop over its input
+MIX = """
+import sys
+import torch
+import triton
+sys.path[:0] = [{bench!r}, {tests!r}]
+import compile_check
+from test_compile_check import _loop
+sys.argv.append("--mix")
+x = torch.empty(4096)
+compile_check.compile_launch(triton.jit(_loop), (x, x, 4096), dict(BLOCK=256, num_warps=4))
 """
 
 # what the runtime's specialization gives three launches of one kernel: pointers 16-byte aligned or not,
@@ -69,6 +89,21 @@ def test_a_launch_compiles_for_sm90_with_its_resources(tmp_path):
     assert line.startswith("ok   _scale BLOCK=8 X:*fp32 PAIRS=(2, 2) {'num_warps': 1}: shared memory"), line
     assert line.endswith(" registers, stack 0 B, barriers 0") and failed == "failed: []", line
     assert total.startswith("ok   _total BLOCK=512") and int(total.split("barriers ")[1]) > 0, total
+
+
+def test_mix_counts_a_loop_body_by_class(tmp_path):
+    """--mix: one line for the loop (its instruction count and classes): its loads, MUFU (the exp) and fp32
+    arithmetic, and no MMA; the count is the classes' sum at most."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = MIX.format(bench=os.path.join(REPO, "bench"), tests=os.path.join(REPO, "tests"))
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    loops = [line.split("loop of ")[1] for line in result.stdout.splitlines() if "loop of " in line]
+    assert len(loops) == 1, result.stdout
+    n, mix = loops[0].split(": ")
+    counts = dict(zip(mix.split()[::2], map(int, mix.split()[1::2])))
+    assert counts["LDG"] >= 1 and counts["MUFU"] >= 1 and counts["FP32"] >= 1 and "MMA" not in counts, counts
+    assert sum(counts.values()) <= int(n), (n, counts)
 
 
 def test_launches_are_specialized_as_at_run_time(tmp_path):
