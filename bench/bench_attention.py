@@ -149,7 +149,12 @@ def main():
     ap.add_argument("--profile", action="store_true", help="+ each kernel's GPU time (softmax κ)")
     ap.add_argument("--shapes", nargs="*", default=[], help="B,H,T,D each (default: SHAPES)")
     args = ap.parse_args()
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] or SHAPES
+    try:
+        shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] or SHAPES
+    except ValueError:
+        shapes = [()]
+    if any(len(s) != 4 or min(s) < 1 for s in shapes):
+        ap.error(f"--shapes: expected B,H,T,D of positive integers each, got {' '.join(args.shapes)}")
     print(f"Command: `{command(__file__)}`", versions(), sep="\n")
     results, fla = {"shapes": {}}, None if args.no_fla else fla_fn()
     for shape in shapes:

@@ -2,6 +2,7 @@
 
 import math
 import os
+import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,3 +27,11 @@ def test_kernel_split_sums_each_part_per_run():
         and f"({flops / 120.0 / 1e6:.0f} TFLOP/s)" in lines[-1]
     )
     assert lines[-1].endswith(f"stage 1 / SDPA {200 / 120:.2f}x") and not math.isnan(200 / 120)
+
+
+def test_shapes_must_be_four_positive_integers():
+    for bad in ("8,12,1024", "8,12,1024,x", "8,0,1024,64"):
+        p = subprocess.run([sys.executable, "bench/bench_attention.py", "--shapes", "8,6,1024,128", bad],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert p.returncode == 2 and "--shapes: expected B,H,T,D" in p.stderr, p.stderr[-2000:]
+        assert "Traceback" not in p.stderr
