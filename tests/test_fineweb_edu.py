@@ -441,7 +441,7 @@ def test_ctrl_c_stops_in_one_line_and_the_run_resumes(corpus, tmp_path):
     out = str(tmp_path / "out")
     args = ["--out", out, "--input", *files, "--shard-tokens", str(SHARD), "--workers", "2", "--no-progress"]
     script = INTERRUPT.format(root=ROOT, args=args)
-    # a session of its own: the signal reaches this process and its workers, not pytest
+    # a process group of its own: the signal reaches this process and its workers, not pytest
     run = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=1800, start_new_session=True
     )
