@@ -13,7 +13,9 @@ last complete checkpoint, a failed write removes its temp file, and a full disk 
 with the space needed. On resume, log_lines_before keeps the log up to the checkpoint; RunLog writes
 the log, its first record replacing the previous log (by the kept lines and itself) atomically too.
 hold_run_dir locks the run folder for one live run; keep_log renames the log of a run that stopped before
-its first checkpoint, so a new run can start there without deleting it.
+its first checkpoint, so a new run can start there without deleting it. step_memory estimates what a
+training step holds in memory, and available_memory what the device has, for train.py to check before
+its first step.
 """
 
 import contextlib
@@ -28,14 +30,10 @@ import shutil
 import warnings
 import zipfile
 
-try:
-    import fcntl
-except ImportError:  # not on Windows: runs there are not locked
-    fcntl = None
-
 import numpy as np
 import torch
 
+from data.shards import hold_dir, lock_holder
 from model import GPT, GPTConfig
 
 
@@ -184,44 +182,22 @@ def save_checkpoint(ckpt, path):
         raise CheckpointError(f"{write_error(path, cause, tensor_bytes(ckpt))}; {kept}") from None
 
 
-def lock_holder(path):
-    """' (pid N)' of the process holding a lock on the file or folder `path`, from /proc/locks (Linux);
-    '' where that is not known."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        st = os.stat(path)
-        where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-        with open("/proc/locks") as f:
-            for line in f:
-                fields = line.split()
-                if where in fields and fields[fields.index(where) - 1] not in ("0", "-1"):
-                    return f" (pid {fields[fields.index(where) - 1]})"
-    return ""
-
-
 def hold_run_dir(path):
-    """Create the run folder `path` if needed and lock it for as long as this process lives; return the
-    descriptor that holds the lock (keep it open). The lock is flock on the folder itself: the OS drops it
-    when the process ends, even by kill -9, so a dead run never leaves it stuck, and no file is added to the
-    folder. CheckpointError if `path` is a file, cannot be created, or a live process holds it."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise CheckpointError(f"out_dir {path} is a file, not a folder; choose another --out_dir")
+    """Create the run folder `path` if needed and lock it for as long as this process lives (data/shards.py's
+    hold_dir: flock on the folder, dropped by the OS when the process ends, even by kill -9); return (the
+    descriptor that holds the lock: keep it open, the folders made for it). CheckpointError if `path` is a
+    file, cannot be created, or a live process holds it."""
     try:
-        os.makedirs(path, exist_ok=True)
-        fd = os.open(path, os.O_RDONLY)
+        return hold_dir(path)
+    except NotADirectoryError:
+        raise CheckpointError(f"out_dir {path} is a file, not a folder; choose another --out_dir") from None
+    except BlockingIOError:
+        raise CheckpointError(
+            f"{path} is in use by another training run{lock_holder(path)}: wait for it to end, or choose "
+            "another --out_dir (--overwrite=True does not replace a live run)"
+        ) from None
     except OSError as e:
         raise CheckpointError(f"cannot create the run folder {path}: {e.strerror or e}") from None
-    if fcntl is not None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return fd  # a file system without locks (ENOLCK): run unlocked, as before locks
-            os.close(fd)
-            raise CheckpointError(
-                f"{path} is in use by another training run{lock_holder(path)}: wait for it to end, or choose "
-                "another --out_dir (--overwrite=True does not replace a live run)"
-            ) from None
-    return fd
 
 
 def keep_log(path):
@@ -235,6 +211,53 @@ def keep_log(path):
     except OSError as e:
         raise CheckpointError(f"cannot rename {path} to {kept}: {e.strerror or e}") from None
     return kept
+
+
+def step_memory(cfg, batch_size, length, bf16, ddp=False):
+    """Bytes a training step of the GPTConfig `cfg` holds at its peak, estimated, by part: weights,
+    gradients (twice under DDP: its buckets), AdamW's two moments (fp32), activations autograd keeps for the
+    backward of a micro-step of batch_size x length tokens, and the logits. Activations per token and block,
+    in the autocast dtype (bf16: 2 bytes, else 4): the sublayers' normed inputs and their norms (6 d), q, k, v
+    with their roped and normed forms and the attention output (9 H D), the MLP's (4 hidden); Deltaformer's u
+    (2 H D); DDL's per-sublayer vectors (2 d) and the kept states (d x d_v, every ddl_keep_state_every-th
+    block). Logits: 3 values per token and vocabulary entry (the logits, the loss's log-probabilities, their
+    gradient). On GPT-2 small/medium with the GPU kernels this is within 2% of the measured peaks
+    (bench/RESULTS.md); the PyTorch paths of DDL and Deltaformer (the CPU's) keep up to ~2x more."""
+    with torch.device("meta"):  # shapes only: instant, whatever the size
+        n = GPT(cfg).num_params()
+    a = 2 if bf16 else 4
+    d, hd = cfg.n_embd, cfg.n_head * cfg.head_dim
+    per_block = 6 * d + 9 * hd + 4 * cfg.hidden
+    per_block += 2 * hd if cfg.attention == "deltaformer" else 0
+    per_block += 2 * d if cfg.is_ddl else 0
+    states = 0  # DDL at d_v = 1: the state is the sublayer's input, counted above
+    if cfg.is_ddl and cfg.ddl_dv > 1:
+        every = cfg.ddl_keep_state_every
+        kept = 2 * cfg.n_layer if every == 0 else -(-cfg.n_layer // every)
+        states = kept * d * cfg.ddl_dv * (2 if cfg.ddl_state_dtype == "bfloat16" else 4)
+    tokens = batch_size * length
+    return {
+        "weights": 4 * n,
+        "gradients": 4 * n * (2 if ddp else 1),
+        "optimizer": 8 * n,
+        "activations": tokens * (a * (cfg.n_layer * per_block + 3 * d) + states),  # 3 d: the final norm's
+        "logits": tokens * cfg.vocab_size * 3 * a,
+    }
+
+
+def available_memory(device):
+    """Bytes `device` ("cpu", "cuda", "cuda:N") has for this process now: the GPU's free memory, or the
+    RAM the kernel counts as available (MemAvailable, else the free pages); None where not known."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return None
 
 
 def rng_state(cuda_device=None):

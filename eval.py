@@ -30,6 +30,7 @@ stops once every row holds a stop string), then cuts the text at the first stop 
 
 import argparse
 import dataclasses
+import inspect
 import json
 import os
 import sys
@@ -65,6 +66,10 @@ def load_checkpoint(out_dir, device="cpu"):
     return load_model(os.path.join(out_dir, "ckpt.pt"), device)
 
 
+class ModelArgsError(ValueError):
+    """model_args that CheckpointLM does not take; the message (one line) lists those it does."""
+
+
 class CheckpointLM(TemplateLM):
     """lm-eval LM over a model.GPT: from out_dir (its ckpt.pt) or an in-memory `model`."""
 
@@ -83,7 +88,11 @@ class CheckpointLM(TemplateLM):
             raise ValueError("CheckpointLM needs exactly one of out_dir (a directory with ckpt.pt) or model")
         kwargs.pop("max_batch_size", None)  # lm-eval passes it to every model; batches here are fixed-size
         if kwargs:
-            raise ValueError(f"CheckpointLM: unknown model_args {sorted(kwargs)}")
+            takes = [p for p in inspect.signature(CheckpointLM).parameters if p not in ("model", "kwargs")]
+            raise ModelArgsError(
+                f"{MODEL_NAME}: unknown model_args {', '.join(sorted(kwargs))}; it takes {', '.join(takes)} "
+                "(the model's shape and variant come from out_dir/ckpt.pt)"
+            )
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.ckpt_info = {}
@@ -401,7 +410,10 @@ def run_lm_eval_cli(argv):
     if not any(a == "--include_path" or a.startswith("--include_path=") for a in argv):
         argv += ["--include_path", LOCAL_TASKS]
     sys.argv = ["lm-eval"] + argv
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except (ModelArgsError, CheckpointError) as e:  # what a user typed: one line, not a traceback
+        fail(str(e))
 
 
 def fail(msg):

@@ -11,6 +11,8 @@ Config keys: the names in the "config keys" section below and the GPTConfig fiel
 fresh run refuses an out_dir holding a run: --init_from=resume continues it, --overwrite=True replaces it
 (the log of a run that stopped before its first checkpoint is kept as log.N.jsonl, not refused). A live run
 holds its out_dir (a lock the OS drops when the process ends): a second run there is refused.
+Ctrl-C (SIGINT) or SIGTERM finishes the optimizer step, checkpoints and exits (130 or 143); a second
+Ctrl-C aborts at once. A step that cannot fit the device's memory (estimated) is refused before it starts.
 
 Reproducibility: global batch `iter_num` (batch_size * gradient_accumulation_steps rows) is a function of
 (data, seed, iter_num); rank r, micro-step m takes rows from (m * world_size + r) * batch_size; losses are
@@ -18,6 +20,7 @@ weighted to the mean over its valid (!= -1) targets, whatever the number of rank
 that decides the future (model, optimizer, iteration, RNG states), so a resume on CPU is bit-exact.
 """
 
+import atexit
 import contextlib
 import dataclasses
 import functools
@@ -25,6 +28,7 @@ import inspect
 import math
 import os
 import random
+import signal
 import sys
 import time
 
@@ -36,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint as ck
 from configurator import ConfigError, check_values, command_line
 from data import state_tracking as st
+from data.shards import remove_empty_dirs
 from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -105,6 +110,41 @@ def fail(message):
     sys.exit(1)
 
 
+class Interrupts:
+    """SIGINT (Ctrl-C) and SIGTERM (a scheduler's notice). Before training they stop the run at once; once
+    training, the first is only noted: the loop finishes its optimizer step, checkpoints and exits with
+    128 + the signal, every rank at the same iteration (stop() agrees across ranks). Then SIGINT takes its
+    default action, so a second Ctrl-C ends the process at once, even inside a long call (the last
+    checkpoint stays), and a repeated SIGTERM is ignored."""
+
+    def __init__(self):
+        self.signum, self.training = 0, False
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self.handle)
+
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if not self.training:
+            print(f"train.py: {name}: stopped before training started", file=sys.stderr, flush=True)
+            sys.exit(128 + signum)  # atexit still takes back a run folder made for nothing
+        self.signum = signum
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if master:  # os.write: print is not safe inside a handler
+            os.write(2, f"train.py: {name}: stopping after this step; Ctrl-C again aborts at once\n".encode())
+
+    def stop(self):
+        """The signal to stop on, 0 for none: any rank's, so that all ranks stop at the same iteration."""
+        if not ddp:
+            return self.signum
+        flag = torch.tensor(self.signum, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+
+interrupts = Interrupts()
+
+
 # ---- config: defaults <- config files <- --key=value, checked before any data or model work ----
 try:  # --help lists every key with the comment of its assignment here or in GPTConfig
     _sources = [(__file__, None), (inspect.getsourcefile(GPTConfig), "GPTConfig")]
@@ -130,9 +170,10 @@ log_path = os.path.join(out_dir, "log.jsonl")
 checkpoint = None
 if not dry_run and os.environ.get("RANK", "0") == "0":  # rank 0 writes the run's files
     try:  # held until this process ends; the checks below then see no other live run's files
-        _run_dir_lock = ck.hold_run_dir(out_dir)
+        _run_dir_lock, _made = ck.hold_run_dir(out_dir)
     except ck.CheckpointError as e:
         fail(str(e))
+    atexit.register(remove_empty_dirs, _made)  # a run stopped before its first file leaves no folder
 # a log without a checkpoint: its run stopped before its first checkpoint, so there is nothing to resume
 log_only = os.path.isfile(log_path) and os.path.getsize(log_path) > 0 and not os.path.exists(ckpt_path)
 if init_from == "resume":
@@ -199,6 +240,33 @@ to_device = lambda t: t.pin_memory().to(device, non_blocking=True) if device_typ
 if master:  # temp files of a run killed while writing them
     for _tmp in filter(os.path.exists, (ckpt_path + ".tmp", log_path + ".tmp")):
         os.remove(_tmp)
+
+# ---- memory: a step that cannot fit the device is refused before any data or model work ----
+_bytes = ck.step_memory(GPTConfig(**model_args), batch_size, block_size, bf16, ddp)
+memory = {"weights, gradients and AdamW": sum(_bytes[k] for k in ("weights", "gradients", "optimizer"))}
+memory |= {k: _bytes[k] for k in ("activations", "logits")}
+available = ck.available_memory(device)
+if available is not None and device_type == "cpu":
+    available //= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the ranks of one machine share its RAM
+parts = ", ".join(f"{k} {ck.size_text(v)}" for k, v in memory.items())
+memory_text = f"~{ck.size_text(sum(memory.values()))} (estimated: {parts})"
+too_big = available is not None and sum(memory.values()) > available
+if ddp:  # every rank stops, or none
+    any_too_big = torch.tensor(int(too_big), device=device)
+    dist.all_reduce(any_too_big, op=dist.ReduceOp.MAX)
+    if any_too_big.item() and not too_big:
+        fail(f"a training step needs {memory_text}, more than another rank's device has (see its error)")
+if too_big:
+    rows = f"batch_size={batch_size} x block_size={block_size}"
+    grows = {"activations": f"{rows} x n_layer={model_args['n_layer']}"}
+    grows["logits"] = f"{rows} x vocab_size={model_args['vocab_size']}"
+    largest = max(memory, key=memory.get)
+    driver = grows.get(largest, f"the {_bytes['weights'] // 4:,} parameters")
+    fail(
+        f"a training step needs {memory_text}, more than the {ck.size_text(available)} available on "
+        f"{device}: the {largest} grow with {driver}; lower one (a smaller batch_size with more "
+        "gradient_accumulation_steps keeps the batch)"
+    )
 
 
 # ---- data: loaders with get_batch(step, row_start, row_count, global_rows) ----
@@ -393,13 +461,17 @@ flops_per_token = functools.cache(raw_model.flops_per_token)  # per training len
 log(
     f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {model_args['residual']} residual, "
     f"{model_args['attention']} attention\n{world_size} rank(s) on {device}, {micro_steps} micro-steps of "
-    f"{batch_size} x {block_size} per rank, {global_rows * block_size:,} tokens per iteration"
+    f"{batch_size} x {block_size} per rank, {global_rows * block_size:,} tokens per iteration\na step needs "
+    f"{memory_text}, {ck.size_text(available) if available is not None else 'unknown'} available on {device}"
 )
 
 # ---- training loop ----
 resumed_at = iter_num if init_from == "resume" else None
 timed_from, dt_avg = iter_num + 2, None  # the ETA leaves out this process's first iterations (compiling)
 train_start = time.time()  # for max_seconds (counts this process only, not earlier resumed runs)
+saved_at, stopped_by = resumed_at, 0  # the iteration of the last checkpoint; the signal that stopped the run
+interrupts.training = True
+log(f"first step: iteration {iter_num}{', compiling the model first (a minute or more)' * compile} ...")
 while True:
     if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != resumed_at:
         metrics = evaluate()
@@ -412,7 +484,13 @@ while True:
         write_log({"iter": iter_num, **metrics})
         if iter_num > 0 or iter_num >= max_iters:  # the initial model only as the result (max_iters=0)
             save()
+            saved_at = iter_num
     if iter_num >= max_iters:
+        break
+    stopped_by = interrupts.stop()  # a signal during the last step: checkpoint (unless just done) and stop
+    if stopped_by:
+        if saved_at != iter_num:
+            save()
         break
 
     t0 = time.time()
@@ -453,16 +531,22 @@ while True:
         if time_up.item():
             max_iters = min(max_iters, iter_num)  # time is up: the loop evaluates, checkpoints and stops
 
-if curriculum:
+if curriculum and not stopped_by:
     metrics = st.at_lengths(evaluate, val_loader, st_eval_lengths)
     log("final: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     write_log({"iter": iter_num, "final": True, **metrics})
 if device_type == "cuda":
     log(f"peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
-log(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f}, checkpoint {ckpt_path}")
+if stopped_by:
+    name = signal.Signals(stopped_by).name
+    log(f"{name}: interrupted at iteration {iter_num}; resume with --init_from=resume ({ckpt_path})")
+else:
+    log(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f}, checkpoint {ckpt_path}")
 if master:
     run_log.close()
     if wandb is not None:
         wandb.finish()
 if ddp:
     dist.destroy_process_group()
+if stopped_by:
+    sys.exit(128 + stopped_by)

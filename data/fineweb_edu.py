@@ -21,6 +21,9 @@ finished shards (re-tokenizing only the one that straddles) and ends with the sa
 uninterrupted run. Bad input stops the run with an InputError naming the file (and row/line): every input
 file's schema is checked before anything is written, so a broken or foreign file leaves no output at
 all; a bad row found later leaves only the finished shards and the state, never a partial shard.
+Documents whose text is empty are skipped (counted in the state and the final report). A run holds --out
+(a lock the OS drops when the process ends): a second run there is refused. Ctrl-C (SIGINT) or SIGTERM
+stops the command line with one line; run it again to resume.
 """
 
 import argparse
@@ -39,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from data.shards import write_shard  # noqa: E402
+from data.shards import hold_dir, lock_holder, remove_empty_dirs, write_shard  # noqa: E402
 from data.tokenizer import EOT, get_encoding  # noqa: E402
 
 HUB_DATASET = "HuggingFaceFW/fineweb-edu"
@@ -247,6 +250,7 @@ def _init_worker(parent):
             ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
         if os.getppid() != parent:  # the parent died before that
             os._exit(0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops the pool
     get_encoding()  # build the encoding once per process, before the first task
 
 
@@ -264,7 +268,8 @@ def make_pool(workers):
 
 
 def run_task(task, min_int_score):
-    """One task of read_files/read_hub -> (doc_indices, tokens, lengths, nbytes) of the documents kept."""
+    """One task of read_files/read_hub -> (doc_indices, tokens, lengths, nbytes) of the documents kept, and
+    the indices of the empty documents skipped (those the --min-int-score filter kept)."""
     if task[0] == "rowgroup":
         _, path, rg, file_row, first, skip, need_int_score = task
         texts, scores = read_row_group(path, rg, file_row, need_int_score)
@@ -275,7 +280,9 @@ def run_task(task, min_int_score):
     if min_int_score is not None:
         keep = [i for i, s in enumerate(scores) if s >= min_int_score]
         index, texts = index[keep], [texts[i] for i in keep]
-    return (index, *tokenize_docs(texts))
+    empty = index[[t == "" for t in texts]] if texts else index
+    keep = [i for i, t in enumerate(texts) if t]
+    return (index[keep], *tokenize_docs([texts[i] for i in keep]), empty)
 
 
 def tokenized(tasks, min_int_score, pool, workers):
@@ -328,7 +335,30 @@ def read_state(path):
     return state
 
 
-def prepare(
+def prepare(out, *args, **kwargs):
+    """Write the shards into `out` (resuming from its state file); return the list of shard paths.
+
+    Arguments: write_shards'. `out` is held for the run (hold_dir): a second run there raises ValueError;
+    the folders made for it are removed again if the run fails before writing anything there."""
+    try:
+        fd, made = hold_dir(out)
+    except NotADirectoryError:
+        raise ValueError(f"--out {out} is a file, not a folder") from None
+    except BlockingIOError:
+        raise ValueError(
+            f"{out} is in use by another data/fineweb_edu.py run{lock_holder(out)}: wait for it to end, or "
+            "choose another --out"
+        ) from None
+    try:
+        return write_shards(out, *args, **kwargs)
+    except BaseException:
+        remove_empty_dirs(made)
+        raise
+    finally:
+        os.close(fd)
+
+
+def write_shards(
     out,
     inputs=None,
     config="sample-10BT",
@@ -338,7 +368,7 @@ def prepare(
     progress=True,
     on_shard=None,
 ):
-    """Write the shards into `out` (resuming from its state file); return the list of shard paths.
+    """prepare() once `out` is held.
 
     inputs: local .parquet/.jsonl files or directories (None: stream `config` from the Hub).
     on_shard(index, path): test hook, called after a shard file is written, before the state records it.
@@ -361,7 +391,6 @@ def prepare(
     args = {**source, "shard_tokens": shard_tokens, "min_int_score": min_int_score, "tokenizer": "gpt2"}
     args_hash = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()
 
-    os.makedirs(out, exist_ok=True)
     state_path = os.path.join(out, STATE_NAME)
     for name in os.listdir(out):  # temporary files of a killed run
         if name.startswith("fineweb_edu_") and ".tmp." in name:
@@ -383,6 +412,8 @@ def prepare(
     if state["complete"]:
         print(f"{out}: already complete ({state['shards_done']} shards, {state['tokens']:,} tokens)")
         return [shard_path(out, i) for i in range(state["shards_done"])]
+    state.setdefault("empty_docs", 0)  # not in the state of an older run: from here on
+    empty = collections.deque()  # indices of the empty documents skipped and not yet counted in the state
     if state["shards_done"]:
         print(f"resuming after {state['shards_done']} shards, at document {state['next_doc']:,}")
 
@@ -393,6 +424,9 @@ def prepare(
         if on_shard is not None:
             on_shard(index, path)
         state.update(shards_done=index + 1, next_doc=int(next_doc), next_offset=int(next_offset))
+        while empty and empty[0] < next_doc:  # those before the resume position, counted once
+            state["empty_docs"] += 1
+            empty.popleft()
         state["tokens"] += len(tokens)
         _write_json_atomic(state_path, state)
 
@@ -415,7 +449,8 @@ def prepare(
             bar = tqdm(unit=" docs", desc="fineweb-edu", dynamic_ncols=True, mininterval=0.1 if tty else 60)
         buf = np.empty(shard_tokens, dtype=np.uint16)
         fill, tokens_seen, bytes_seen, t0 = 0, 0, 0, time.time()
-        for index, tokens, lengths, nbytes in tokenized(tasks, min_int_score, pool, workers):
+        for index, tokens, lengths, nbytes, skipped in tokenized(tasks, min_int_score, pool, workers):
+            empty.extend(skipped.tolist())
             ends = np.cumsum(lengths)  # end of each document inside `tokens`
             pos = 0
             if skip:  # the document that straddled the last finished shard: its head is already written
@@ -455,12 +490,16 @@ def prepare(
     if fill or state["shards_done"] == 0:
         if fill == 0:
             os.remove(state_path)
-            raise InputError("no documents in the input (after the --min-int-score filter)")
+            filters = f"after the --min-int-score filter and {len(empty):,} empty ones skipped"
+            raise InputError(f"no documents in the input ({filters})")
         finish_shard(buf[:fill], state["next_doc"], 0)  # the position no longer matters: complete below
     state["complete"] = True
+    state["empty_docs"] += len(empty)
     _write_json_atomic(state_path, state)
     n = state["shards_done"]
     print(f"{out}: {n} shards ({n - 1} train + 1 val), {state['tokens']:,} tokens")
+    if state["empty_docs"]:
+        print(f'skipped {state["empty_docs"]:,} empty documents (text ""): not written')
     if n == 1:
         print("warning: everything fits in the validation shard; lower --shard-tokens to get train shards")
     return [shard_path(out, i) for i in range(n)]
@@ -477,6 +516,7 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=cores, help="tokenizer processes (default: all cores)")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: one line, no traceback
     try:
         prepare(
             a.out,
@@ -489,6 +529,8 @@ def main(argv=None):
         )
     except (InputError, ValueError, ImportError) as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (below): the finished shards stay, the state says which
+        sys.exit(f"interrupted: run the same command again to resume ({a.out})")
 
 
 if __name__ == "__main__":

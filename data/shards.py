@@ -3,10 +3,20 @@
 A shard is a header of 256 little-endian int32, [MAGIC, VERSION, n_tokens, 0, ...] (1024 bytes), then
 n_tokens little-endian uint16 token ids. Readers check magic, version and that the file is exactly
 1024 + 2 * n_tokens bytes, so a truncated or foreign file fails loudly instead of training on garbage.
+
+hold_dir locks an output folder for one writer (a data preparation here, a training run in train.py), and
+remove_empty_dirs takes back the folders it made when the writer stops before writing anything there.
 """
 
+import contextlib
+import errno
 import os
 import re
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: folders there are not locked
+    fcntl = None
 
 import numpy as np
 
@@ -95,3 +105,49 @@ def find_shards(directory, split):
             f"no '{split}' shards in {directory} (looked for {split}.bin or *_{split}_NNNNNN.bin)"
         )
     return [os.path.join(directory, n) for n in names]
+
+
+def lock_holder(path):
+    """' (pid N)' of the process holding a lock on the file or folder `path`, from /proc/locks (Linux);
+    '' where that is not known."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        st = os.stat(path)
+        where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with open("/proc/locks") as f:
+            for line in f:
+                fields = line.split()
+                if where in fields and fields[fields.index(where) - 1] not in ("0", "-1"):
+                    return f" (pid {fields[fields.index(where) - 1]})"
+    return ""
+
+
+def hold_dir(path):
+    """Create the folder `path` if needed and lock it: flock on the folder itself, which the OS drops when the
+    descriptor is closed or the process ends, even by kill -9, so a dead writer never leaves it stuck, and no
+    file is added to the folder. Returns (the descriptor holding the lock, the folders made for it, deepest
+    first). NotADirectoryError if `path` is a file, BlockingIOError if a live process holds it (lock_holder
+    names it), another OSError if it cannot be created."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder", path)
+    made, parent = [], os.path.abspath(path)
+    while not os.path.exists(parent):
+        made.append(parent)
+        parent = os.path.dirname(parent)
+    os.makedirs(path, exist_ok=True)
+    fd = os.open(path, os.O_RDONLY)
+    if fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return fd, made  # a file system without locks (ENOLCK): unlocked, as before locks
+            os.close(fd)
+            raise BlockingIOError(e.errno, "in use", path) from None
+    return fd, made
+
+
+def remove_empty_dirs(made):
+    """Remove the folders hold_dir made (deepest first) that are still empty: only what it created."""
+    for d in made:
+        with contextlib.suppress(OSError):
+            os.rmdir(d)

@@ -513,3 +513,20 @@ def test_quickstart_model_beats_chance_on_cloze():
     r = results["results"]["shakespeare_cloze"]
     # 500 items, chance 0.25: more than two standard errors above it (measured: acc_norm 0.34 +- 0.02)
     assert r["acc_norm,none"] > 0.25 + 2 * r["acc_norm_stderr,none"], r
+
+
+def test_lm_eval_command_line_unknown_model_arg_is_one_line(tmp_path):
+    write_checkpoint(tmp_path / "out", tiny(block_size=64))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8")
+    cmd = [sys.executable, os.path.join(REPO, "eval.py"), "lm_eval", "--model", ev.MODEL_NAME, "--model_args"]
+    for model_args, message in [
+        (f"out_dir={tmp_path / 'out'},residual=ddl-cc", "ddl-gpt: unknown model_args residual; it takes "),
+        (f"out_dir={tmp_path / 'none'}", f"no checkpoint at {tmp_path / 'none'}"),
+    ]:
+        args = [model_args, "--tasks", "shakespeare_cloze", "--device", "cpu", "--limit", "1"]
+        r = subprocess.run(cmd + args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        errors = [line for line in r.stderr.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1 and errors[0].startswith(f"eval.py: error: {message}"), errors
+    with pytest.raises(ev.ModelArgsError, match="takes out_dir, batch_size, device, dtype, max_gen_toks"):
+        ev.CheckpointLM(model=tiny(), wrong=1)

@@ -254,7 +254,7 @@ def test_malformed_files_named_and_no_output(corpus, tmp_path):
         out = tmp_path / f"out{i}"
         with pytest.raises(InputError, match=message):
             prepare(str(out), inputs=inputs, shard_tokens=SHARD, min_int_score=min_score, progress=False)
-        assert not out.exists() or not os.listdir(out)
+        assert not out.exists()  # the folder it made for nothing is taken back
 
 
 def test_bad_row_found_late_leaves_no_partial_shard(corpus, tmp_path):
@@ -395,3 +395,99 @@ def test_a_shard_that_fills_exactly_at_a_documents_end_resumes_after_it(tmp_path
     assert state["shards_done"] == 1
     prepare(out, inputs=[path], shard_tokens=shard_tokens, progress=False)
     assert shard_bytes(out) == shard_bytes(full)
+
+
+def test_empty_documents_are_skipped_counted_and_reported(corpus, tmp_path, capsys):
+    files, docs, scores = corpus
+    rng = np.random.default_rng(3)
+    texts = [d if rng.random() < 0.8 else "" for d in docs]  # ~20% empty, some around shard boundaries
+    n_empty = texts.count("")
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    expected = reference_stream([t for t in texts if t])  # no bare EOT for an empty document
+    out = str(tmp_path / "out")
+
+    class Crash(Exception):
+        pass
+
+    def crash(index, _):
+        if index == 4:
+            raise Crash
+
+    with pytest.raises(Crash):  # stopped half-way, then resumed: each empty document counted once
+        prepare(out, inputs=[str(path)], shard_tokens=SHARD, progress=False, on_shard=crash)
+    capsys.readouterr()
+    prepare(out, inputs=[str(path)], shard_tokens=SHARD, workers=2, progress=False)
+    check_output(out, expected)
+    assert f"skipped {n_empty:,} empty documents" in capsys.readouterr().out
+    with open(os.path.join(out, fineweb_edu.STATE_NAME)) as f:
+        assert json.load(f)["empty_docs"] == n_empty > 5
+
+
+def test_a_second_run_on_the_same_out_is_refused_in_one_line(corpus, tmp_path):
+    files, _, _ = corpus
+    out = tmp_path / "out"
+    fd, made = fineweb_edu.hold_dir(str(out))  # another run holds it (flock: per open, so also in-process)
+    try:
+        with pytest.raises(ValueError, match=f"{out} is in use by another data/fineweb_edu.py run"):
+            prepare(str(out), inputs=files, shard_tokens=SHARD, progress=False)
+        cli = [sys.executable, os.path.join(ROOT, "data", "fineweb_edu.py"), "--out", str(out), "--input"]
+        proc = subprocess.run(cli + files + ["--no-progress"], capture_output=True, text=True, timeout=1800)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            f"error: {out} is in use by another data/fineweb_edu.py run (pid {os.getpid()}): wait for it to "
+            "end, or choose another --out"
+        ]
+        assert os.listdir(out) == []
+    finally:
+        os.close(fd)
+    assert made == [str(out)]
+    prepare(str(out), inputs=files, shard_tokens=SHARD, progress=False)  # free again
+    check_output(str(out), reference_stream(corpus[1]))
+
+
+def test_a_failed_run_takes_back_only_the_folders_it_made(corpus, tmp_path):
+    files, _, _ = corpus
+    for out in (tmp_path / "new" / "deeper", tmp_path / "kept"):
+        if out.name == "kept":
+            out.mkdir()  # the user's folder: kept, empty, as it was
+        with pytest.raises(InputError, match="no documents in the input"):
+            prepare(str(out), inputs=files, shard_tokens=SHARD, min_int_score=99, progress=False)
+    assert os.listdir(tmp_path) == ["kept"] and os.listdir(tmp_path / "kept") == []
+
+
+INTERRUPT = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from data import fineweb_edu
+
+write = fineweb_edu.write_shard
+
+
+def write_then_interrupt(path, tokens):  # Ctrl-C as a terminal sends it: to the whole process group
+    write(path, tokens)
+    if path.endswith("000003.bin"):
+        os.killpg(os.getpgid(0), signal.SIGINT)
+
+
+fineweb_edu.write_shard = write_then_interrupt
+fineweb_edu.main({args!r})
+"""
+
+
+def test_ctrl_c_stops_in_one_line_and_the_run_resumes(corpus, tmp_path):
+    files, docs, _ = corpus
+    out = str(tmp_path / "out")
+    args = ["--out", out, "--input", *files, "--shard-tokens", str(SHARD), "--workers", "2", "--no-progress"]
+    script = INTERRUPT.format(root=ROOT, args=args)
+    # a process group of its own: the signal reaches this process and its workers, not pytest
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=1800, start_new_session=True
+    )
+    assert run.returncode == 1, run.stderr
+    assert run.stderr.strip().splitlines() == [f"interrupted: run the same command again to resume ({out})"]
+    assert len(shard_bytes(out)) == 4  # shards 0-3 written, the fourth one not yet in the state
+    cli = [sys.executable, os.path.join(ROOT, "data", "fineweb_edu.py"), *args]
+    resumed = subprocess.run(cli, capture_output=True, text=True, timeout=1800)
+    assert resumed.returncode == 0 and "resuming after 3 shards" in resumed.stdout, resumed.stderr
+    check_output(out, reference_stream(docs))
