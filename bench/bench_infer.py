@@ -81,8 +81,8 @@ def decode_row(model, cfg, args, row):
         fixed = [v.nbytes for v in cache.store.values() if not isinstance(v, tuple)]
         for mode in args.decode_modes:
             new = args.none_new if mode == "none" else args.new
-            r = dict(batch=B, mode=mode, new=new, kb_token=sum(kb) / B / 1e3, kb_fixed=sum(fixed) / B / 1e3)
-            row["decode"].append(r)
+            row["decode"].append(r := dict(batch=B, mode=mode, new=new, kb_token=sum(kb) / B / 1e3))
+            r["kb_fixed"] = sum(fixed) / B / 1e3
             try:
                 with Span() as first:  # compiled: compiles, then records the CUDA graphs
                     generate(model, prompt, min(new, 8), top_k=1, decode=mode)
@@ -99,6 +99,7 @@ def decode_row(model, cfg, args, row):
                 seconds = statistics.median(times)
                 peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan")
                 r.update(tok_s=B * new / seconds, ms_token=seconds / new * 1e3, runs=len(times), peak_GB=peak)
+                r["cudagraph_skips"] = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]  # so far
             except Exception as e:
                 r["error"] = f"{type(e).__name__}: {e}"[:300]
                 traceback.print_exc()
@@ -184,9 +185,8 @@ def main():
     common.check_row_flags(args, __file__, VARIANTS)
     from sample import DECODES
 
-    args.sections = [s for s in args.sections.split(",") if s]
-    args.decode_models = [m for m in args.decode_models.split(",") if m]
-    args.decode_modes = [m for m in args.decode_modes.split(",") if m]
+    lists = (args.sections, args.decode_models, args.decode_modes)
+    args.sections, args.decode_models, args.decode_modes = ([x for x in a.split(",") if x] for a in lists)
     args.decode_batches = common.positive_ints(args.decode_batches, "--decode-batches", "1,32")[::-1]
     for flag, values, allowed in (("--sections", args.sections, ("forward", "decode")),
                                   ("--decode-modes", args.decode_modes, DECODES)):  # fmt: skip

@@ -34,7 +34,7 @@ CASES += [  # every Deltaformer kernel and every choice of w at least once
 def make(overrides, block_size=16):
     torch.manual_seed(0)
     shape = dict(n_layer=2, n_head=2, n_embd=32, head_dim=16, block_size=block_size, vocab_size=V)
-    cfg = GPTConfig(**{**shape, **overrides}, backend="torch")
+    cfg = GPTConfig(**{**shape, "backend": "torch", **overrides})
     model = GPT(cfg).double().eval()
     with torch.no_grad():  # strong enough that greedy decoding does not just repeat a token
         for name, p in model.named_parameters():
@@ -193,3 +193,24 @@ def test_generate_compiled_equals_cache():
             outs.append(generate(model, prompt, 10, temperature=1.5, decode=decode))
         assert torch.equal(outs[0], outs[1]), case
         assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], (case, dict(counters))
+
+
+@pytest.mark.gpu
+def test_generate_compiled_on_cuda_replays_cuda_graphs():
+    """On a GPU, decode="compiled" runs its steps as CUDA graphs (none skipped: the cache's buffers are
+    static inputs, which a graph may write) on the Triton kernels, and gives the tokens of "cache" (fp32)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    for case in (
+        dict(residual="ddl-tc", attention="deltaformer"),
+        dict(residual="ddl-cc"),
+        dict(residual="ddl"),
+    ):
+        model = make(dict(case, backend="auto")).float().cuda()
+        prompt = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2)).cuda()
+        want = generate(model, prompt, 12, top_k=1)
+        assert torch.equal(generate(model, prompt, 12, top_k=1, decode="compiled"), want), case
+        assert torch.equal(generate(model, prompt, 12, top_k=1, decode="compiled"), want), case  # replayed
+    assert counters["inductor"]["cudagraph_skips"] == 0 and counters["stats"]["unique_graphs"] == 3, counters
