@@ -284,10 +284,11 @@ def main(argv=None):
         return False
 
     t0 = time.perf_counter()
-    y = generate(model, x, args.max_new_tokens, args.temperature, top_k, progress, decode=args.decode)
+    y = generate(model, x, args.max_new_tokens, temperature=args.temperature, top_k=top_k, stop=progress,
+                 decode=args.decode)  # fmt: skip
     if x.is_cuda:
         torch.cuda.synchronize(x.device)
-    seconds, n = time.perf_counter() - t0, y.numel() - x.numel()  # the prompt's pass included
+    seconds, n = max(time.perf_counter() - t0, 1e-9), y.numel() - x.numel()  # the prompt's pass included
     print(f"# {n:,} tokens generated in {seconds:.2f} s: {n / seconds:,.1f} tokens/s", file=sys.stderr)
     for k, row in enumerate(y.tolist()):
         # ids past GPT-2's 50257 (vocab padding rows) never occur in the data and have no text
