@@ -15,7 +15,7 @@ causal conv of it. Norms, gates and updates compute in fp32; X is stored in `ddl
 """
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from kernels.common import BACKENDS, fp32_linear
 from kernels.ddl import cc_read_weight, compress_cc, compress_tc, expand_ec
-from kernels.ddl.stream import DDLStream, with_history
-from kernels.deltaformer import deltaformer_attention, deltaformer_decode
+from kernels.ddl.stream import DDLStream
+from kernels.deltaformer import deltaformer_attention
 
 RESIDUALS = {}  # residual name -> its rule, a module class per sublayer (filled below, after the rules)
 DDL_RESIDUALS = ("ddl", "ddl-tc", "ddl-cc")
@@ -132,12 +132,6 @@ class GPTConfig:
         return self.mlp_hidden if self.mlp_hidden is not None else (8 * self.n_embd) // 3
 
 
-@dataclass
-class Cache:  # decoding: `pos` tokens seen so far, and per-module tensors (keyed by module or (module, slot))
-    pos: int = 0
-    store: dict = field(default_factory=dict)
-
-
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 (or float64), returned in x's dtype."""
 
@@ -207,7 +201,8 @@ class Attention(nn.Module):
         B, T, _ = c.shape
         heads = self.c_attn(c).view(B, T, -1, self.n_head, self.head_dim)
         heads = heads.permute(2, 0, 3, 1, 4)  # [n, B, H, T, D], n = q, k, v (, w)
-        cos, sin = self.rope_cos[pos : pos + T], self.rope_sin[pos : pos + T]  # pos + T <= block_size
+        at = slice(pos, pos + T) if isinstance(pos, int) else pos + torch.arange(T, device=c.device)
+        cos, sin = self.rope_cos[at], self.rope_sin[at]  # pos + T <= block_size (a tensor: StaticCache)
         q = self.q_norm(apply_rope(heads[0], cos, sin))
         k = self.k_norm(apply_rope(heads[1], cos, sin))
         if self.deltaformer:
@@ -220,13 +215,11 @@ class Attention(nn.Module):
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
     def _softmax(self, q, k, v, cache):
-        if cache is not None:  # append to the key/value cache; the T new queries see all of it
-            if self in cache.store:
-                k, v = (torch.cat([past, new], dim=2) for past, new in zip(cache.store[self], (k, v)))
-            cache.store[self] = (k, v)
-        T, S = q.shape[2], k.shape[2]
+        if cache is not None:  # the cached keys/values with the T new ones (static: the whole buffer)
+            k, v = cache.extend(self, k, v)
+        T, S, ar = q.shape[2], k.shape[2], lambda n: torch.arange(n, device=q.device)
         dropout = self.cfg.dropout if self.training else 0.0
-        mask = None if S == T else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # t: S-T+t
+        mask = None if S == T else ar(S) <= cache.pos + ar(T)[:, None]  # new token t at cache.pos + t
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=S == T)
 
     def _deltaformer(self, c, q, k, v, w, cache):
@@ -235,8 +228,7 @@ class Attention(nn.Module):
         beta = beta.transpose(1, 2)  # [B, H, T], fp32
         if cache is None:
             return deltaformer_attention(q, k, v, w, beta, kernel=kernel, backend=cfg.backend)
-        y, cache.store[self] = deltaformer_decode(q, k, v, w, beta, cache.store.get(self), kernel)
-        return y
+        return cache.deltaformer(self, q, k, v, w, beta, kernel)
 
 
 # ---- The residual rules: a module per sublayer, rule(stream, F) -> the stream after F read and wrote it.
@@ -390,14 +382,15 @@ class GPT(nn.Module):
             return emb[..., None].expand(*emb.shape, cfg.ddl_dv).contiguous()
         T = emb.shape[1]
         if cache is not None:
-            emb = with_history(cache, self, emb, cfg.ddl_conv_size - 1)
+            emb = cache.history(self, emb, cfg.ddl_conv_size - 1)
         return expand_ec(emb, self.ec_conv, backend=cfg.backend)[:, emb.shape[1] - T :]
 
     def hidden_states(self, idx, cache=None):
-        """Final-normed features [B, T, d] of tokens idx; with a cache, idx continues the cached sequence."""
+        """Final-normed features [B, T, d] of tokens idx; with a cache (sample.py), idx continues the cached
+        sequence (a StaticCache's pos is a tensor, checked by its owner: no sync in a compiled step)."""
         cfg = self.config
         T, pos = idx.shape[1], 0 if cache is None else cache.pos
-        if pos + T > cfg.block_size:
+        if isinstance(pos, int) and pos + T > cfg.block_size:
             raise ValueError(f"sequence of {pos + T} tokens exceeds block_size {cfg.block_size}")
         x = self.embed(idx, cache)  # [B, T, d], or X0 [B, T, d, d_v] for the stream that runs the DDL ops
         if cfg.is_ddl:

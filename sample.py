@@ -6,45 +6,186 @@ Sample from a trained model (out_dir/ckpt.pt written by train.py); runs on CPU o
 
 The prompt is GPT-2 tokenized; "<|endoftext|>" in it is the EOT token (the document separator the model
 saw before every document, so it asks for the start of a fresh document). Generation uses the model's
-incremental cache (`generate` below, also what eval.py uses). --top_k=1 is greedy decoding.
+incremental cache (`generate` below, also what eval.py uses). --top_k=1 is greedy decoding. It prints the
+tokens/s of the generation (all samples, the prompt's pass included) on stderr.
 """
 
 import argparse
+import functools
 import os
 import re
 import sys
+import time
+import weakref
 
 import torch
 import torch.nn.functional as F
 
 from checkpoint import CheckpointError, load_model
 from data.tokenizer import get_encoding
-from model import Cache
+from kernels.common import autocast_dtype
+from kernels.deltaformer import deltaformer_decode, deltaformer_step
 
 # Past block_size each new token is a forward pass over the whole window (no cache applies), so long
 # generations are slow: they report progress, and a bound keeps a typo from running for days.
 MAX_NEW_TOKENS = 1_000_000  # ~4 MB of text a sample
 PROGRESS_EVERY = 1000  # new tokens between progress lines on stderr
+DECODES = ("cache", "static", "compiled", "none")  # generate's ways to compute a token (generate's docstring)
+
+
+class Cache:
+    """Decoding state for GPT.hidden_states: `pos` tokens seen so far, and in `store`, per module (or
+    (module, slot)), what it keeps of them: keys and values (Deltaformer: keys and u's) [B, H, S, D], grown by
+    concatenation, and the last n inputs of a causal conv (DDL's TC read-outs and EC)."""
+
+    def __init__(self):
+        self.pos, self.store = 0, {}
+
+    def extend(self, key, k, v):
+        """key's cached keys and values [B, H, S, D] followed by the T new ones k, v [B, H, T, D]."""
+        if key in self.store:
+            k, v = (torch.cat([past, new], dim=2) for past, new in zip(self.store[key], (k, v)))
+        self.store[key] = (k, v)
+        return k, v
+
+    def deltaformer(self, key, q, k, v, w, beta, kernel):
+        """Deltaformer attention [B, H, T, D] of T new tokens after key's cached keys and u's."""
+        y, self.store[key] = deltaformer_decode(q, k, v, w, beta, self.store.get(key), kernel)
+        return y
+
+    def history(self, key, x, n):
+        """x [B, T, ...] with the last n steps cached under key in front (zeros at the start of the sequence,
+        i.e. the same zero padding a causal conv uses at t < 0); remembers the last n steps for next time."""
+        if n == 0:
+            return x
+        past = self.store.get(key)
+        if past is None:  # the first call only: no zeros allocated on every decoding step
+            past = x.new_zeros((x.shape[0], n) + tuple(x.shape[2:]))
+        full = torch.cat([past, x], dim=1)
+        self._keep(key, full[:, -n:])
+        return full
+
+    def _keep(self, key, last):
+        self.store[key] = last
+
+
+class StaticCache(Cache):
+    """A Cache in buffers allocated for block_size tokens and written in place, `pos` a tensor: each decoding
+    step after the prompt has the same shapes and reads and writes the same addresses at every position, so
+    that torch.compile's CUDA graphs can replay it (gpt-fast's static KV cache). While `prompt` is True (the
+    first pass, which its owner then ends by setting it False) the keys, values and u's are computed as
+    Cache computes them and copied into the buffers; after it, each step writes its token's at slot pos, and
+    attention reads the whole buffer with the slots after pos masked: the same result, more (masked) work."""
+
+    def __init__(self, block_size, device):
+        super().__init__()
+        self.block_size, self.prompt = block_size, True
+        self.pos = mark_static(torch.zeros(1, dtype=torch.long, device=device))
+
+    def reset(self):
+        """Ready for a new prompt; the buffers, zeroed, stay (and so their addresses)."""
+        self.prompt = True
+        self.pos.zero_()
+        for bufs in self.store.values():
+            for buf in bufs if isinstance(bufs, tuple) else (bufs,):
+                buf.zero_()
+        return self
+
+    def extend(self, key, k, v):
+        if self.prompt:  # the prompt's keys attend to the prompt's only: causal attention, as Cache's
+            self._fill(key, k, v)
+            return k, v
+        at = self.pos + torch.arange(k.shape[2], device=k.device)
+        for buf, new in zip(self.store[key], (k, v)):
+            buf.index_copy_(2, at, new)
+        return self.store[key]
+
+    def deltaformer(self, key, q, k, v, w, beta, kernel):
+        if self.prompt:
+            y, (k, u) = deltaformer_decode(q, k, v, w, beta, None, kernel)
+            self._fill(key, k, u)
+            return y
+        outs = [  # one token at a time, as deltaformer_decode after a prompt
+            deltaformer_step(*(x[:, :, t : t + 1] for x in (q, k, v, w, beta)), *self.store[key], kernel,
+                             pos=self.pos + t)[0]
+            for t in range(q.shape[2])
+        ]  # fmt: skip
+        return torch.cat(outs, dim=2)
+
+    def _fill(self, key, *new):  # the prompt's [B, H, T, D] tensors into key's buffers (made if missing)
+        if key not in self.store:
+            shape = lambda x: x.shape[:2] + (self.block_size,) + x.shape[3:]  # noqa: E731
+            self.store[key] = tuple(mark_static(x.new_zeros(shape(x))) for x in new)
+        for buf, x in zip(self.store[key], new):
+            buf[:, :, : x.shape[2]] = x
+
+    def _keep(self, key, last):
+        if key in self.store:
+            self.store[key].copy_(last)  # in place (last is a slice of a new tensor, not of the buffer)
+        else:
+            self.store[key] = mark_static(last.clone())
+
+
+def mark_static(buf):
+    """buf, marked as an input whose address stays: CUDA graphs read it in place rather than copying it."""
+    torch._dynamo.mark_static_address(buf)
+    return buf
+
+
+_static_caches = weakref.WeakKeyDictionary()  # model -> (what its StaticCache was made for, the cache)
+
+
+def static_cache(model, idx):
+    """model's StaticCache, reset, for a prompt idx: the last one again (the same buffers, so the same
+    addresses for the CUDA graphs) unless the batch size, device or dtypes differ."""
+    device = idx.device
+    key = (idx.shape[0], device, autocast_dtype(device.type), next(model.parameters()).dtype)
+    made_for, cache = _static_caches.get(model, (None, None))
+    if made_for != key:
+        cache = StaticCache(model.config.block_size, device)
+        _static_caches[model] = (key, cache)
+    return cache.reset()
+
+
+def next_logits(model, cache, idx):
+    """Logits [B, V] of the token after idx [B, T], continuing cache's sequence (None: idx is all of it)."""
+    return model.lm_head(model.hidden_states(idx, cache)[:, -1])
+
+
+@functools.cache
+def compiled_next_logits():
+    """next_logits compiled for a decoding step (one token, a StaticCache): its shapes never change, so on
+    CUDA mode="reduce-overhead" replays the step as CUDA graphs, one launch instead of hundreds."""
+    return torch.compile(next_logits, mode="reduce-overhead", dynamic=False)
 
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, stop=None):
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, stop=None, decode="cache"):
     """Append max_new_tokens sampled tokens to idx [B, T] (top_k=1: greedy), through the model's cache
     while the sequence fits in block_size, then cropped like nanoGPT (the window slides: no cache applies).
-    stop: called with the new tokens [B, t] after each step; generation ends early once it returns True."""
+    stop: called with the new tokens [B, t] after each step; generation ends early once it returns True.
+    decode: how a token's logits are computed, the same in every way up to the rounding of another order of
+    operations: "cache", a Cache; "static", a StaticCache; "compiled", a StaticCache with each step after the
+    prompt compiled (torch.compile, CUDA graphs on a GPU; one compile per model, batch size and dtype);
+    "none", no cache: a forward pass over the whole sequence for every token (nanoGPT's loop)."""
+    if decode not in DECODES:
+        raise ValueError(f"generate: decode must be one of {DECODES}, got {decode!r}")
     block_size, T = model.config.block_size, idx.size(1)
-    cache = None
+    cache, token, step = None, None, compiled_next_logits() if decode == "compiled" else next_logits
     for _ in range(max_new_tokens):
         if stop is not None and idx.size(1) > T and stop(idx[:, T:]):
             break
-        if idx.size(1) > block_size:
-            cache, x = None, model.hidden_states(idx[:, -block_size:])
-        elif cache is None:
-            cache = Cache()
-            x = model.hidden_states(idx, cache)
-        else:
-            x = model.hidden_states(idx[:, -1:], cache)
-        idx = torch.cat([idx, sample_token(model.lm_head(x[:, -1]), temperature, top_k)], dim=1)
+        if decode == "none" or idx.size(1) > block_size:
+            cache, logits = None, next_logits(model, None, idx[:, -block_size:])
+        elif cache is None:  # the prompt
+            cache = Cache() if decode == "cache" else static_cache(model, idx)
+            logits = next_logits(model, cache, idx)
+            if decode != "cache":
+                cache.prompt = False  # a StaticCache's steps from here on
+        else:  # the last token, [B, 1] of its own (a view of idx would change strides: a recompile each)
+            logits = step(model, cache, token)
+        token = sample_token(logits, temperature, top_k)
+        idx = torch.cat([idx, token], dim=1)
     return idx
 
 
@@ -69,6 +210,8 @@ def parse_args(argv=None):
     p.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens; 0 = all")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--decode", default="cache", choices=DECODES, help="how each token is computed: cache, "
+                   "static (a preallocated cache), compiled (static, its step compiled), none")  # fmt: skip
     args = p.parse_args(argv)
     if args.num_samples < 1:
         p.error(f"--num_samples must be >= 1, got {args.num_samples}")
@@ -140,7 +283,13 @@ def main(argv=None):
             print(f"# {new.size(1):,} of {args.max_new_tokens:,} new tokens", file=sys.stderr, flush=True)
         return False
 
-    y = generate(model, x, args.max_new_tokens, temperature=args.temperature, top_k=top_k, stop=progress)
+    t0 = time.perf_counter()
+    y = generate(model, x, args.max_new_tokens, temperature=args.temperature, top_k=top_k, stop=progress,
+                 decode=args.decode)  # fmt: skip
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    seconds, n = max(time.perf_counter() - t0, 1e-9), y.numel() - x.numel()  # the prompt's pass included
+    print(f"# {n:,} tokens generated in {seconds:.2f} s: {n / seconds:,.1f} tokens/s", file=sys.stderr)
     for k, row in enumerate(y.tolist()):
         # ids past GPT-2's 50257 (vocab padding rows) never occur in the data and have no text
         text = enc.decode([t for t in row if t < enc.n_vocab])

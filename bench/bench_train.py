@@ -16,21 +16,18 @@ the GPU (near 0: the host sets the step time). --time-limit bounds the run (a jo
 """
 
 import argparse
-import json
 import os
-import pickle
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import common  # noqa: E402  (bench/common.py)
 import torch  # noqa: E402
-from common import Span, atomic_write, command, markdown, run_commands, versions, write_json  # noqa: E402  (bench/common.py)
+from common import Span  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # for MFU: H100/H200 dense bf16
 JOB_TIMEOUT = 420  # seconds for one (model, variant)
@@ -198,8 +195,8 @@ def nanogpt_model(path, size, seq, overrides):
 
 def worker(job):
     """One (model, variant) in a fresh process: static shapes, compiled at the batch it is timed at."""
-    name, size, overrides, args = job["variant"], job["model"], job["overrides"], job["args"]
-    row = dict(model=size, variant=name + ("@against" if job["against"] else ""))
+    row, overrides, args = dict(job["row"]), job["overrides"], job["args"]
+    name, size = job["variant"], row["model"]
     if job["against"]:  # the model and kernels of the other checkout
         sys.path.insert(0, args.against)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -219,19 +216,12 @@ def worker(job):
             cfg = GPTConfig.preset(size, block_size=args.seq, **overrides, **args.model_overrides)
             model = GPT(cfg).to(args.device)
         row["params_M"] = model.num_params() / 1e6
-        for B in job["batches"]:
+
+        def at(B):  # compiled at this micro-batch (static shapes)
             compiled = torch.compile(model, dynamic=False) if args.compile else model
-            try:
-                measure(model, compiled, cfg, B, args, row)
-                break
-            except torch.OutOfMemoryError:
-                row.setdefault("oom_batches", []).append(B)
-            model.zero_grad(set_to_none=True)
-            torch._dynamo.reset()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        else:
-            raise RuntimeError(f"no micro-batch of {job['batches']} fits")
+            measure(model, compiled, cfg, B, args, row)
+
+        common.largest_batch(job["batches"], row, at, reset=lambda: model.zero_grad(set_to_none=True))
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"[:400]
         traceback.print_exc()
@@ -239,67 +229,12 @@ def worker(job):
 
 
 def run_table(args):
-    """Every (model, variant) in a fresh process (`--job FILE`: the job pickled, its row back as FILE.json),
-    one after another, additive first (common.run_commands)."""
-    tmp, t0, done = tempfile.mkdtemp(prefix="bench_train-"), time.time(), []
-
-    def job(i, m, v, against):
-        path = os.path.join(tmp, f"{i}.pkl")
-        with open(path, "wb") as f:
-            pickle.dump(dict(model=m, variant=v, overrides=VARIANTS[v], batches=args.batches, args=args,
-                             against=against), f)  # fmt: skip
-        v += "@against" if against else ""
-        return dict(name=f"{m} {v}", model=m, variant=v, cmd=[sys.executable, __file__, "--job", path])
-
-    def on_end(job):
-        path = job["cmd"][-1] + ".json"
-        if os.path.exists(path):
-            with open(path) as f:
-                row = json.load(f)
-        elif job["status"].startswith("exit"):  # died without a row (crash, killed for memory, ...)
-            row = dict(error=f"worker {job['status']}, no result")
-        elif job["status"].startswith("not run"):
-            row = dict(error="not run: --time-limit reached")
-        else:
-            row = dict(error=f"no result: {job['status']}")
-        row.update(model=job["model"], variant=job["variant"])
-        if "slot" in job:
-            row["t_done_s"] = round(time.time() - t0, 1)
-            print(json.dumps(row), flush=True)
-        done.append(row)
-        save(args, done)
-
-    both = (True, False) if args.against else (False,)  # the other checkout's row, then this one's
-    todo = [
-        (m, v, a) for m in args.models for v in args.variants for a in (both if v != "additive" else [False])
-    ]
-    jobs = [job(i, *mva) for i, mva in enumerate(todo)]
-    try:
-        run_commands(jobs, [None], args.time_limit, JOB_TIMEOUT, min_left=30, on_end=on_end, poll_s=0.2)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return done
-
-
-def table(rows):
-    """Markdown table; ratios against additive + softmax of the same model size (peak memory only
-    where both ran at the same micro-batch)."""
-    base = {r["model"]: r for r in rows if r["variant"] == "additive" and "tok_s" in r}
-    head = ["model", "variant", "micro-batch", "tokens/s", "×additive", "step ms", "peak GB", "×additive"]
-    cells = []
-    for r in rows:
-        if "tok_s" not in r:
-            cells.append([r["model"], r["variant"], f"not measured: {r.get('error', '?')}"] + [""] * 7)
-            continue
-        b = base.get(r["model"])
-        ratio = f"{r['tok_s'] / b['tok_s']:.3f}" if b else "-"
-        mem_ratio = f"{r['peak_GB'] / b['peak_GB']:.3f}" if b and b["batch"] == r["batch"] else "-"
-        cells.append(
-            [r["model"], r["variant"], r["batch"], f"{r['tok_s']:,.0f}", ratio, f"{r['step_ms']:.1f}"]
-        )
-        cells[-1] += [f"{r['peak_GB']:.1f}", mem_ratio, f"{100 * r['mfu']:.1f}%", r.get("compile_s", "-")]
-    align = ["---"] * 2 + ["---:"] * 8
-    return "\n".join(markdown(head + ["MFU", "compile s"], cells, align))
+    """Every (model, variant) in a fresh process, one after another, additive first (common.run_rows)."""
+    todo = [(m, v, a) for m in args.models for v in args.variants  # the other checkout's row, then this one's
+            for a in ((True, False) if args.against and v != "additive" else (False,))]  # fmt: skip
+    specs = [dict(row=dict(model=m, variant=v + ("@against" if a else "")), variant=v, against=a,
+                  overrides=VARIANTS[v], batches=args.batches) for m, v, a in todo]  # fmt: skip
+    return common.run_rows(args, __file__, specs, lambda rows: save(args, rows), JOB_TIMEOUT)
 
 
 def settings(args):
@@ -311,80 +246,39 @@ def settings(args):
             "run")  # fmt: skip
 
 
-def report(args, rows):
-    """The printed text: command, GPU and versions, settings, the table."""
-    return "\n".join([f"Command: `{args.command}`", versions(), settings(args), "", table(rows)])
-
-
 def save(args, rows):
     """bench_train.json and bench_train.md in --out (after every row: a run cut short keeps its rows)."""
-    if not args.out:
-        return
-    run = dict(command=args.command, versions=versions(), settings=settings(args), rows=rows)
-    write_json(os.path.join(args.out, "bench_train.json"), run)
-    atomic_write(os.path.join(args.out, "bench_train.md"), report(args, rows) + "\n")
+    return common.save_run(args, "bench_train", settings(args), rows, common.throughput_table(rows))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="gpt2-small,gpt2-medium")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="additive is added when missing")
-    p.add_argument("--batches", default="64,32,16,8", help="micro-batch sizes to try, e.g. 64,32")
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
+    common.add_row_flags(p, VARIANTS, "64,32,16,8", "bench_train.json / .md")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient "
                    "accumulation, as train.py: the GPU waits for the host at a step's start)")  # fmt: skip
-    p.add_argument("--compile", type=int, default=1)
-    p.add_argument("--ddl-backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="what backend='auto' means for the DDL and Deltaformer ops")  # fmt: skip
-    p.add_argument("--time-limit", type=float, default=540, help="seconds for the whole table")
     p.add_argument("--profile", action="store_true", help="after timing each row, profile --profile-steps")
     p.add_argument("--profile-steps", type=int, default=1)
     p.add_argument("--profile-top", type=int, default=30, help="kernels listed by the profile")
-    p.add_argument("--device", default="cuda", help="cpu: a smoke test (tiny --model-overrides)")
-    p.add_argument("--model-overrides", default="", help="GPTConfig overrides, e.g. n_layer=2,n_embd=64")
     p.add_argument("--nanogpt", default="", help="nanoGPT's model.py: adds the row 'nanogpt', its GPT at the "
                    "same depth and width (64-wide heads), timed like the others")  # fmt: skip
-    p.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_train.json / .md")
     p.add_argument("--against", default="", help="another checkout: every variant but additive also runs on "
                    "its model.py and kernels/, just before this one's (rows VARIANT@against)")  # fmt: skip
-    if sys.argv[1:2] == ["--job"]:  # one job of run_table, in its own process
-        with open(sys.argv[2], "rb") as f:
-            return write_json(sys.argv[2] + ".json", worker(pickle.load(f)))
+    if common.job_main(worker):  # one job of run_table, in its own process
+        return
     args = p.parse_args()
-    args.command = command(__file__)
-    args.models = [m for m in args.models.split(",") if m]
-    args.variants = [v for v in args.variants.split(",") if v]
-    for v in args.variants:
-        if v not in VARIANTS:
-            raise SystemExit(f"--variants: unknown variant {v!r}; allowed: {', '.join(VARIANTS)}")
-    if "additive" not in args.variants:
-        args.variants.insert(0, "additive")
+    common.check_row_flags(args, __file__, VARIANTS)
     if args.nanogpt and "nanogpt" not in args.variants:
         args.variants.append("nanogpt")
     if "nanogpt" in args.variants and not os.path.isfile(args.nanogpt):
         raise SystemExit(f"--nanogpt: the row 'nanogpt' needs nanoGPT's model.py, got {args.nanogpt!r}")
-    text = args.batches
-    try:
-        args.batches = sorted({int(b) for b in text.split(",") if b.strip()}, reverse=True)
-    except ValueError:
-        args.batches = []
-    if args.accum < 1:
-        raise SystemExit(f"--accum {args.accum}: expected a positive number of micro-batches")
-    if not args.batches or args.batches[-1] < 1:
-        raise SystemExit(f"--batches {text!r}: expected positive integers like 64,32")
-    pairs = (kv.split("=", 1) for kv in args.model_overrides.split(",") if kv)
-    args.model_overrides = {key: (int(val) if val.isdigit() else val) for key, val in pairs}
     if args.against and not os.path.isfile(os.path.join(args.against, "model.py")):
         raise SystemExit(f"--against: expected a checkout of this repo (its model.py), got {args.against!r}")
     args.against = os.path.abspath(args.against) if args.against else ""
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench_train.py needs a CUDA GPU (or --device cpu for a smoke test)")
-    print(f"Command: `{args.command}`", versions(), sep="\n", flush=True)
+    if args.accum < 1:
+        raise SystemExit(f"--accum {args.accum}: expected a positive number of micro-batches")
+    print(f"Command: `{args.command}`", common.versions(), sep="\n", flush=True)
     rows = run_table(args)
-    save(args, rows)
-    print("\n" + report(args, rows), flush=True)
+    print("\n" + save(args, rows), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,19 @@
 """What the benchmark scripts share: the timers, a table's header (command, versions) and markdown, safe file
-writes, and running commands a few at a time."""
+writes, running commands a few at a time, and a table of rows each measured in its own process."""
 
+import contextlib
+import fcntl
 import json
 import math
 import os
+import pickle
 import platform
 import resource
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 # ---------------------------------------------------------------------------------------------------------
@@ -142,8 +147,8 @@ def run_commands(jobs, slots, time_limit=0.0, job_timeout=0.0, min_left=0.0, on_
     child's CUDA_VISIBLE_DEVICES) or None (the caller's device). With time_limit (s from the first start; 0:
     none) a job starts only while min_left s remain, and whatever runs at the limit is stopped (SIGTERM, then
     SIGKILL after 10 s), as is a job past job_timeout s (0: none). Each job gets status ('exit N', 'killed at
-    the deadline', 'killed after N s', 'not run: time limit'), seconds, slot; on_end(job) as it ends. Returns
-    the jobs."""
+    the deadline', 'killed after N s', 'not run: time limit'), seconds, slot; on_end(job) as it ends. A slot
+    may also be a dict: environment variables of its own for the job. Returns the jobs."""
     pending, running, t0 = list(jobs), {}, time.time()
     on_end = on_end or (lambda job: None)
     left = lambda: time_limit - (time.time() - t0) if time_limit else math.inf
@@ -153,7 +158,9 @@ def run_commands(jobs, slots, time_limit=0.0, job_timeout=0.0, min_left=0.0, on_
                 continue
             job = pending.pop(0)
             env = dict(os.environ, **job.get("env", {}))
-            if slot is not None:
+            if isinstance(slot, dict):  # environment variables of its own (cpu_slots)
+                env.update(slot)
+            elif slot is not None:
                 env["CUDA_VISIBLE_DEVICES"] = str(slot)
             log = open(job["log"], "w") if job.get("log") else None  # noqa: SIM115 (the child keeps a copy)
             proc = subprocess.Popen(job["cmd"], stdout=log, stderr=log and subprocess.STDOUT,
@@ -162,7 +169,8 @@ def run_commands(jobs, slots, time_limit=0.0, job_timeout=0.0, min_left=0.0, on_
                 log.close()
             running[i] = (job, proc, time.time())
             job["slot"] = slot
-            print(f"started {job['name']}" + (f" on GPU(s) {slot}" if slot is not None else ""), flush=True)
+            where = f" on GPU(s) {slot}" if slot is not None and not isinstance(slot, dict) else ""
+            print(f"started {job['name']}{where}", flush=True)
         if not running:  # the time limit leaves no room for another job
             for job in pending:
                 job.update(status="not run: time limit", seconds=0.0)
@@ -189,3 +197,190 @@ def run_commands(jobs, slots, time_limit=0.0, job_timeout=0.0, min_left=0.0, on_
             print(f"finished {job['name']}: {status} after {job['seconds']:.0f} s", flush=True)
             on_end(job)
     return jobs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A table of rows, each measured in its own process (bench_train.py, bench_infer.py): the flags they share,
+# the runner, the GPU's turns when rows run side by side, the largest micro-batch that fits, the report.
+
+
+def add_row_flags(p, variants, batches, out):
+    """The flags of a table of (model, variant) rows; `out`: the names it writes there."""
+    p.add_argument("--models", default="gpt2-small,gpt2-medium")
+    p.add_argument("--variants", default=",".join(variants), help="additive is added when missing")
+    p.add_argument("--batches", default=batches, help="micro-batch sizes to try, e.g. 64,32")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--compile", type=int, default=1)
+    p.add_argument("--ddl-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="what backend='auto' means for the DDL and Deltaformer ops")  # fmt: skip
+    p.add_argument("--time-limit", type=float, default=540, help="seconds for the whole table")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke test (tiny --model-overrides)")
+    p.add_argument("--model-overrides", default="", help="GPTConfig overrides, e.g. n_layer=2,n_embd=64")
+    p.add_argument("--out", default=os.environ.get("OUT", ""), help=f"folder for {out}")
+
+
+def check_row_flags(args, script, variants):
+    """Parses the flags of add_row_flags in place (lists, ints; additive first among the variants) and
+    records the command; a clear SystemExit on a bad one."""
+    import torch
+
+    args.command = command(script)
+    args.models = [m for m in args.models.split(",") if m]
+    args.variants = [v for v in args.variants.split(",") if v]
+    for v in args.variants:
+        if v not in variants:
+            raise SystemExit(f"--variants: unknown variant {v!r}; allowed: {', '.join(variants)}")
+    if "additive" not in args.variants:
+        args.variants.insert(0, "additive")
+    args.batches = positive_ints(args.batches, "--batches", "64,32")
+    pairs = (kv.split("=", 1) for kv in args.model_overrides.split(",") if kv)
+    args.model_overrides = {key: (int(val) if val.isdigit() else val) for key, val in pairs}
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"{os.path.basename(script)} needs a CUDA GPU (or --device cpu for a smoke test)")
+
+
+def positive_ints(text, flag, example):
+    """'64,32' -> [64, 32] (largest first, no repeats); a SystemExit naming flag otherwise."""
+    try:
+        values = sorted({int(b) for b in text.split(",") if b.strip()}, reverse=True)
+    except ValueError:
+        values = []
+    if not values or values[-1] < 1:
+        raise SystemExit(f"{flag} {text!r}: expected positive integers like {example}")
+    return values
+
+
+def job_main(worker):
+    """In a row's own process (`SCRIPT --job FILE`, run_rows): writes worker(the pickled job) to FILE.json
+    and returns True; elsewhere False. BENCH_CPUS: the cores this process (and what it starts) may use."""
+    if sys.argv[1:2] != ["--job"]:
+        return False
+    if os.environ.get("BENCH_CPUS"):
+        os.sched_setaffinity(0, [int(c) for c in os.environ["BENCH_CPUS"].split(",")])
+    with open(sys.argv[2], "rb") as f:
+        write_json(sys.argv[2] + ".json", worker(pickle.load(f)))
+    return True
+
+
+def run_rows(args, script, specs, save, job_timeout, parallel=1):
+    """Each spec (a dict: `row`, the labels its row starts with, and what the worker needs) measured by its
+    own process, `python SCRIPT --job FILE` (job_main), one after another or `parallel` at a time (cpu_slots,
+    gpu_turn); each row printed as it ends, then save(rows) (a run cut short keeps its rows). args.time_limit
+    bounds the run (run_commands). Returns the rows, in the order of specs."""
+    tmp, t0, done = tempfile.mkdtemp(prefix="bench-"), time.time(), {}
+
+    def job(i, spec):
+        path = os.path.join(tmp, f"{i}.pkl")
+        with open(path, "wb") as f:
+            pickle.dump(dict(spec, args=args), f)
+        name = " ".join(str(v) for v in spec["row"].values())
+        return dict(name=name, i=i, row=spec["row"], cmd=[sys.executable, script, "--job", path])
+
+    def on_end(job):
+        path = job["cmd"][-1] + ".json"
+        if os.path.exists(path):
+            with open(path) as f:
+                row = json.load(f)
+        elif job["status"].startswith("exit"):  # died without a row (crash, killed for memory, ...)
+            row = dict(error=f"worker {job['status']}, no result")
+        elif job["status"].startswith("not run"):
+            row = dict(error="not run: --time-limit reached")
+        else:
+            row = dict(error=f"no result: {job['status']}")
+        row.update(job["row"])
+        if "slot" in job:
+            row["t_done_s"] = round(time.time() - t0, 1)
+            print(json.dumps(row), flush=True)
+        done[job["i"]] = row
+        save([done[i] for i in sorted(done)])
+
+    jobs = [job(i, spec) for i, spec in enumerate(specs)]
+    slots = cpu_slots(parallel, os.path.join(tmp, "gpu.lock")) if parallel > 1 else [None]
+    try:
+        run_commands(jobs, slots, args.time_limit, job_timeout, min_left=30, on_end=on_end, poll_s=0.2)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [done[i] for i in sorted(done)]
+
+
+def cpu_slots(n, lock):
+    """n slots for run_commands whose jobs run side by side: each gets its share of this process's CPU cores
+    (BENCH_CPUS, and as many Inductor compile workers) and the lock file gpu_turn takes (BENCH_GPU_LOCK)."""
+    cores = sorted(os.sched_getaffinity(0))
+    k = max(1, len(cores) // n)
+    shares = [cores[i * k : (i + 1) * k] or cores for i in range(n)]
+    env = lambda c: dict(BENCH_CPUS=",".join(map(str, c)), TORCHINDUCTOR_COMPILE_THREADS=str(len(c)))
+    return [dict(env(c), BENCH_GPU_LOCK=lock) for c in shares]
+
+
+@contextlib.contextmanager
+def gpu_turn():
+    """The GPU to this job alone while the body runs: rows run side by side (run_rows, parallel > 1) take
+    turns for their timed parts by an exclusive lock on the file BENCH_GPU_LOCK, and compile meanwhile.
+    Nothing to wait for when the variable is unset (one row at a time)."""
+    path = os.environ.get("BENCH_GPU_LOCK")
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released by the OS too if this process dies
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def largest_batch(batches, row, measure, reset=lambda: None):
+    """measure(B) for the first B of batches (largest first) that does not run out of GPU memory; the ones
+    that did are row["oom_batches"] (reset() and a fresh compile after each). Returns what measure does."""
+    import torch
+
+    for B in batches:
+        try:
+            return measure(B)
+        except torch.OutOfMemoryError:
+            row.setdefault("oom_batches", []).append(B)
+        reset()
+        torch._dynamo.reset()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    raise RuntimeError(f"no micro-batch of {batches} fits")
+
+
+def throughput_table(rows, ms="step ms"):
+    """Markdown of rows with tok_s, step_ms, peak_GB, mfu: ratios against additive + softmax of the same
+    model size (peak memory only where both ran at the same micro-batch)."""
+    base = {r["model"]: r for r in rows if r["variant"] == "additive" and "tok_s" in r}
+    head = ["model", "variant", "micro-batch", "tokens/s", "×additive", ms, "peak GB", "×additive"]
+    cells = []
+    for r in rows:
+        if "tok_s" not in r:
+            cells.append([r["model"], r["variant"], f"not measured: {r.get('error', '?')}"] + [""] * 7)
+            continue
+        b = base.get(r["model"])
+        ratio = f"{r['tok_s'] / b['tok_s']:.3f}" if b else "-"
+        mem_ratio = f"{r['peak_GB'] / b['peak_GB']:.3f}" if b and b["batch"] == r["batch"] else "-"
+        cells.append(
+            [r["model"], r["variant"], r["batch"], f"{r['tok_s']:,.0f}", ratio, f"{r['step_ms']:.1f}"]
+        )
+        cells[-1] += [f"{r['peak_GB']:.1f}", mem_ratio, f"{100 * r['mfu']:.1f}%", r.get("compile_s", "-")]
+    align = ["---"] * 2 + ["---:"] * 8
+    return "\n".join(markdown(head + ["MFU", "compile s"], cells, align))
+
+
+def report(args, settings, *tables):
+    """The text of a run: its command, GPU and versions, settings, then the tables."""
+    return "\n".join([f"Command: `{args.command}`", versions(), settings, "", *tables])
+
+
+def save_run(args, name, settings, rows, *tables):
+    """The run's text (report); NAME.json (command, versions, settings, rows) and NAME.md (the text) in
+    args.out, when given. Returns the text."""
+    text = report(args, settings, *tables)
+    if args.out:
+        run = dict(command=args.command, versions=versions(), settings=settings, rows=rows)
+        write_json(os.path.join(args.out, f"{name}.json"), run)
+        atomic_write(os.path.join(args.out, f"{name}.md"), text + "\n")
+    return text

@@ -122,3 +122,57 @@ def test_markdown():
         "| 1 | x |",
     ]
     assert common.markdown(["a"], []) == ["| a |", "|---|"]
+
+
+def test_run_commands_slot_environment(tmp_path, monkeypatch):
+    """A slot that is a dict gives its job those environment variables (and leaves CUDA_VISIBLE_DEVICES)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "parent")
+    log, jobs = make_jobs(tmp_path, [("a", "ok", 0.0), ("b", "ok", 0.0)])
+    for job in jobs:
+        job["log"] = str(tmp_path / f"{job['name']}.out")
+        job["cmd"][2] = "import os; print(os.environ['SHARE'])\n" + job["cmd"][2]
+    common.run_commands(jobs, [dict(SHARE="first"), dict(SHARE="second")], poll_s=0.02)
+    assert [(tmp_path / f"{n}.out").read_text() for n in "ab"] == ["first\n", "second\n"]
+    assert {e["gpu"] for e in read_log(log)} == {"parent"}
+
+
+def test_cpu_slots_share_the_cores(monkeypatch):
+    monkeypatch.setattr(common.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6})
+    slots = common.cpu_slots(3, "/tmp/x.lock")
+    assert [s["BENCH_CPUS"] for s in slots] == ["0,1", "2,3", "4,5"]  # disjoint, 2 each (one left over)
+    assert all(
+        s["TORCHINDUCTOR_COMPILE_THREADS"] == "2" and s["BENCH_GPU_LOCK"] == "/tmp/x.lock" for s in slots
+    )
+    monkeypatch.setattr(common.os, "sched_getaffinity", lambda pid: {3})
+    assert [s["BENCH_CPUS"] for s in common.cpu_slots(2, "l")] == ["3", "3"]  # one core: shared
+
+
+def test_gpu_turn_is_exclusive(tmp_path, monkeypatch):
+    """While a body of gpu_turn runs, no other open of the lock file gets it (another job's gpu_turn waits);
+    after it, one does. Without BENCH_GPU_LOCK it takes no lock."""
+    import fcntl
+
+    lock = tmp_path / "gpu.lock"
+
+    def free():  # whether another process (here another open file description) could take the lock now
+        with open(lock, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return True
+
+    monkeypatch.delenv("BENCH_GPU_LOCK", raising=False)
+    with common.gpu_turn():
+        assert not lock.exists()
+    monkeypatch.setenv("BENCH_GPU_LOCK", str(lock))
+    with common.gpu_turn():
+        assert not free()
+    assert free()
+    try:
+        with common.gpu_turn():
+            raise KeyError("a failing body")
+    except KeyError:
+        pass
+    assert free()

@@ -208,6 +208,26 @@ def test_step_chained_equals_full_forward(kernel):
     assert rel_err(u_cache, deltaformer_u_torch(k, v, w, beta, kernel=kernel)) < 1e-12
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_step_in_static_buffers_equals_chained(kernel):
+    """pos (a static cache): buffers of S slots, the first pos holding the earlier tokens and the rest
+    garbage (a longer earlier sequence's); the step writes k_t and u_t at slot pos and gives the o_t and u_t
+    of the step over the exact caches, at every position, the garbage masked out."""
+    B, H, T, D, S = 2, 2, 9, 8, 12
+    q, k, v, w, beta = make_inputs(B, H, T, D)
+    k_buf, u_buf = (10 * torch.randn(B, H, S, D, dtype=torch.float64) for _ in range(2))
+    k_buf[:, :, :1], u_buf[:, :, :1] = k[:, :, :1], v[:, :, :1]  # the first token: u_0 = v_0
+    for t in range(1, T):
+        sl = slice(t, t + 1)
+        args = [x[:, :, sl] for x in (q, k, v, w, beta)]
+        want = deltaformer_step(*args, k_buf[:, :, :t].clone(), u_buf[:, :, :t].clone(), kernel=kernel)
+        got = deltaformer_step(*args, k_buf, u_buf, kernel=kernel, pos=torch.tensor([t]))
+        for g, e in zip(got, want):
+            assert rel_err(g, e) < 1e-13, t
+        assert torch.equal(k_buf[:, :, t], k[:, :, t]) and torch.equal(u_buf[:, :, t : t + 1], want[1])
+    assert rel_err(u_buf[:, :, :T], deltaformer_u_torch(k, v, w, beta, kernel=kernel)) < 1e-12
+
+
 def test_bad_inputs_raise():
     q, k, v, w, beta = make_inputs(1, 2, 5, 8)
     with pytest.raises(ValueError, match="kernel"):

@@ -7,13 +7,17 @@ convolutions really mix in earlier tokens and the gates differ per token):
 - generate(top_k=1) emits exactly the tokens of greedy decoding by full forward passes, including past
   block_size, where both crop to the last block_size tokens (nanoGPT);
 - the same for sampling with the same RNG seed (diverse tokens, unlike greedy decoding of a random model).
+Each with both caches: Cache (grows) and StaticCache (preallocated buffers written in place); generate's
+decode="compiled" (torch.compile of the StaticCache step) on a few variants, "none" (no cache) once.
 """
+
+import re
 
 import pytest
 import torch
 
-from model import ATTENTIONS, GPT, RESIDUALS, Cache, GPTConfig
-from sample import generate, sample_token
+from model import ATTENTIONS, GPT, RESIDUALS, GPTConfig
+from sample import DECODES, Cache, generate, sample_token, static_cache
 
 V = 67
 
@@ -29,10 +33,8 @@ CASES += [  # every Deltaformer kernel and every choice of w at least once
 
 def make(overrides, block_size=16):
     torch.manual_seed(0)
-    cfg = GPTConfig(
-        n_layer=2, n_head=2, n_embd=32, head_dim=16, block_size=block_size, vocab_size=V, backend="torch",
-        **overrides,
-    )  # fmt: skip
+    shape = dict(n_layer=2, n_head=2, n_embd=32, head_dim=16, block_size=block_size, vocab_size=V)
+    cfg = GPTConfig(**{**shape, "backend": "torch", **overrides})
     model = GPT(cfg).double().eval()
     with torch.no_grad():  # strong enough that greedy decoding does not just repeat a token
         for name, p in model.named_parameters():
@@ -44,14 +46,16 @@ def case_id(case):
     return "-".join(str(v) for v in case.values())
 
 
+@pytest.mark.parametrize("kind", ["cache", "static"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_cached_logits_equal_full_forward(case):
+def test_cached_logits_equal_full_forward(case, kind):
     model = make(case)
     idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model.lm_head(model.hidden_states(idx))  # [B, T, V]
-        cache = Cache()
+        cache = Cache() if kind == "cache" else static_cache(model, idx)
         prefill = model.lm_head(model.hidden_states(idx[:, :5], cache))
+        cache.prompt = False  # (a StaticCache: past the prompt, every call writes in place)
         torch.testing.assert_close(prefill, full[:, :5], rtol=1e-10, atol=1e-10)
         chunk = model.lm_head(model.hidden_states(idx[:, 5:8], cache))  # a chunk continuing the cache
         torch.testing.assert_close(chunk, full[:, 5:8], rtol=1e-10, atol=1e-10)
@@ -59,8 +63,9 @@ def test_cached_logits_equal_full_forward(case):
             step = model.lm_head(model.hidden_states(idx[:, t : t + 1], cache))
             torch.testing.assert_close(step[:, 0], full[:, t], rtol=1e-10, atol=1e-10, msg=f"position {t}")
         assert cache.pos == 16
-        with pytest.raises(ValueError, match="block_size"):
-            model.hidden_states(idx[:, :1], cache)
+        if kind == "cache":  # (a StaticCache's owner keeps to block_size: no check, no sync, in its step)
+            with pytest.raises(ValueError, match="block_size"):
+                model.hidden_states(idx[:, :1], cache)
 
 
 def decode_by_full_forward(model, idx, n, **sampling):
@@ -71,11 +76,12 @@ def decode_by_full_forward(model, idx, n, **sampling):
     return idx
 
 
+@pytest.mark.parametrize("decode", ["cache", "static"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_generate_greedy_equals_full_forward(case):
+def test_generate_greedy_equals_full_forward(case, decode):
     model = make(case)
     prompt = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2))
-    out = generate(model, prompt, 15, top_k=1)  # 5 + 15 = 20 > block_size 16: crosses the crop
+    out = generate(model, prompt, 15, top_k=1, decode=decode)  # 5 + 15 = 20 > block_size 16: crosses the crop
     want = prompt
     for _ in range(15):  # greedy by argmax, written out
         logits, _ = model(want[:, -16:])
@@ -100,14 +106,15 @@ def test_generate_stops_when_told():
     assert torch.equal(generate(model, prompt, 10, top_k=1, stop=lambda new: False), full)
 
 
+@pytest.mark.parametrize("decode", ["cache", "static"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_generate_sampled_equals_full_forward(case):
+def test_generate_sampled_equals_full_forward(case, decode):
     """Sampling (same RNG seed) instead of argmax: random tokens keep the sequence from settling into a
     repetition, so the cache sees many different inputs (greedy decoding of a random model often repeats)."""
     model = make(case)
     prompt = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2))
     torch.manual_seed(7)
-    out = generate(model, prompt, 15, temperature=1.5)
+    out = generate(model, prompt, 15, temperature=1.5, decode=decode)
     torch.manual_seed(7)
     want = decode_by_full_forward(model, prompt, 15, temperature=1.5)
     assert torch.equal(out, want)
@@ -127,3 +134,83 @@ def test_generate_sampling_runs_and_respects_top_k():
         assert (top5 == out[:, t : t + 1]).any(-1).all()
     out = generate(model, prompt, 4)  # plain sampling, no top_k
     assert out.shape == (3, 5)
+
+
+def test_generate_none_and_bad_decode():
+    """decode="none" is nanoGPT's loop (a forward over the whole window per token); a bad decode says so."""
+    model = make(dict(residual="ddl-tc", attention="deltaformer"))
+    prompt = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(7)
+    out = generate(model, prompt, 15, temperature=1.5, decode="none")
+    torch.manual_seed(7)
+    assert torch.equal(out, decode_by_full_forward(model, prompt, 15, temperature=1.5))
+    with pytest.raises(ValueError, match=re.escape(f"decode must be one of {DECODES}, got 'fast'")):
+        generate(model, prompt, 1, decode="fast")
+
+
+def test_static_cache_is_reused_in_place():
+    """A model's StaticCache serves its next call of the same batch size again (the same buffers, so the
+    same addresses, zeroed: a shorter prompt after a longer one gives a fresh cache's tokens) and is made
+    anew for another batch size."""
+    model = make(dict(residual="ddl-tc", attention="deltaformer"))
+    long, short, three = (torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(T))
+                          for B, T in ((2, 5), (2, 2), (3, 5)))  # fmt: skip
+    assert torch.equal(generate(model, long, 8, top_k=1, decode="static"), generate(model, long, 8, top_k=1))
+    cache = static_cache(model, long)
+    buffers = [t for v in cache.store.values() for t in (v if isinstance(v, tuple) else (v,))]
+    assert len(buffers) == 2 * 2 + 2 * 2 + 1 + 1  # k and u of 2 layers; TC: 2 reads a block and 1; EC
+    ptrs = [t.data_ptr() for t in buffers]
+    assert torch.equal(
+        generate(model, short, 8, top_k=1, decode="static"), generate(model, short, 8, top_k=1)
+    )
+    assert static_cache(model, short) is cache and [t.data_ptr() for t in buffers] == ptrs
+    assert torch.equal(
+        generate(model, three, 8, top_k=1, decode="static"), generate(model, three, 8, top_k=1)
+    )
+    assert static_cache(model, three) is not cache
+
+
+@pytest.mark.slow
+def test_generate_compiled_equals_cache():
+    """decode="compiled" (the StaticCache step through torch.compile; on the CPU Inductor's C++, the CUDA
+    graphs only on a GPU): the tokens of decode="cache", greedy and sampled, from one graph for every
+    position (no recompile as the position moves, none for the next call) without graph breaks."""
+    from torch._dynamo.utils import counters
+
+    for case in (
+        dict(residual="ddl-tc", attention="deltaformer"),
+        dict(residual="ddl-cc", attention="softmax"),
+    ):
+        torch._dynamo.reset()
+        counters.clear()
+        model = make(case)
+        prompt = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2))
+        out = generate(model, prompt, 10, top_k=1, decode="compiled")
+        assert torch.equal(out, generate(model, prompt, 10, top_k=1)), case
+        outs = []
+        for decode in ("compiled", "cache"):
+            torch.manual_seed(7)
+            outs.append(generate(model, prompt, 10, temperature=1.5, decode=decode))
+        assert torch.equal(outs[0], outs[1]), case
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], (case, dict(counters))
+
+
+@pytest.mark.gpu
+def test_generate_compiled_on_cuda_replays_cuda_graphs():
+    """On a GPU, decode="compiled" runs its steps as CUDA graphs (none skipped: the cache's buffers are
+    static inputs, which a graph may write) on the Triton kernels, and gives the tokens of "cache" (fp32)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    for case in (
+        dict(residual="ddl-tc", attention="deltaformer"),
+        dict(residual="ddl-cc"),
+        dict(residual="ddl"),
+    ):
+        model = make(dict(case, backend="auto")).float().cuda()
+        prompt = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2)).cuda()
+        want = generate(model, prompt, 12, top_k=1)
+        assert torch.equal(generate(model, prompt, 12, top_k=1, decode="compiled"), want), case
+        assert torch.equal(generate(model, prompt, 12, top_k=1, decode="compiled"), want), case  # replayed
+    assert counters["inductor"]["cudagraph_skips"] == 0 and counters["stats"]["unique_graphs"] == 3, counters

@@ -1,7 +1,9 @@
 """sample.py from a checkpoint: greedy output equals the model's own generation; seeds reproduce."""
 
 import dataclasses
+import math
 import os
+import re
 import subprocess
 import sys
 
@@ -59,6 +61,13 @@ def test_greedy_sample_equals_full_forward_greedy(out_dir, tmp_path):
     )
     assert result.stdout == f"{expected}\n---------------\n{expected}\n"
     assert "iteration 7" in result.stderr
+    speed = re.search(r"^# (\d+) tokens generated in ([\d.]+) s: ([\d,.]+) tokens/s$", result.stderr, re.M)
+    n, seconds, rate = int(speed[1]), float(speed[2]), float(speed[3].replace(",", ""))
+    assert n == 2 * 12 and math.isclose(rate, n / seconds, rel_tol=0.01 + 0.01 / seconds), result.stderr
+    args = [f"--out_dir={out_dir}", f"--start={prompt}", "--num_samples=1", "--max_new_tokens=12"]
+    assert sample(*args, "--top_k=1", "--decode=static").stdout == f"{expected}\n"  # preallocated cache
+    bad = sample(*args, "--decode=fast", check=False)
+    assert bad.returncode != 0 and "--decode: invalid choice: 'fast'" in bad.stderr
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text(prompt, encoding="utf-8")
     from_file = sample(

@@ -10,7 +10,8 @@ What exists only for speed and memory happens behind those two calls, so that a 
 - keep_every = N (while autograd records): autograd keeps the state entering every Nth block; each update
   after it gets rebuild_from = (that state, the steps of the updates since) and rebuilds its input from them
   in its backward, so one state per N blocks stays alive rather than one per sublayer;
-- decoding (a cache): TC's causal conv reads through the states of the earlier tokens, kept per read.
+- decoding (a cache, sample.py): TC's causal conv reads through the states of the earlier tokens, kept per
+  read (cache.history).
 stochastic=True (a bf16 X): every update rounds its X stochastically, with a seed of its own drawn from
 torch's generator on X's device.
 """
@@ -19,20 +20,6 @@ import torch
 
 from ..common import autocast_dtype, resolve_backend
 from . import ddl_update, ddl_update_compress_cc, ddl_update_compress_tc, ddl_update_norm
-
-
-def with_history(cache, key, x, n):
-    """x [B, T, ...] with the last n steps cached under key in front (zeros at the start of the sequence,
-    i.e. the same zero padding a causal conv uses at t < 0); remembers the last n steps for next time.
-    cache: an object with a dict `store`."""
-    if n == 0:
-        return x
-    past = cache.store.get(key)
-    if past is None:  # the first call only: no zeros allocated on every decoding step
-        past = x.new_zeros((x.shape[0], n) + tuple(x.shape[2:]))
-    full = torch.cat([past, x], dim=1)
-    cache.store[key] = full[:, -n:]
-    return full
 
 
 class DDLStream:
@@ -102,5 +89,5 @@ class DDLStream:
         if self.cache is None or self.reader.kind != "ddl-tc":
             return self.reader(self.X)
         T, K = self.X.shape[1], self.reader.conv.shape[-1]  # the conv needs the K-1 states before the new
-        X = with_history(self.cache, (self.reader, slot), self.X, K - 1)
+        X = self.cache.history((self.reader, slot), self.X, K - 1)
         return self.reader(X)[:, X.shape[1] - T :]

@@ -88,12 +88,15 @@ def deltaformer_reference(q, k, v, w, beta, kernel="softmax", scale=None):
     return torch.stack(outs, dim=2)
 
 
-def deltaformer_step(q_t, k_t, v_t, w_t, beta_t, k_cache, u_cache, kernel="softmax", scale=None):
+def deltaformer_step(q_t, k_t, v_t, w_t, beta_t, k_cache, u_cache, kernel="softmax", scale=None, pos=None):
     """One decoding step with a cache of the S earlier keys and u's (S may be 0).
 
     q_t, k_t, v_t, w_t: [B, H, 1, D]; beta_t: [B, H, 1]; k_cache, u_cache: [B, H, S, D].
     Returns (o_t, u_t), both [B, H, 1, D]; the caller appends k_t and u_t to its caches (raw k_t: stage 1
     normalises the keys itself for relu and linear). scale: stage 2's and softmax kappa's (default 1/sqrt(D)).
+    pos (a static cache): a long tensor [1], the number of earlier tokens; the caches are then buffers of
+    S > pos slots, the first pos holding them. The step writes k_t and u_t at slot pos itself and masks the
+    slots after it: the same o_t and u_t, with the same shapes at every position (what a CUDA graph replays).
     """
     _check_inputs(q_t, k_t, v_t, w_t, beta_t, kernel)
     if q_t.shape[2] != 1:
@@ -109,18 +112,27 @@ def deltaformer_step(q_t, k_t, v_t, w_t, beta_t, k_cache, u_cache, kernel="softm
             f"deltaformer_step: k_cache and u_cache must be [B, H, S, D] matching q_t {tuple(q_t.shape)}, "
             f"got {tuple(k_cache.shape)} and {tuple(u_cache.shape)}"
         )
-    D = q_t.shape[-1]
+    D, S = q_t.shape[-1], k_cache.shape[2]
     s = default_scale(D, scale)
-    if k_cache.shape[2] == 0:
+    slots = torch.arange(S, device=q_t.device)
+    if S == 0:
         u_t = v_t
     else:
         acc = acc_dtype(v_t)  # bf16/fp16 caches: accumulate in fp32
         k1, w1, s1 = stage1_keys(k_cache, w_t, kernel, s, acc)
         scores = s1 * (w1 @ k1.transpose(-1, -2))  # [B, H, 1, S]
-        a = _kappa(scores, kernel)
+        if pos is not None:  # only the first pos slots are earlier tokens (softmax: none of them, 0 too)
+            past = slots < pos
+            a = _kappa(scores.masked_fill(~past, -torch.inf), kernel).masked_fill(~past, 0.0)
+        else:
+            a = _kappa(scores, kernel)
         u_t = (v_t.to(acc) - beta_t.to(acc)[..., None] * (a @ u_cache.to(acc))).to(v_t.dtype)
-    keys = torch.cat([k_cache, k_t], dim=2)
-    values = torch.cat([u_cache, u_t], dim=2)
-    # The new token attends to everything in the cache and itself: no mask.
-    o_t = F.scaled_dot_product_attention(q_t, keys, values, scale=s)
+    if pos is None:
+        keys, values, mask = torch.cat([k_cache, k_t], dim=2), torch.cat([u_cache, u_t], dim=2), None
+    else:
+        k_cache.index_copy_(2, pos, k_t)
+        u_cache.index_copy_(2, pos, u_t)
+        keys, values, mask = k_cache, u_cache, (slots <= pos)[None]  # [1, S]
+    # The new token attends to everything before it and itself.
+    o_t = F.scaled_dot_product_attention(q_t, keys, values, attn_mask=mask, scale=s)
     return o_t, u_t

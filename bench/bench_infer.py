@@ -1,0 +1,208 @@
+"""Inference speed of every residual x attention variant against additive + softmax attention of the same
+size in the same run: forward-only throughput, and decoding by sample.generate.
+
+    python bench/bench_infer.py --parallel 3     # both sections, every variant (decode: gpt2-small)
+    python bench/bench_infer.py --sections decode --decode-modes cache,compiled --decode-batches 1
+
+forward: no grad, bf16 autocast, the whole model compiled (static shapes), B x --seq random tokens, the
+logits of every position (as scoring a text), the largest micro-batch of --batches that fits; the median
+of --steps calls after --warmup. decode: sample.generate, greedy, bf16 autocast, a random prompt of --prompt
+tokens then --new tokens, at each of --decode-batches, in each of --decode-modes (generate's decode); the
+time from the prompt's pass to the last token, the median of 3 runs (1-2 where runs take over 2 s in all)
+after a short warm-up (where "compiled" compiles). "none" (a forward over the whole sequence per token)
+makes --none-new tokens only. Cache KB, per sequence: per token of what grows (keys and values, or u's),
+and the fixed TC and EC histories.
+
+Each (section, model, variant) runs in a fresh process, additive first; --parallel N runs N at a time on
+their shares of the CPU cores, their timed parts taking turns on the GPU while the others compile
+(common.run_rows). --time-limit bounds the run (a row 300 s at most); the tables are saved after each row.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import common  # noqa: E402  (bench/common.py)
+import torch  # noqa: E402
+from common import Span  # noqa: E402
+
+PEAK_TFLOPS = 989.0  # for the forward's MFU: H100/H200 dense bf16
+JOB_TIMEOUT = 300  # seconds for one row
+VARIANTS = {
+    **{r: dict(residual=r) for r in ("additive", "ddl", "ddl-cc", "ddl-tc")},
+    **{f"{r}-noec": dict(residual=r, ddl_ec=False) for r in ("ddl-cc", "ddl-tc")},  # without EC
+    "additive+deltaformer": dict(residual="additive", attention="deltaformer"),
+}
+
+
+def forward_row(model, cfg, args, row):
+    """Forward-only throughput at the largest micro-batch that fits; fills row."""
+    cuda = args.device == "cuda"
+    logits = lambda idx: model.lm_head(model.hidden_states(idx))  # noqa: E731
+
+    def at(B):
+        fwd = torch.compile(logits, dynamic=False) if args.compile else logits
+        idx = torch.randint(0, cfg.vocab_size, (B, args.seq), device=args.device)
+        with Span() as first:  # compiles
+            fwd(idx)
+        print(row["model"], row["variant"], f"B {B}: first call {first.seconds:.1f} s", file=sys.stderr)
+        with common.gpu_turn():
+            for _ in range(args.warmup):
+                fwd(idx)
+            torch.cuda.reset_peak_memory_stats() if cuda else None
+            times = []
+            for _ in range(args.steps):
+                with Span(cuda) as s:
+                    fwd(idx)
+                times.append(s.seconds)
+        step = statistics.median(times)
+        row.update(batch=B, step_ms=step * 1e3, tok_s=B * args.seq / step, compile_s=round(first.seconds, 1),
+                   peak_GB=torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan"))  # fmt: skip
+        row["mfu"] = row["tok_s"] * model.flops_per_token(args.seq) / 3 / PEAK_TFLOPS / 1e12
+
+    common.largest_batch(args.batches, row, at)
+
+
+def decode_row(model, cfg, args, row):
+    """Each batch x decode mode: tokens/s of sample.generate; fills row["decode"] with one entry each."""
+    from sample import Cache, generate
+
+    cuda, row["decode"] = args.device == "cuda", []
+    for B in args.decode_batches:
+        prompt = torch.randint(0, cfg.vocab_size, (B, args.prompt), device=args.device)
+        cache = Cache()  # after the prompt: its tuples grow with the tokens (keys and values, or u's), its
+        model.hidden_states(prompt, cache)  # tensors do not (the last inputs of the causal convs)
+        kb = [sum(t.nbytes for t in v) / args.prompt for v in cache.store.values() if isinstance(v, tuple)]
+        fixed = [v.nbytes for v in cache.store.values() if not isinstance(v, tuple)]
+        for mode in args.decode_modes:
+            new = args.none_new if mode == "none" else args.new
+            row["decode"].append(r := dict(batch=B, mode=mode, new=new, kb_token=sum(kb) / B / 1e3))
+            r["kb_fixed"] = sum(fixed) / B / 1e3
+            try:
+                with Span() as first:  # compiled: compiles, then records the CUDA graphs
+                    generate(model, prompt, min(new, 8), top_k=1, decode=mode)
+                r["first_s"] = round(first.seconds, 1)
+                with common.gpu_turn():
+                    if cuda:  # none of the warm-up still queued (the clock starts with this mode's work)
+                        torch.cuda.synchronize(), torch.cuda.reset_peak_memory_stats()
+                    times = []
+                    while len(times) < 3 and sum(times) < 2:  # a slow (eager) mode: one or two runs
+                        with Span(cuda) as s:
+                            out = generate(model, prompt, new, top_k=1, decode=mode)
+                        times.append(s.seconds)
+                assert out.shape == (B, args.prompt + new), out.shape
+                seconds = statistics.median(times)
+                peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan")
+                r.update(tok_s=B * new / seconds, ms_token=seconds / new * 1e3, runs=len(times), peak_GB=peak)
+                r["cudagraph_skips"] = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]  # so far
+            except Exception as e:
+                r["error"] = f"{type(e).__name__}: {e}"[:300]
+                traceback.print_exc()
+
+
+def worker(job):
+    """One row in a fresh process: the model, then its section's measurements."""
+    args, row = job["args"], dict(job["row"])
+    try:
+        from kernels.common import set_auto_backend
+        from model import GPT, GPTConfig
+
+        if args.ddl_backend != "auto":
+            set_auto_backend(args.ddl_backend)
+        torch.manual_seed(0)
+        overrides = {**VARIANTS[row["variant"]], **args.model_overrides}
+        cfg = GPTConfig.preset(row["model"], block_size=args.seq, **overrides)
+        model = GPT(cfg).to(args.device).eval()
+        row["params_M"] = model.num_params() / 1e6
+        with torch.no_grad(), torch.autocast(args.device, dtype=torch.bfloat16):
+            (forward_row if row["section"] == "forward" else decode_row)(model, cfg, args, row)
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"[:400]
+        traceback.print_exc()
+    return row
+
+
+def decode_table(rows):
+    """Markdown of the decode rows, one line per (model, variant, batch, mode): tokens/s against additive
+    (the same model, batch and mode) and against the modes "cache" and "none" of the same variant."""
+    runs = {(r["model"], r["variant"], d["batch"], d["mode"]): d for r in rows for d in r.get("decode", [])}
+    cells = []
+    for (m, v, B, mode), d in runs.items():
+        if "tok_s" not in d:
+            cells.append([m, v, B, mode, f"not measured: {d.get('error', '?')}"] + [""] * 9)
+            continue
+        against = [runs.get(key) for key in ((m, "additive", B, mode), (m, v, B, "cache"), (m, v, B, "none"))]
+        ratios = [f"{d['tok_s'] / b['tok_s']:.3f}" if b and "tok_s" in b else "-" for b in against]
+        cells.append([m, v, B, mode, d["new"], f"{d['tok_s']:,.1f}", *ratios, f"{d['ms_token']:.2f}"])
+        cells[-1] += [f"{d['peak_GB']:.2f}", f"{d['kb_token']:.1f}", f"{d['kb_fixed']:.1f}", d["first_s"]]
+    for r in (r for r in rows if r["section"] == "decode" and "decode" not in r):  # no decode results
+        cells.append([r["model"], r["variant"], "", "", f"not measured: {r.get('error', '?')}"] + [""] * 9)
+    head = ["model", "variant", "batch", "decode", "new tokens", "tokens/s", "×additive", "×cache", "×none"]
+    head += ["ms/token", "peak GB", "cache KB/token", "fixed KB", "first call s"]
+    return "\n".join(common.markdown(head, cells, ["---"] * 4 + ["---:"] * 10))
+
+
+def tables(rows):
+    forward = [r for r in rows if r["section"] == "forward"]
+    return ["Forward:", "", common.throughput_table(forward, ms="ms"), "", "Decode:", "", decode_table(rows)]
+
+
+def settings(args):
+    compiled = "torch.compile (whole model, static shapes)" if args.compile else "eager"
+    return (f"forward: B x {args.seq} random tokens, logits of every position, no grad, bf16 autocast, "
+            f"{compiled}; {args.warmup} warm-up and {args.steps} timed calls, their median; MFU = tokens/s x "
+            f"GPT.flops_per_token / 3 / {PEAK_TFLOPS:g} TFLOP/s. decode: sample.generate, greedy, bf16 "
+            f"autocast, a prompt of {args.prompt} random tokens, then {args.new} new tokens ('none': "
+            f"{args.none_new}); tokens/s = batch x new tokens / the time from the prompt's pass to the last "
+            "token (median of up to 3 runs). ×additive: against additive + softmax of the same model in this "
+            "run")  # fmt: skip
+
+
+def save(args, rows):
+    """bench_infer.json and bench_infer.md in --out."""
+    return common.save_run(args, "bench_infer", settings(args), rows, *tables(rows))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_row_flags(p, VARIANTS, "64,32,16,8", "bench_infer.json / .md")
+    p.add_argument("--sections", default="forward,decode", help="forward, decode, or both (in this order)")
+    p.add_argument("--decode-models", default="gpt2-small")
+    p.add_argument("--decode-batches", default="1,32")
+    p.add_argument("--decode-modes", default="cache,compiled,none", help="sample.generate's decode values")
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    p.add_argument("--new", type=int, default=512, help="new tokens")
+    p.add_argument("--none-new", type=int, default=64, help="new tokens of the mode 'none' (no cache)")
+    p.add_argument("--parallel", type=int, default=1, help="rows at a time (their timed parts take turns)")
+    if common.job_main(worker):
+        return
+    args = p.parse_args()
+    common.check_row_flags(args, __file__, VARIANTS)
+    from sample import DECODES
+
+    lists = (args.sections, args.decode_models, args.decode_modes)
+    args.sections, args.decode_models, args.decode_modes = ([x for x in a.split(",") if x] for a in lists)
+    args.decode_batches = common.positive_ints(args.decode_batches, "--decode-batches", "1,32")[::-1]
+    for flag, values, allowed in (("--sections", args.sections, ("forward", "decode")),
+                                  ("--decode-modes", args.decode_modes, DECODES)):  # fmt: skip
+        if not values or any(v not in allowed for v in values):
+            raise SystemExit(f"{flag}: expected some of {', '.join(allowed)}, got {','.join(values)!r}")
+    if not (args.prompt >= 1 and args.new >= 1 and args.none_new >= 1 and args.prompt + args.new <= args.seq):
+        raise SystemExit(f"--prompt, --new, --none-new: >= 1, with prompt + new <= --seq {args.seq}")
+    if args.parallel < 1:
+        raise SystemExit(f"--parallel {args.parallel}: expected a positive number of rows at a time")
+    models = dict(forward=args.models, decode=args.decode_models)
+    specs = [dict(row=dict(section=s, model=m, variant=v)) for s in args.sections for m in models[s]
+             for v in args.variants]  # fmt: skip
+    print(f"Command: `{args.command}`", common.versions(), sep="\n", flush=True)
+    rows = common.run_rows(args, __file__, specs, lambda rows: save(args, rows), JOB_TIMEOUT, args.parallel)
+    print("\n" + save(args, rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()
