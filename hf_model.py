@@ -1,0 +1,124 @@
+"""model.GPT as a Hugging Face model: DDLGPTConfig (a PretrainedConfig holding GPTConfig's fields) and
+DDLGPTForCausalLM, which transformers' AutoModelForCausalLM, generate() and lm-eval's `hf` model load.
+
+export_hf.py copies this file into the exported folder as modeling_ddl_gpt.py, with model.py and the
+kernels beside it (their imports made relative, as transformers' loader of remote code requires), so the
+exported model is model.py's GPT itself: the same forward, the same kernels (Triton's where it runs them,
+the PyTorch path elsewhere) and the same decoding cache as sample.generate.
+
+generate() decodes through model.Cache: the prompt once, then one token a step (its keys/values,
+Deltaformer's u's, DDL's TC and EC histories); past block_size the window slides and each step reruns the
+last block_size tokens without a cache, as sample.generate does. The model has no padding mask: a batch
+whose attention_mask holds a 0 (left-padded prompts) is refused rather than scored wrongly.
+
+It runs as the folder's modeling file, not from the repo's folder: there the repo's kernels/ package would
+shadow the `kernels` package that transformers imports.
+"""
+
+import torch.nn.functional as F
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from model import GPT, Cache, GPTConfig
+
+EOT = 50256  # GPT-2's <|endoftext|>, the document separator
+# transformers 5 renamed the cache argument and output field past_key_values -> cache (both accepted here)
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+class DDLGPTConfig(PretrainedConfig):
+    model_type = "ddl_gpt"
+
+    def __init__(self, gpt=None, **kwargs):
+        self.gpt = dict(gpt or {})  # GPTConfig's fields, as a checkpoint's model_args
+        cfg = GPTConfig(**self.gpt)  # checks them
+        for name, value in dict(
+            vocab_size=cfg.vocab_size,
+            max_position_embeddings=cfg.block_size,  # lm-eval's max_length: contexts are cut to fit
+            hidden_size=cfg.n_embd,
+            num_hidden_layers=cfg.n_layer,
+            num_attention_heads=cfg.n_head,
+            bos_token_id=EOT,
+            eos_token_id=EOT,
+            tie_word_embeddings=True,
+        ).items():
+            kwargs.setdefault(name, value)
+        super().__init__(**kwargs)
+
+    def gpt_config(self):
+        return GPTConfig(**self.gpt)
+
+
+class DDLGPTForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = DDLGPTConfig
+    base_model_prefix = "gpt"
+    main_input_name = "input_ids"
+    _no_split_modules = ["Block"]
+    _tied_weights_keys = {"gpt.lm_head.weight": "gpt.wte.weight"}
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.gpt = GPT(config.gpt_config())
+        self.post_init()
+
+    def _init_weights(self, module):
+        """from_pretrained loads every weight but leaves the buffers GPT computes when built (RoPE's tables)
+        empty and asks for them here: taken from a GPT built on the CPU, once."""
+        if not any(True for _ in module.buffers(recurse=False)):
+            return
+        if "_built" not in self.__dict__:  # a plain attribute, not a submodule; the GPT itself is freed
+            buffers = dict(GPT(self.config.gpt_config()).named_buffers())
+            self.__dict__["_built"] = buffers, {m: n for n, m in self.gpt.named_modules()}
+        buffers, names = self.__dict__["_built"]
+        if module in names:
+            for name, buf in module.named_buffers(recurse=False):
+                module._buffers[name] = buffers[f"{names[module]}.{name}".lstrip(".")].to(buf.device)
+
+    @classmethod
+    def _supports_default_dynamic_cache(
+        cls,
+    ):  # generate() gets model.Cache from prepare_inputs_for_generation
+        return False
+
+    def get_input_embeddings(self):
+        return self.gpt.wte
+
+    def get_output_embeddings(self):
+        return self.gpt.lm_head
+
+    def forward(
+        self, input_ids, attention_mask=None, labels=None, use_cache=None, return_dict=None, **kwargs
+    ):
+        """Logits [B, T, vocab] of input_ids [B, T]; with a model.Cache (as `cache` or `past_key_values`),
+        input_ids continue the cached sequence. labels: HF's convention (shifted here, -100 ignored)."""
+        cache = kwargs.pop("cache", None) or kwargs.pop("past_key_values", None)
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError(
+                "DDLGPTForCausalLM has no padding mask: attention_mask must be all ones (batch prompts of "
+                "equal length, or right-pad and ignore the padded positions)"
+            )
+        if not isinstance(cache, Cache):
+            cache = Cache() if use_cache else None
+        logits = self.gpt.lm_head(self.gpt.hidden_states(input_ids, cache))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
+            )
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE: cache})
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
+        """The tokens generate() has not fed yet and the cache; past block_size the last block_size tokens,
+        without a cache (sample.generate's sliding window)."""
+        cache = kwargs.get("cache") or kwargs.get("past_key_values")
+        block_size = self.gpt.config.block_size
+        if input_ids.shape[1] > block_size:
+            cache, input_ids = None, input_ids[:, -block_size:]
+        elif isinstance(cache, Cache) and cache.pos > 0:
+            input_ids = input_ids[:, cache.pos :]
+        else:
+            cache = Cache()
+        return {"input_ids": input_ids, "attention_mask": attention_mask, CACHE: cache}
+
+    def _reorder_cache(self, *args, **kwargs):
+        raise NotImplementedError("DDLGPTForCausalLM's cache does not support beam search (num_beams=1)")

@@ -1,0 +1,314 @@
+"""export_hf.py: the exported folder, loaded by transformers in a process without the repo on its path (as a
+user loads it), gives model.py's logits and sample.generate's greedy tokens for every variant, decodes through
+the cache, tokenizes as data/tokenizer.py does, runs in the stock `lm_eval --model hf` with eval.py's
+loglikelihoods; bad input is refused in one line, and the folder is written atomically."""
+
+import dataclasses
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import export_hf  # noqa: E402
+from data.tokenizer import get_encoding  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from sample import generate  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BLOCK, PROMPT, NEW = 16, 6, 14  # greedy generation runs past block_size: the window slides
+DDL_ROWS = [
+    dict(residual=r, ddl_ec=ec, ddl_v=v)
+    for r in ("ddl-cc", "ddl-tc")
+    for ec in (True, False)
+    for v in ("sigmoid", "linear")
+]
+RESIDUALS = [dict(residual="additive"), dict(residual="ddl"), dict(residual="ddl", ddl_v="linear"), *DDL_ROWS]
+KAPPA_W = [(k, w) for k in ("softmax", "relu", "linear") for w in ("k", "q", "proj")]
+# every residual with softmax attention and with Deltaformer, whose kappa x w go round all nine
+VARIANTS = [{**r, "attention": "softmax"} for r in RESIDUALS] + [
+    {**r, "attention": "deltaformer", "deltaformer_kernel": k, "deltaformer_w": w}
+    for r, (k, w) in zip(RESIDUALS, KAPPA_W + KAPPA_W)
+]
+TEXTS = [
+    "Hello world<|endoftext|>ROMEO:\n  But soft, what light through yonder window breaks?\n\n\n",
+    "<|endoftext|><|endoftext|>x  y\t\tz 1234567 don't I'll ‘quotes’ café 日本語 🤖  \n",
+]
+
+# The HF side runs here, in a fresh interpreter outside the repo (-P, another cwd): the repo's kernels/ would
+# shadow the `kernels` package transformers imports, and the folder must load on its own.
+CHILD = r"""
+import sys
+import torch
+if sys.argv[3] == "no-triton":
+    sys.modules["triton"] = None  # as on a machine without Triton: the import fails
+from transformers import AutoModelForCausalLM, AutoTokenizer
+jobs, out = torch.load(sys.argv[1]), {}
+for name, job in jobs.items():
+    if "texts" in job:
+        tok = AutoTokenizer.from_pretrained(job["folder"])
+        ids = [tok(t)["input_ids"] for t in job["texts"]]
+        out[name] = ids, [tok.decode(i) for i in ids]
+        continue
+    model = AutoModelForCausalLM.from_pretrained(job["folder"], trust_remote_code=True).eval()
+    flat = sys.modules[type(model).__module__.rsplit(".", 1)[0] + ".kernels_common"]
+    calls = []
+    if sys.argv[3] == "triton":  # the repo's Triton kernels (interpreted on the CPU) for every op
+        flat.set_auto_backend("triton")
+        df = sys.modules[flat.__name__.replace("kernels_common", "kernels_deltaformer")]
+        u = df.deltaformer_u_triton
+        df.deltaformer_u_triton = lambda *a, **k: calls.append(1) or u(*a, **k)
+    seen = []
+    model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    with torch.no_grad():
+        logits = model(input_ids=job["tokens"]).logits
+        new = job["new"]
+        ids = model.generate(job["prompt"], max_new_tokens=new, do_sample=False) if new else None
+    out[name] = dict(logits=logits, ids=ids, seen=seen[1:], triton_calls=len(calls))
+torch.save(out, sys.argv[2])
+"""
+
+
+def child_env(tmp):
+    """The environment of a process outside the repo: offline, its own module cache, no repo on the path."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != REPO]
+    env.update(
+        PYTHONPATH=os.pathsep.join(path),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_MODULES_CACHE=str(tmp / "modules"),
+        OMP_NUM_THREADS="1",
+        PYTHONIOENCODING="utf-8",
+    )
+    return env
+
+
+def run_child(tmp, jobs, mode="no-triton"):
+    torch.save(jobs, tmp / "jobs.pt")
+    env = child_env(tmp)
+    if mode == "triton":
+        env["TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, "-P", "-c", CHILD, str(tmp / "jobs.pt"), str(tmp / "out.pt"), mode]
+    r = subprocess.run(
+        cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=1800, stdin=subprocess.DEVNULL
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return torch.load(tmp / "out.pt", weights_only=False)
+
+
+def name(v):
+    return "-".join(f"{k}={x}" for k, x in v.items())
+
+
+def tiny(seed=0, vocab_size=512, block_size=BLOCK, **kw):
+    torch.manual_seed(seed)
+    cfg = GPTConfig(
+        n_layer=2, n_embd=64, head_dim=32, n_head=2, block_size=block_size, vocab_size=vocab_size, **kw
+    )
+    model = GPT(cfg).eval()
+    with torch.no_grad():  # larger logits than the init's: clear greedy choices
+        model.wte.weight.mul_(10)
+    return model
+
+
+def write_checkpoint(out_dir, model):
+    os.makedirs(out_dir, exist_ok=True)
+    ckpt = {"model": model.state_dict(), "model_args": dataclasses.asdict(model.config), "iter_num": 3}
+    torch.save(ckpt, os.path.join(out_dir, "ckpt.pt"))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """Every variant exported, its reference (model.py's logits, sample.generate's greedy tokens) and what
+    the folder gives in transformers (one process without Triton for all)."""
+    tmp = tmp_path_factory.mktemp("hf")
+    gen = torch.Generator().manual_seed(0)
+    refs, jobs = {}, {}
+    for k, v in enumerate(VARIANTS):
+        model = tiny(seed=k, **v)
+        write_checkpoint(tmp / f"ckpt{k}", model)
+        folder = export_hf.export(str(tmp / f"ckpt{k}"), str(tmp / f"hf{k}"))
+        tokens = torch.randint(0, 512, (2, BLOCK), generator=gen)
+        prompt = tokens[:, :PROMPT]
+        with torch.no_grad():
+            logits = model(tokens, targets=tokens)[0]  # targets: the logits at every position
+        refs[name(v)] = dict(logits=logits, ids=generate(model, prompt, NEW, top_k=1))
+        jobs[name(v)] = dict(folder=folder, tokens=tokens, prompt=prompt, new=NEW)
+    jobs["tokenizer"] = dict(folder=jobs[name(VARIANTS[0])]["folder"], texts=TEXTS)
+    return tmp, jobs, refs, run_child(tmp, jobs)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=name)
+def test_logits_and_greedy_generate_equal_the_repo(exported, variant):
+    _, _, refs, got = exported
+    ref, hf = refs[name(variant)], got[name(variant)]
+    assert hf["logits"].dtype == torch.float32
+    assert (hf["logits"] - ref["logits"]).abs().max().item() <= 1e-5
+    assert torch.equal(hf["ids"], ref["ids"])
+    # the cache: the prompt once, then one token a step; past block_size the last block_size tokens
+    assert hf["seen"] == [PROMPT] + [1] * (BLOCK - PROMPT) + [BLOCK] * (NEW - 1 - (BLOCK - PROMPT))
+
+
+def test_tokenizer_gives_the_repo_ids(exported):
+    _, _, _, got = exported
+    enc = get_encoding()
+    ids, texts = got["tokenizer"]
+    assert ids == [enc.encode(t, allowed_special="all") for t in TEXTS]
+    assert ids[0].count(50256) == 1 and ids[1][:2] == [50256, 50256]
+    assert texts == TEXTS
+
+
+@pytest.mark.slow
+def test_triton_kernels_run_when_available(exported):
+    """With Triton (its interpreter here) the folder runs the repo's Triton kernels, to the same logits."""
+    tmp, jobs, refs, _ = exported
+    picked = [
+        name(v)
+        for v in VARIANTS
+        if v["residual"] in ("ddl-cc", "ddl-tc")
+        and v.get("ddl_ec") is not False
+        and v["attention"] == "deltaformer"
+        and v.get("ddl_v") != "linear"
+    ][:2]
+    got = run_child(tmp, {n: dict(jobs[n], new=0) for n in picked}, mode="triton")
+    for n in picked:
+        assert got[n]["triton_calls"] == 2  # stage 1 of each layer's Deltaformer
+        assert (got[n]["logits"] - refs[n]["logits"]).abs().max().item() <= 1e-5
+
+
+def test_lm_eval_hf_equals_eval_py(tmp_path):
+    """`lm_eval --model hf` on the export scores the local task with eval.py's loglikelihoods (1e-4)."""
+    pytest.importorskip("lm_eval")
+    import lm_eval
+
+    import eval as ev
+
+    model = tiny(seed=5, vocab_size=50304, block_size=64, residual="ddl-cc", attention="deltaformer")
+    write_checkpoint(tmp_path / "ckpt", model)
+    folder = export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    limit = 6
+    cmd = [
+        sys.executable,
+        "-P",
+        "-m",
+        "lm_eval",
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={folder},trust_remote_code=True",
+        "--tasks",
+        "shakespeare_cloze",
+        "--include_path",
+        ev.LOCAL_TASKS,
+        "--num_fewshot",
+        "1",
+        "--limit",
+        str(limit),
+        "--device",
+        "cpu",
+        "--batch_size",
+        "4",
+        "--seed",
+        "1234",
+        "--log_samples",
+        "--output_path",
+        str(tmp_path / "lm"),
+    ]
+    r = subprocess.run(
+        cmd, cwd=tmp_path, env=child_env(tmp_path), capture_output=True, text=True, timeout=1800
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    (samples,) = glob.glob(str(tmp_path / "lm" / "*" / "samples_shakespeare_cloze_*.jsonl"))
+    with open(samples, encoding="utf-8") as f:
+        hf = {d["doc_id"]: d for d in map(json.loads, f)}
+    lm = ev.CheckpointLM(out_dir=str(tmp_path / "ckpt"), device="cpu", batch_size=4)
+    ours = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=["shakespeare_cloze"],
+        num_fewshot=1,
+        limit=limit,
+        task_manager=ev.task_manager(["shakespeare_cloze"], ev.include_paths(), False),
+        log_samples=True,
+        random_seed=1234,
+        numpy_random_seed=1234,
+        torch_random_seed=1234,
+        fewshot_random_seed=1234,
+    )
+    ref = {d["doc_id"]: d for d in ours["samples"]["shakespeare_cloze"]}
+    assert sorted(hf) == sorted(ref) == list(range(limit))
+    for i in ref:
+        hf_args = [[a["arg_0"], a["arg_1"]] for a in hf[i]["arguments"].values()]  # the log's form
+        assert hf_args == [list(a) for a in ref[i]["arguments"]]  # the same requests
+        got = [float(lp) for lp, _ in hf[i]["filtered_resps"]]
+        want = [lp for lp, _ in ref[i]["filtered_resps"]]
+        assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-4, (i, got, want)
+        assert (hf[i]["acc"], hf[i]["acc_norm"]) == (ref[i]["acc"], ref[i]["acc_norm"])
+
+
+# ---- bad input and the atomic write ----
+def export_error(capsys, *args):
+    with pytest.raises(SystemExit) as e:
+        export_hf.main(list(args))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("export_hf.py: error: ")
+    return err
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    os.makedirs(tmp_path / "empty")
+    assert "no checkpoint at" in export_error(
+        capsys, f"--out_dir={tmp_path / 'empty'}", f"--to={tmp_path / 'x'}"
+    )
+    model = tiny()
+    bad = {
+        "model": model.state_dict(),
+        "model_args": {**dataclasses.asdict(model.config), "residual": "ddl-zz"},
+    }
+    os.makedirs(tmp_path / "bad")
+    torch.save(bad, tmp_path / "bad" / "ckpt.pt")
+    err = export_error(capsys, f"--out_dir={tmp_path / 'bad'}", f"--to={tmp_path / 'x'}")
+    assert "GPTConfig.residual must be one of" in err and "ddl-zz" in err
+    write_checkpoint(tmp_path / "ok", model)
+    os.makedirs(tmp_path / "there")
+    err = export_error(capsys, f"--out_dir={tmp_path / 'ok'}", f"--to={tmp_path / 'there'}")
+    assert "exists; pass --overwrite" in err
+    assert not os.path.exists(tmp_path / "x") and os.listdir(tmp_path / "there") == []
+    export_hf.main([f"--out_dir={tmp_path / 'ok'}", f"--to={tmp_path / 'there'}", "--overwrite"])
+    assert os.path.isfile(tmp_path / "there" / "model.safetensors")
+
+
+def test_export_is_atomic(tmp_path, monkeypatch):
+    """A failure while writing leaves no folder (nor temp files), and an --overwrite keeps the old one."""
+    write_checkpoint(tmp_path / "ckpt", tiny())
+    to = tmp_path / "out" / "hf"
+
+    def fail(folder, block_size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export_hf, "write_tokenizer", fail)
+    with pytest.raises(OSError, match="No space"):
+        export_hf.export(str(tmp_path / "ckpt"), str(to))
+    assert os.listdir(tmp_path / "out") == []
+    monkeypatch.undo()
+    export_hf.export(str(tmp_path / "ckpt"), str(to))
+    before = {n: (to / n).read_bytes() for n in os.listdir(to)}
+    write_checkpoint(tmp_path / "ckpt", tiny(seed=1))
+    monkeypatch.setattr(export_hf, "write_tokenizer", fail)
+    with pytest.raises(OSError, match="No space"):
+        export_hf.export(str(tmp_path / "ckpt"), str(to), overwrite=True)
+    assert os.listdir(tmp_path / "out") == ["hf"]
+    assert {n: (to / n).read_bytes() for n in os.listdir(to)} == before
+    monkeypatch.undo()
+    export_hf.export(str(tmp_path / "ckpt"), str(to), overwrite=True)
+    assert (
+        os.listdir(tmp_path / "out") == ["hf"]
+        and (to / "model.safetensors").read_bytes() != before["model.safetensors"]
+    )
