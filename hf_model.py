@@ -6,7 +6,7 @@ kernels beside it (their imports made relative, as transformers' loader of remot
 exported model is model.py's GPT itself: the same forward, the same kernels (Triton's where it runs them,
 the PyTorch path elsewhere) and the same decoding cache as sample.generate.
 
-generate() decodes through model.Cache: the prompt once, then one token a step (its keys/values,
+generate() decodes through cache.Cache: the prompt once, then one token a step (its keys/values,
 Deltaformer's u's, DDL's TC and EC histories); past block_size the window slides and each step reruns the
 last block_size tokens without a cache, as sample.generate does. The model has no padding mask: a batch
 whose attention_mask holds a 0 (left-padded prompts) is refused rather than scored wrongly.
@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from model import GPT, Cache, GPTConfig
+from cache import Cache
+from model import GPT, GPTConfig
 
 EOT = 50256  # GPT-2's <|endoftext|>, the document separator
 # transformers 5 renamed the cache argument and output field past_key_values -> cache (both accepted here)
@@ -77,7 +78,7 @@ class DDLGPTForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def _supports_default_dynamic_cache(
         cls,
-    ):  # generate() gets model.Cache from prepare_inputs_for_generation
+    ):  # generate() gets cache.Cache from prepare_inputs_for_generation
         return False
 
     def get_input_embeddings(self):
@@ -89,7 +90,7 @@ class DDLGPTForCausalLM(PreTrainedModel, GenerationMixin):
     def forward(
         self, input_ids, attention_mask=None, labels=None, use_cache=None, return_dict=None, **kwargs
     ):
-        """Logits [B, T, vocab] of input_ids [B, T]; with a model.Cache (as `cache` or `past_key_values`),
+        """Logits [B, T, vocab] of input_ids [B, T]; with a cache.Cache (as `cache` or `past_key_values`),
         input_ids continue the cached sequence. labels: HF's convention (shifted here, -100 ignored)."""
         cache = kwargs.pop("cache", None) or kwargs.pop("past_key_values", None)
         if attention_mask is not None and not bool(attention_mask.all()):

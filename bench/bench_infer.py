@@ -70,7 +70,8 @@ def forward_row(model, cfg, args, row):
 
 def decode_row(model, cfg, args, row):
     """Each batch x decode mode: tokens/s of sample.generate; fills row["decode"] with one entry each."""
-    from sample import Cache, generate
+    from cache import Cache
+    from sample import generate
 
     cuda, row["decode"] = args.device == "cuda", []
     for B in args.decode_batches:

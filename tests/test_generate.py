@@ -16,8 +16,9 @@ import re
 import pytest
 import torch
 
+from cache import Cache
 from model import ATTENTIONS, GPT, RESIDUALS, GPTConfig
-from sample import DECODES, Cache, generate, sample_token, static_cache
+from sample import DECODES, generate, sample_token, static_cache
 
 V = 67
 
