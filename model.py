@@ -1,8 +1,8 @@
 """GPT with switchable residual (additive | Deep Delta Learning) and attention (softmax | Deltaformer).
 The defaults build the model of the DDL authors' released code (arXiv 2601.00417); where the paper's text
 differs, the text is a named option. Read top to bottom: config, small pieces, the residual rules (the only
-variant-specific code: a module per sublayer, rule(stream, F) -> stream), Block, GPT. The stream is a vector
-x [B, T, d] (additive) or, for DDL, a state X [B, T, d, d_v] per token in a DDLStream. A sublayer F:
+variant-specific code: a module per sublayer, rule(stream, F) -> stream, and its RuleSpec), Block, GPT. The
+stream is a vector x [B, T, d] (additive) or, for DDL, a state X [B, T, d, d_v] per token in a DDLStream:
 
     additive:  x <- x + F(RMSNorm(x))
     DDL:       x_in = compress(X);  c = RMSNorm(x_in);  h = F(c);  khat = h / sqrt(|h|^2 + eps^2)
@@ -22,12 +22,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.common import BACKENDS, fp32_linear
-from kernels.ddl import cc_read_weight, compress_cc, compress_tc, expand_ec
-from kernels.ddl.stream import DDLStream
+from kernels.ddl import expand_ec
+from kernels.ddl.stream import Compressor, DDLStream, identity_conv
 from kernels.deltaformer import deltaformer_attention
 
 RESIDUALS = {}  # residual name -> its rule, a module class per sublayer (filled below, after the rules)
-DDL_RESIDUALS = ("ddl", "ddl-tc", "ddl-cc")
 ATTENTIONS = ("softmax", "deltaformer")
 CHOICES = {  # GPTConfig fields with a fixed set of values
     "residual": RESIDUALS, "attention": ATTENTIONS, "deltaformer_w": ("q", "k", "proj"),
@@ -59,9 +58,9 @@ class GPTConfig:
     norm_eps: float = 1e-5  # epsilon of every RMSNorm
     init: str = "scaled"  # "scaled" (the DDL code's, every row) | "nanogpt"
     dropout: float = 0.0  # in training: on the embeddings, attention weights and sublayer outputs
-    residual: str = "additive"  # "additive": x + F(x) | DDL: "ddl" (d_v = 1), "ddl-tc", "ddl-cc" (d_v > 1)
-    ddl_dv: int | None = None  # None -> 1 for "ddl", 4 for "ddl-tc"/"ddl-cc"; must be None for additive
-    ddl_ec: bool = True  # EC expansion of the embedding ("ddl-tc"/"ddl-cc" only)
+    residual: str = "additive"  # a name in RESIDUALS: "additive" | DDL: "ddl" (d_v = 1), "ddl-tc", "ddl-cc"
+    ddl_dv: int | None = None  # None -> the rule's d_v (1 for "ddl") or 4; None for a vector-stream rule
+    ddl_ec: bool = True  # EC expansion of the embedding (rules whose spec has ec: "ddl-tc", "ddl-cc")
     ddl_erase: bool = True  # False: the write-only control X <- X + beta khat v^T
     ddl_beta_init: float = 1.0  # b_beta = logit(beta0 / 2): beta starts near beta0 (exactly, if W_beta = 0)
     ddl_v: str = "sigmoid"  # "sigmoid": 4 sigmoid(W_v x_in + b_v) (the code) | "linear": W_v c (the text)
@@ -100,13 +99,22 @@ class GPTConfig:
         for name in ("rope_base", "norm_eps", "deltaformer_beta_max"):
             check(name, number(lambda x: x > 0), "a number > 0")
         check("ddl_beta_init", number(lambda x: 0 < x < 2), "a number in (0, 2) (beta = 2 sigmoid(.))")
-        # d_v: resolved here so that asdict() -> GPTConfig(**) round-trips to the same model.
-        allowed_dv = {"ddl": (None, 1), "ddl-tc": None, "ddl-cc": None}.get(self.residual, (None,))
-        if allowed_dv is not None:
-            check("ddl_dv", lambda x: x in allowed_dv, f"one of {allowed_dv} for residual={self.residual!r}")
-        if self.is_ddl and self.ddl_dv is None:
-            self.ddl_dv = 1 if self.residual == "ddl" else 4
-        check("ddl_dv", lambda x: not self.is_ddl or positive_int(x), "a positive int")
+        spec, has = self.spec, f"; {self.residual!r} ({RESIDUALS[self.residual].__name__}) has {self.spec!r}"
+        check("residual", lambda _: isinstance(spec, RuleSpec), f"a rule whose spec is a RuleSpec{has}")
+        for key, ok, what in (  # the rule's spec: each field known, the fields consistent
+            ("stream", spec.stream == "ddl" or spec == RuleSpec(), "'ddl', or 'vector' with no other field"),
+            ("dv", spec.dv == 1 if spec.compressor is None and self.is_ddl else spec.dv is None
+             or positive_int(spec.dv), "None or a positive int (1 with compressor=None: x_in = X[..., 0])"),
+            ("compressor", spec.compressor in (None, "cc", "tc"), "one of (None, 'cc', 'tc')"),
+            ("ec", isinstance(spec.ec, bool), "True or False"),
+            ("gate", spec.gate in (None, "2sigmoid"), "None or '2sigmoid'"),
+        ):  # fmt: skip
+            check("residual", lambda _, ok=ok: ok, f"a rule whose spec.{key} is {what}{has}")
+        if self.is_ddl and self.ddl_dv is None:  # resolved here so that asdict() -> GPTConfig(**) round-trips
+            self.ddl_dv = spec.dv or 4
+        want = f"{spec.dv} or None" if spec.dv else "a positive int" if self.is_ddl else "None"
+        ok_dv = lambda x: positive_int(x) and x == (spec.dv or x) if self.is_ddl else x is None
+        check("ddl_dv", ok_dv, f"{want} for residual={self.residual!r}")
         if self.ddl_keep_state_every is None:
             self.ddl_keep_state_every = 0 if self.ddl_dv in (None, 1) else 4
         check("ddl_keep_state_every", number(lambda x: x >= 0, int), "an int >= 0")
@@ -124,8 +132,10 @@ class GPTConfig:
         return cls(**{**PRESETS[name], **overrides})
 
     @property
-    def is_ddl(self):
-        return self.residual in DDL_RESIDUALS
+    def spec(self):  # the residual rule's RuleSpec (checked in __post_init__); is_ddl: its stream is DDL's
+        return getattr(RESIDUALS[self.residual], "spec", Additive.spec)
+
+    is_ddl = property(lambda self: self.spec.stream == "ddl")
 
     @property
     def hidden(self):
@@ -232,11 +242,22 @@ class Attention(nn.Module):
 
 
 # ---- The residual rules: a module per sublayer, rule(stream, F) -> the stream after F read and wrote it.
-# The stream is what the rule chooses: a tensor x [B, T, d] (additive), or a DDLStream around X (DDL).
+# The stream is what the rule's spec chooses: a tensor x [B, T, d] (additive), or a DDLStream around X (DDL).
+
+
+@dataclass(frozen=True)
+class RuleSpec:  # what a rule needs around it, its `spec` (RuleSpec() if none): read instead of its name
+    stream: str = "vector"  # "vector": x [B, T, d] | "ddl": a DDLStream around X [B, T, d, d_v]
+    dv: int | None = None  # d_v, if the rule fixes it; None: GPTConfig.ddl_dv's (4 if None)
+    compressor: str | None = None  # how sublayers read X: None (X[..., 0], d_v = 1) | "cc" | "tc"
+    ec: bool = False  # with ddl_ec, X0 is EC's causal conv of the embedding (else the embedding d_v times)
+    gate: str | None = None  # "2sigmoid": beta = 2 sigmoid(W_beta c + b_beta) (DDL's formula tests apply)
 
 
 class Additive(nn.Module):
     """x <- x + F(RMSNorm(x))."""
+
+    spec = RuleSpec()
 
     def __init__(self, cfg):
         super().__init__()
@@ -248,7 +269,9 @@ class Additive(nn.Module):
 
 
 class Residual(Additive):
-    """DDL: x_in = compress(X); c = RMSNorm(x_in); h = F(c); X <- X + beta khat (v^T - khat^T X)."""
+    """DDL: x_in = compress(X); c = RMSNorm(x_in); h = F(c); X <- X + beta khat (v^T - khat^T X); d_v = 1."""
+
+    spec = RuleSpec(stream="ddl", dv=1, gate="2sigmoid")
 
     def __init__(self, cfg):
         super().__init__(cfg)  # the norm and the dropout
@@ -260,6 +283,7 @@ class Residual(Additive):
         W, norm = self.logit_weight(), self.norm  # c = RMSNorm(x_in); z = W x_in: v's and beta's logits
         c, z, inv_rms = stream.read_normed(norm.weight, norm.eps, W) or self.normed(stream.read(), W)
         h = self.drop(sublayer(c))  # F(c); khat = h / sqrt(|h|^2 + eps^2), in the update
+        # deferred: X updates at the next read, in one op with it (or with the next norm): a pass over X fewer
         return stream.write(h, *self.value_and_gate(z, inv_rms))
 
     def normed(self, x_in, W):  # (c, z, inv_rms) of x_in, as the stream's read_normed gives them
@@ -276,37 +300,24 @@ class Residual(Additive):
         v = z[..., :-1] * inv_rms if linear else DDL_V_SCALE * torch.sigmoid(z[..., :-1] + self.v_proj.bias)
         return v, beta
 
-
-RESIDUALS.update({"additive": Additive, "ddl": Residual, "ddl-tc": Residual, "ddl-cc": Residual})
-
-
-class Compressor(nn.Module):
-    """DDL: reads the d-vector a sublayer (or the LM head) sees out of the state X [B, T, d, d_v]."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.kind, self.backend, d, dv = cfg.residual, cfg.backend, cfg.n_embd, cfg.ddl_dv
-        if self.kind == "ddl-cc":  # depthwise conv along d_v (kernel d_v, centred), then the read
-            self.conv = nn.Parameter(identity_conv(d, dv, tap=(dv - 1) // 2))
-        elif self.kind == "ddl-tc":  # causal depthwise conv over tokens (tap K-1 = now), then the read
-            self.conv = nn.Parameter(identity_conv(d, dv, cfg.ddl_conv_size))
-        if self.kind != "ddl":
-            self.read = nn.Parameter(torch.full((dv,), 1.0 / dv))
-
-    def cc_weight(self):  # DDL-CC's conv and read as the one linear map [d, d_v] they are
-        return cc_read_weight(self.conv, self.read)
-
-    def forward(self, X):
-        if self.kind == "ddl":
-            return X[..., 0]
-        if self.kind == "ddl-cc":
-            return compress_cc(X, self.cc_weight(), backend=self.backend)
-        return compress_tc(X, self.conv, self.read, backend=self.backend)
+    def init_weights(self, scaled):  # by GPT._init_weights, after it drew every matrix: b_beta, W_beta, b_v
+        beta0, bound = self.cfg.ddl_beta_init, 1 / math.sqrt(self.cfg.n_embd) if scaled else 0.0
+        self.beta.bias.fill_(math.log(beta0 / (2 - beta0)))  # logit(beta0 / 2)
+        if not scaled:
+            nn.init.zeros_(self.beta.weight)
+        if self.v_proj.bias is not None:
+            nn.init.uniform_(self.v_proj.bias, -bound, bound)
 
 
-def identity_conv(*shape, tap=None):
-    """A depthwise conv weight [..., K] that passes its input through: tap `tap` (default K-1) is 1."""
-    return torch.zeros(shape).index_fill_(-1, torch.tensor([shape[-1] - 1 if tap is None else tap]), 1.0)
+class ResidualCC(Residual):  # DDL-CC: read through a conv along d_v, then a read over d_v; EC
+    spec = RuleSpec(stream="ddl", compressor="cc", ec=True, gate="2sigmoid")
+
+
+class ResidualTC(Residual):  # DDL-TC: read through a causal conv over the last K tokens, then a read; EC
+    spec = RuleSpec(stream="ddl", compressor="tc", ec=True, gate="2sigmoid")
+
+
+RESIDUALS.update({"additive": Additive, "ddl": Residual, "ddl-tc": ResidualTC, "ddl-cc": ResidualCC})
 
 
 class Block(nn.Module):
@@ -330,7 +341,7 @@ class GPT(nn.Module):
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        if cfg.ddl_ec and cfg.residual in ("ddl-tc", "ddl-cc"):  # EC
+        if cfg.ddl_ec and cfg.spec.ec:  # EC
             self.ec_conv = nn.Parameter(identity_conv(cfg.n_embd, cfg.ddl_dv, cfg.ddl_conv_size))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         if cfg.is_ddl:
@@ -363,13 +374,8 @@ class GPT(nn.Module):
                 nn.init.normal_(proj.weight, mean=0.0, std=out_std)
             if block.attn.deltaformer:
                 nn.init.zeros_(block.attn.beta.bias)
-            for res in (block.res_attn, block.res_mlp) if cfg.is_ddl else ():
-                res.beta.bias.fill_(math.log(cfg.ddl_beta_init / (2 - cfg.ddl_beta_init)))  # logit(beta0 / 2)
-                if not scaled:
-                    nn.init.zeros_(res.beta.weight)
-                if res.v_proj.bias is not None:
-                    bound = 1 / math.sqrt(d) if scaled else 0.0
-                    nn.init.uniform_(res.v_proj.bias, -bound, bound)
+            for res in (block.res_attn, block.res_mlp):  # each rule's own init, if it has one
+                getattr(res, "init_weights", lambda scaled: None)(scaled)
 
     def embed(self, idx, cache=None):
         """The initial stream: emb [B, T, d] (additive) or X0 [B, T, d, d_v] (DDL)."""

@@ -18,10 +18,12 @@ import torch.nn.functional as F
 
 import model as model_module
 from model import ATTENTIONS, DDL_EPS, GPT, RESIDUALS, DDLStream, GPTConfig, Residual
-from sample import generate
+from sample import Cache, generate
 
-COMBOS = [(r, a) for r in RESIDUALS for a in ATTENTIONS]
-DDL_RESIDUALS = [r for r in RESIDUALS if r != "additive"]
+COMBOS = [(r, a) for r in RESIDUALS for a in ATTENTIONS]  # the generic tests: every registered rule
+DDL_RESIDUALS = [r for r in RESIDUALS if GPTConfig(residual=r).is_ddl]  # the rules on a DDLStream
+# the tests of DDL's formula (beta = 2 sigmoid(W_beta c + b_beta), v, the update): the rules that declare it
+DDL_FORMULA = [r for r in DDL_RESIDUALS if GPTConfig(residual=r).spec.gate == "2sigmoid"]
 V = 67
 
 
@@ -130,15 +132,16 @@ def test_bf16_autocast_close_to_fp32():
     assert torch.isfinite(loss16) and abs(loss16.item() - loss32.item()) < 0.05 * loss32.item()
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        dict(residual="ddl-cc", attention="softmax"),  # fused update + CC read, EC
-        dict(residual="ddl-tc", attention="deltaformer", deltaformer_kernel="relu"),
-        dict(residual="ddl", attention="deltaformer", deltaformer_w="proj", ddl_erase=False),
-        dict(residual="ddl", ddl_v="linear"),  # the update fused with the norm and logits (linear v)
-    ],
-)
+BACKEND_CASES = [
+    dict(residual="ddl-cc", attention="softmax"),  # fused update + CC read, EC
+    dict(residual="ddl-tc", attention="deltaformer", deltaformer_kernel="relu"),
+    dict(residual="ddl", attention="deltaformer", deltaformer_w="proj", ddl_erase=False),
+    dict(residual="ddl", ddl_v="linear"),  # the update fused with the norm and logits (linear v)
+]
+BACKEND_CASES += [dict(residual=r) for r in RESIDUALS if r not in {c["residual"] for c in BACKEND_CASES}]
+
+
+@pytest.mark.parametrize("overrides", BACKEND_CASES)
 def test_triton_backend_matches_torch_backend(overrides):
     """The model wired to the Triton kernels (CUDA, or the interpreter on CPU) gives the reference's loss
     and gradients: float32, so the tolerance is float32 rounding."""
@@ -189,11 +192,12 @@ def test_ddl_reads_through_the_fused_norm(monkeypatch):
 # The DDL sublayer, checked against the formula with values captured at run time
 
 
-def naive_compress(residual, comp, X):
-    """x_in = compress(X), written out independently of kernels/ddl/ and of Compressor.cc_weight."""
-    if residual == "ddl":
+def naive_compress(kind, comp, X):
+    """x_in = compress(X) by the compressor `kind` (a rule's spec.compressor), written out independently of
+    kernels/ddl/ and of Compressor.cc_weight."""
+    if kind is None:
         return X[..., 0]
-    if residual == "ddl-cc":  # conv along d_v (kernel d_v, left pad (d_v-1)//2, zeros outside), then read
+    if kind == "cc":  # conv along d_v (kernel d_v, left pad (d_v-1)//2, zeros outside), then read
         dv = X.shape[-1]
         conv_out = torch.zeros_like(X)
         for out in range(dv):
@@ -327,7 +331,7 @@ def test_fp32_linear_compiled_against_float64(rows):
 
 @pytest.mark.parametrize(
     "residual,erase,ddl_v",
-    [(r, e, "sigmoid") for r in DDL_RESIDUALS for e in (True, False)]
+    [(r, e, "sigmoid") for r in DDL_FORMULA for e in (True, False)]
     + [("ddl-cc", True, "linear"), ("ddl", True, "linear")],
 )
 def test_ddl_sublayer_matches_formula(residual, erase, ddl_v):
@@ -345,7 +349,7 @@ def test_ddl_sublayer_matches_formula(residual, erase, ddl_v):
         m, X, X_new, c, h = r["module"], r["X"], r["X_new"], r["c"], r["h"]
         assert X.shape == (2, 11, 32, model.config.ddl_dv)
         torch.testing.assert_close(
-            r["x_in"], naive_compress(residual, r["compress"], X), rtol=1e-12, atol=1e-12
+            r["x_in"], naive_compress(model.config.spec.compressor, r["compress"], X), rtol=1e-12, atol=1e-12
         )
         rms = torch.sqrt((r["x_in"] ** 2).mean(-1, keepdim=True) + model.config.norm_eps)
         torch.testing.assert_close(c, r["x_in"] / rms * m.norm.weight, rtol=1e-12, atol=1e-12)
@@ -358,7 +362,7 @@ def test_ddl_sublayer_matches_formula(residual, erase, ddl_v):
         torch.testing.assert_close(X_new, want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("residual", DDL_RESIDUALS)
+@pytest.mark.parametrize("residual", DDL_FORMULA)
 def test_ddl_beta_zero_is_identity(residual):
     """b_beta very negative -> beta = 0 exactly: every sublayer returns X unchanged, so the logits are
     those of the embedding read straight out."""
@@ -379,7 +383,7 @@ def test_ddl_beta_zero_is_identity(residual):
     torch.testing.assert_close(logits, direct, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("residual", DDL_RESIDUALS)
+@pytest.mark.parametrize("residual", DDL_FORMULA)
 def test_ddl_beta_one_overwrites(residual):
     """w_beta = 0, b_beta = 0 -> beta = 1: khat^T X' = v^T (up to |khat|^2 = 1 - eps^2/(|h|^2+eps^2))."""
     model = make(tiny(residual=residual))
@@ -892,20 +896,68 @@ def test_ddl_keep_state_every_default():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The README's worked example of a new residual rule
+# What a rule declares (its RuleSpec), and the README's worked examples of new rules
 
 
-def readme_residual_example():
-    """The first python code block of README.md's "Add your own residual" section."""
+@pytest.mark.parametrize(
+    "spec,field",
+    [
+        (dict(stream="matrix"), "spec.stream"),
+        (dict(stream="vector", ec=True), "spec.stream"),  # a vector stream has no DDL state to expand
+        (dict(stream="ddl"), "spec.dv"),  # no compressor: x_in = X[..., 0] needs d_v = 1
+        (dict(stream="ddl", dv=4), "spec.dv"),
+        (dict(stream="ddl", dv=0, compressor="cc"), "spec.dv"),
+        (dict(stream="ddl", dv=1, compressor="xc"), "spec.compressor"),
+        (dict(stream="ddl", compressor="tc", ec="yes"), "spec.ec"),
+        (dict(stream="ddl", compressor="cc", gate="sigmoid"), "spec.gate"),
+        ({"stream": "ddl", "compressor": "cc"}, "spec is a RuleSpec"),  # a dict, not a RuleSpec
+    ],
+)
+def test_unknown_or_inconsistent_spec_names_the_rule_and_the_field(spec, field, monkeypatch):
+    as_dict = field == "spec is a RuleSpec"
+    rule = type("OddRule", (Residual,), {"spec": spec if as_dict else model_module.RuleSpec(**spec)})
+    monkeypatch.setitem(RESIDUALS, "odd", rule)
+    with pytest.raises(ValueError, match=rf"GPTConfig.residual .*{field}.*'odd' \(OddRule\)"):
+        tiny(residual="odd")
+
+
+@pytest.mark.parametrize("residual", DDL_RESIDUALS)
+def test_the_spec_not_the_name_builds_the_model(residual, monkeypatch):
+    """A built-in rule's class registered under another name builds the same parameters, d_v, EC and
+    compressors and gives the same logits: nothing reads the residual's name."""
+    monkeypatch.setitem(RESIDUALS, "renamed", RESIDUALS[residual])
+    a, b = make(tiny(residual=residual)), make(tiny(residual="renamed"))
+    assert a.config.ddl_dv == b.config.ddl_dv and a.state_dict().keys() == b.state_dict().keys()
+    idx = tokens()
+    torch.testing.assert_close(b(idx, idx)[0], a(idx, idx)[0], rtol=0, atol=0)
+
+
+def readme_residual_examples():
+    """The python code blocks of README.md's "Add your own residual" section."""
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     section = readme.split("## Add your own residual\n", 1)[1].split("\n## ", 1)[0]
-    return section.split("```python\n", 1)[1].split("```", 1)[0]
+    return [block.split("```", 1)[0] for block in section.split("```python\n")[1:]]
 
 
-def test_readme_residual_example_trains():
-    """The example as written (at most 30 lines), pasted into model.py's namespace: it registers its rule,
-    every sublayer uses it, and a few AdamW steps on one repeated batch lower the loss and move the gate."""
-    code = readme_residual_example()
+def cached_logits_equal_full_forward(model, idx, tol):
+    """Logits from the decoding cache (a prefill of 5 tokens, then one at a time) against the full
+    forward's at every position."""
+    with torch.no_grad():
+        full = model.lm_head(model.hidden_states(idx))
+        cache = Cache()
+        got = [model.lm_head(model.hidden_states(idx[:, :5], cache))]
+        got += [model.lm_head(model.hidden_states(idx[:, t : t + 1], cache)) for t in range(5, idx.shape[1])]
+    torch.testing.assert_close(torch.cat(got, dim=1), full, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("example", [0, 1], ids=["vector-stream", "ddl-stream"])
+def test_readme_residual_example_trains_and_decodes(example):
+    """Each example as written (at most 30 lines), pasted into model.py's namespace: it registers its rule
+    (one class, one registry line), every sublayer uses it, a few AdamW steps on one repeated batch lower
+    the loss and move its new parameter; then, moved off its weights, cached decoding gives the full
+    forward's logits on the torch backend (float64) and on the Triton kernels (float32; on CPU through
+    Triton's interpreter). The DDL-family example starts as the identity (alpha = 0: X stays X0)."""
+    code = readme_residual_examples()[example]
     assert len(code.strip().splitlines()) <= 30
     before = dict(model_module.RESIDUALS)
     namespace = dict(vars(model_module))
@@ -913,14 +965,20 @@ def test_readme_residual_example_trains():
         exec(code, namespace)
         (name,) = set(model_module.RESIDUALS) - set(before)
         torch.manual_seed(0)
-        model = GPT(tiny(residual=name)).double()
+        cfg = tiny(residual=name, block_size=12)
+        model = GPT(cfg).double()
         rule = model_module.RESIDUALS[name]
         assert all(type(b.res_attn) is rule and type(b.res_mlp) is rule for b in model.blocks)
-        gates = [p for n, p in model.named_parameters() if n.endswith("gate")]
-        assert len(gates) == 2 * model.config.n_layer
-        start = [g.detach().clone() for g in gates]
+        new = [p for n, p in model.named_parameters() if n.endswith((".gate", ".alpha"))]
+        assert len(new) == 2 * model.config.n_layer
+        idx = tokens(B=2, T=12)
+        if cfg.is_ddl:  # every block the identity at init: the logits of the embedding read straight out
+            assert cfg.spec.gate is None  # not beta = 2 sigmoid(.): the tests of DDL's formula leave it out
+            with torch.no_grad():
+                direct = model.lm_head(model.ln_f(model.readout(model.embed(idx))))
+                torch.testing.assert_close(model(idx, idx)[0], direct, rtol=1e-12, atol=1e-12)
+        start = [p.detach().clone() for p in new]
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        idx = tokens(B=2, T=16)
         losses = []
         for _ in range(8):
             _, loss = model(idx[:, :-1], idx[:, 1:])
@@ -930,7 +988,16 @@ def test_readme_residual_example_trains():
             losses.append(loss.item())
         assert all(math.isfinite(x) for x in losses)
         assert losses[-1] < losses[0] - 0.1, losses
-        assert all(not torch.equal(g, s) for g, s in zip(gates, start))
+        assert all(not torch.equal(p, s) for p, s in zip(new, start))
+        with torch.no_grad():  # strong enough that each rule's parameters, alpha too, matter
+            for p in model.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+        cached_logits_equal_full_forward(model.eval(), idx, 1e-10)
+        pytest.importorskip("triton")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        on_triton = GPT(dataclasses.replace(cfg, backend="triton")).to(device).eval()
+        on_triton.load_state_dict(model.float().state_dict())
+        cached_logits_equal_full_forward(on_triton, idx.to(device), 1e-5)
     finally:
         model_module.RESIDUALS.clear()
         model_module.RESIDUALS.update(before)

@@ -1,8 +1,8 @@
-"""DDLStream: the DDL state X between a model's sublayers, and how a model drives the ops on it.
+"""DDLStream: the DDL state X between a model's sublayers, and how a model drives the ops on it; Compressor.
 
 A sublayer reads x_in = compress(X) (`read`) and writes X <- X + beta khat (v^T - khat^T X) (`write`). The
-reads go through the compressor that `enter` names: a module with `kind` "ddl" | "ddl-cc" | "ddl-tc", called
-as reader(X) -> [B, T, d] (CC: its weight from cc_weight(); TC: its `conv` [d, d_v, K] and `read` [d_v]).
+reads go through the compressor that `enter` names: a Compressor, whose `kind` (the residual rule's
+spec.compressor: None | "cc" | "tc") picks the fused kernels below, called as reader(X) -> [B, T, d].
 What exists only for speed and memory happens behind those two calls, so that a model need not see it:
 - a write waits for the next read and runs with it as one op, the update fused with that read-out
   (ddl_update_compress_cc / _tc: fewer passes over the state than the update and then the read; at
@@ -17,9 +17,48 @@ torch's generator on X's device.
 """
 
 import torch
+import torch.nn as nn
 
 from ..common import autocast_dtype, resolve_backend
-from . import ddl_update, ddl_update_compress_cc, ddl_update_compress_tc, ddl_update_norm
+from . import (
+    cc_read_weight,
+    compress_cc,
+    compress_tc,
+    ddl_update,
+    ddl_update_compress_cc,
+    ddl_update_compress_tc,
+    ddl_update_norm,
+)
+
+
+class Compressor(nn.Module):
+    """Reads the d-vector a sublayer (or the LM head) sees out of X [B, T, d, d_v], as the GPTConfig cfg's
+    residual rule says (cfg.spec.compressor): None (d_v = 1: X[..., 0]), "cc" or "tc"."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.kind, self.backend, d, dv = cfg.spec.compressor, cfg.backend, cfg.n_embd, cfg.ddl_dv
+        if self.kind == "cc":  # depthwise conv along d_v (kernel d_v, centred), then the read
+            self.conv = nn.Parameter(identity_conv(d, dv, tap=(dv - 1) // 2))
+        elif self.kind == "tc":  # causal depthwise conv over tokens (tap K-1 = now), then the read
+            self.conv = nn.Parameter(identity_conv(d, dv, cfg.ddl_conv_size))
+        if self.kind is not None:
+            self.read = nn.Parameter(torch.full((dv,), 1.0 / dv))
+
+    def cc_weight(self):  # DDL-CC's conv and read as the one linear map [d, d_v] they are
+        return cc_read_weight(self.conv, self.read)
+
+    def forward(self, X):
+        if self.kind is None:
+            return X[..., 0]
+        if self.kind == "cc":
+            return compress_cc(X, self.cc_weight(), backend=self.backend)
+        return compress_tc(X, self.conv, self.read, backend=self.backend)
+
+
+def identity_conv(*shape, tap=None):
+    """A depthwise conv weight [..., K] that passes its input through: tap `tap` (default K-1) is 1."""
+    return torch.zeros(shape).index_fill_(-1, torch.tensor([shape[-1] - 1 if tap is None else tap]), 1.0)
 
 
 class DDLStream:
@@ -53,9 +92,9 @@ class DDLStream:
         (h, v, beta, keep), self.pending, X, read = self.pending, None, self.X, self.reader
         rebuild_from, steps = (None if keep else self.chain), self.every > 0
         kw = dict(self.kw, rebuild_from=rebuild_from, return_step=steps, seed=self._seed())
-        if read.kind == "ddl-cc":
+        if read.kind == "cc":
             out = ddl_update_compress_cc(X, h, v, beta, read.cc_weight(), **kw)
-        elif read.kind == "ddl-tc" and self.cache is None:  # decoding reads through the history instead
+        elif read.kind == "tc" and self.cache is None:  # decoding reads through the history instead
             out = ddl_update_compress_tc(X, h, v, beta, read.conv, read.read, **kw)
         else:  # d_v = 1 (x_in = X[..., 0]) or TC decoding: the update, then the read
             out = ddl_update(X, h, v, beta, **kw)
@@ -71,7 +110,7 @@ class DDLStream:
         pending write, where the Triton kernels run it and every state is kept (c in autocast's dtype, as
         the sublayer's matmuls read it). Else None: the caller reads x_in and computes them itself."""
         X = self.X
-        if self.pending is None or self.reader.kind != "ddl" or self.every > 0:
+        if self.pending is None or self.reader.kind is not None or self.every > 0:
             return None
         h, v, beta, _ = self.pending
         if resolve_backend("ddl_update_norm", self.kw["backend"], X, h, v, beta, norm_weight) != "triton":
@@ -86,7 +125,7 @@ class DDLStream:
         return torch.randint(2**32, (1,), device=self.X.device) if self.stochastic else None
 
     def _compress(self, slot):
-        if self.cache is None or self.reader.kind != "ddl-tc":
+        if self.cache is None or self.reader.kind != "tc":
             return self.reader(self.X)
         T, K = self.X.shape[1], self.reader.conv.shape[-1]  # the conv needs the K-1 states before the new
         X = self.cache.history((self.reader, slot), self.X, K - 1)
