@@ -283,7 +283,7 @@ class Residual(Additive):
         W, norm = self.logit_weight(), self.norm  # c = RMSNorm(x_in); z = W x_in: v's and beta's logits
         c, z, inv_rms = stream.read_normed(norm.weight, norm.eps, W) or self.normed(stream.read(), W)
         h = self.drop(sublayer(c))  # F(c); khat = h / sqrt(|h|^2 + eps^2), in the update
-        # deferred: X updates at the next read, in one op with it (or with the next norm): a pass over X fewer
+        # deferred: the update runs at the next read, fused with it (d_v = 1: and its norm), one pass over X
         return stream.write(h, *self.value_and_gate(z, inv_rms))
 
     def normed(self, x_in, W):  # (c, z, inv_rms) of x_in, as the stream's read_normed gives them
@@ -402,9 +402,9 @@ class GPT(nn.Module):
         if cfg.is_ddl:
             sr = cfg.ddl_state_rounding == "stochastic"
             x = DDLStream(x, DDL_EPS, cfg.ddl_erase, cfg.backend, cfg.ddl_keep_state_every, cache, sr)
-        for block in self.blocks:
-            x = block(x.enter(block.compress) if cfg.is_ddl else x, pos, cache)
-        x = (x.enter(self.readout).read() if cfg.is_ddl else x).to(self.ln_f.weight.dtype)
+        for block in self.blocks:  # a DDLStream reads through each block's compressor, then the readout
+            x = block(x.enter(block.compress) if isinstance(x, DDLStream) else x, pos, cache)
+        x = (x.enter(self.readout).read() if isinstance(x, DDLStream) else x).to(self.ln_f.weight.dtype)
         if cache is not None:
             cache.pos += T
         return self.ln_f(x)
