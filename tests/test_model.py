@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 import model as model_module
+from cache import Cache
 from model import ATTENTIONS, DDL_EPS, GPT, RESIDUALS, DDLStream, GPTConfig, Residual
-from sample import Cache, generate
+from sample import generate
 
 COMBOS = [(r, a) for r in RESIDUALS for a in ATTENTIONS]  # the generic tests: every registered rule
 DDL_RESIDUALS = [r for r in RESIDUALS if GPTConfig(residual=r).is_ddl]  # the rules on a DDLStream
