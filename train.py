@@ -546,7 +546,8 @@ if master:
     run_log.close()
     if wandb is not None:
         wandb.finish()
-if ddp:
+if ddp:  # no rank leaves before rank 0 has written its checkpoint and log: a rank that exits first has the
+    dist.barrier()  # launcher stop the others, and gloo aborts a peer torn down inside a collective
     dist.destroy_process_group()
 if stopped_by:
     sys.exit(128 + stopped_by)

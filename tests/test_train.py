@@ -908,7 +908,10 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_iteration(tmp_path, d
     os.kill(rank_pid(run.pid, 1), signal.SIGTERM)  # rank 1 only: rank 0 learns it through the flag
     out, err = run.communicate(timeout=1800)
     assert run.returncode != 0  # torchrun reports its workers' exit status, 143
-    assert set(re.findall(r"exitcode\s*:\s*(-?\d+)", err)) == {"143"}, err  # no rank failed otherwise
+    # no rank failed otherwise: each exits 143, unless the launcher ends it (-15) as it winds down, after the
+    # barrier that holds every rank until rank 0 has written the checkpoint and the log
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", err)
+    assert "143" in codes and set(codes) <= {"143", "-15"}, err
     stopped = torch.load(os.path.join(split, "ckpt.pt"), weights_only=True)["iter_num"]
     assert f"SIGTERM: interrupted at iteration {stopped}; resume with --init_from=resume" in out
     end = f"--max_iters={stopped + 2}"
