@@ -18,7 +18,6 @@ their shares of the CPU cores, their timed parts taking turns on the GPU while t
 (common.run_rows). --time-limit bounds the run (a row 300 s at most); the tables are saved after each row.
 """
 
-import argparse
 import os
 import statistics
 import sys
@@ -105,26 +104,14 @@ def decode_row(model, cfg, args, row):
                 traceback.print_exc()
 
 
-def worker(job):
-    """One row in a fresh process: the model, then its section's measurements."""
-    args, row = job["args"], dict(job["row"])
-    try:
-        from kernels.common import set_auto_backend
-        from model import GPT, GPTConfig
-
-        if args.ddl_backend != "auto":
-            set_auto_backend(args.ddl_backend)
-        torch.manual_seed(0)
-        overrides = {**VARIANTS[row["variant"]], **args.model_overrides}
-        cfg = GPTConfig.preset(row["model"], block_size=args.seq, **overrides)
-        model = GPT(cfg).to(args.device).eval()
-        row["params_M"] = model.num_params() / 1e6
-        with torch.no_grad(), torch.autocast(args.device, dtype=torch.bfloat16):
-            (forward_row if row["section"] == "forward" else decode_row)(model, cfg, args, row)
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {e}"[:400]
-        traceback.print_exc()
-    return row
+def worker(job, row):
+    """One row in a fresh process (common.job_main): the model, then its section's measurements."""
+    args = job["args"]
+    model, cfg = common.gpt(args, row["model"], VARIANTS[row["variant"]])
+    model.eval()
+    row["params_M"] = model.num_params() / 1e6
+    with torch.no_grad(), torch.autocast(args.device, dtype=torch.bfloat16):
+        (forward_row if row["section"] == "forward" else decode_row)(model, cfg, args, row)
 
 
 def decode_table(rows):
@@ -163,14 +150,8 @@ def settings(args):
             "run")  # fmt: skip
 
 
-def save(args, rows):
-    """bench_infer.json and bench_infer.md in --out."""
-    return common.save_run(args, "bench_infer", settings(args), rows, *tables(rows))
-
-
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_row_flags(p, VARIANTS, "64,32,16,8", "bench_infer.json / .md")
+    p = common.row_parser(__doc__, __file__, VARIANTS)
     p.add_argument("--sections", default="forward,decode", help="forward, decode, or both (in this order)")
     p.add_argument("--decode-models", default="gpt2-small")
     p.add_argument("--decode-batches", default="1,32")
@@ -199,9 +180,7 @@ def main():
     models = dict(forward=args.models, decode=args.decode_models)
     specs = [dict(row=dict(section=s, model=m, variant=v)) for s in args.sections for m in models[s]
              for v in args.variants]  # fmt: skip
-    print(f"Command: `{args.command}`", common.versions(), sep="\n", flush=True)
-    rows = common.run_rows(args, __file__, specs, lambda rows: save(args, rows), JOB_TIMEOUT, args.parallel)
-    print("\n" + save(args, rows), flush=True)
+    common.run_rows(args, __file__, specs, settings(args), tables, JOB_TIMEOUT, args.parallel)
 
 
 if __name__ == "__main__":

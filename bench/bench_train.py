@@ -15,12 +15,10 @@ dense bf16); host_ms: the host's median time to issue the forward, backward and 
 the GPU (near 0: the host sets the step time). --time-limit bounds the run (a job 420 s at most).
 """
 
-import argparse
 import os
 import statistics
 import sys
 import time
-import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -193,48 +191,27 @@ def nanogpt_model(path, size, seq, overrides):
     return model, cfg
 
 
-def worker(job):
-    """One (model, variant) in a fresh process: static shapes, compiled at the batch it is timed at."""
-    row, overrides, args = dict(job["row"]), job["overrides"], job["args"]
-    name, size = job["variant"], row["model"]
+def worker(job, row):
+    """One (model, variant) in a fresh process (common.job_main): static shapes, compiled at the batch it is
+    timed at."""
+    args, variant = job["args"], job["variant"]
     if job["against"]:  # the model and kernels of the other checkout
         sys.path.insert(0, args.against)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     torch._dynamo.config.automatic_dynamic_shapes = False  # a smaller batch after an OOM: static again
-    try:
-        from kernels.common import set_auto_backend
-        from model import GPT, GPTConfig
+    if variant == "nanogpt":
+        model, cfg = nanogpt_model(args.nanogpt, row["model"], args.seq, args.model_overrides)
+        model = model.to(args.device)
+    else:
+        model, cfg = common.gpt(args, row["model"], VARIANTS[variant])
+    row["params_M"] = model.num_params() / 1e6
 
-        if args.ddl_backend != "auto":
-            set_auto_backend(args.ddl_backend)
-        torch.manual_seed(0)
-        if name == "nanogpt":
-            model, cfg = nanogpt_model(args.nanogpt, size, args.seq, args.model_overrides)
-            model = model.to(args.device)
-        else:
-            cfg = GPTConfig.preset(size, block_size=args.seq, **overrides, **args.model_overrides)
-            model = GPT(cfg).to(args.device)
-        row["params_M"] = model.num_params() / 1e6
+    def at(B):  # compiled at this micro-batch (static shapes)
+        compiled = torch.compile(model, dynamic=False) if args.compile else model
+        measure(model, compiled, cfg, B, args, row)
 
-        def at(B):  # compiled at this micro-batch (static shapes)
-            compiled = torch.compile(model, dynamic=False) if args.compile else model
-            measure(model, compiled, cfg, B, args, row)
-
-        common.largest_batch(job["batches"], row, at, reset=lambda: model.zero_grad(set_to_none=True))
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {e}"[:400]
-        traceback.print_exc()
-    return row
-
-
-def run_table(args):
-    """Every (model, variant) in a fresh process, one after another, additive first (common.run_rows)."""
-    todo = [(m, v, a) for m in args.models for v in args.variants  # the other checkout's row, then this one's
-            for a in ((True, False) if args.against and v != "additive" else (False,))]  # fmt: skip
-    specs = [dict(row=dict(model=m, variant=v + ("@against" if a else "")), variant=v, against=a,
-                  overrides=VARIANTS[v], batches=args.batches) for m, v, a in todo]  # fmt: skip
-    return common.run_rows(args, __file__, specs, lambda rows: save(args, rows), JOB_TIMEOUT)
+    common.largest_batch(args.batches, row, at, reset=lambda: model.zero_grad(set_to_none=True))
 
 
 def settings(args):
@@ -246,14 +223,8 @@ def settings(args):
             "run")  # fmt: skip
 
 
-def save(args, rows):
-    """bench_train.json and bench_train.md in --out (after every row: a run cut short keeps its rows)."""
-    return common.save_run(args, "bench_train", settings(args), rows, common.throughput_table(rows))
-
-
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_row_flags(p, VARIANTS, "64,32,16,8", "bench_train.json / .md")
+    p = common.row_parser(__doc__, __file__, VARIANTS)
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient "
                    "accumulation, as train.py: the GPU waits for the host at a step's start)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="after timing each row, profile --profile-steps")
@@ -263,7 +234,7 @@ def main():
                    "same depth and width (64-wide heads), timed like the others")  # fmt: skip
     p.add_argument("--against", default="", help="another checkout: every variant but additive also runs on "
                    "its model.py and kernels/, just before this one's (rows VARIANT@against)")  # fmt: skip
-    if common.job_main(worker):  # one job of run_table, in its own process
+    if common.job_main(worker):  # one row, in its own process
         return
     args = p.parse_args()
     common.check_row_flags(args, __file__, VARIANTS)
@@ -276,9 +247,13 @@ def main():
     args.against = os.path.abspath(args.against) if args.against else ""
     if args.accum < 1:
         raise SystemExit(f"--accum {args.accum}: expected a positive number of micro-batches")
-    print(f"Command: `{args.command}`", common.versions(), sep="\n", flush=True)
-    rows = run_table(args)
-    print("\n" + save(args, rows), flush=True)
+    # every (model, variant) in a fresh process, one after another, additive first; --against: the other
+    # checkout's row just before this one's
+    specs = [dict(row=dict(model=m, variant=v + ("@against" if a else "")), variant=v, against=a)
+             for m in args.models for v in args.variants
+             for a in ((True, False) if args.against and v != "additive" else (False,))]  # fmt: skip
+    tables = lambda rows: [common.throughput_table(rows)]
+    common.run_rows(args, __file__, specs, settings(args), tables, JOB_TIMEOUT)
 
 
 if __name__ == "__main__":
