@@ -39,21 +39,26 @@ TARGET = GPUTarget("cuda", 90, 32)
 SEEN, FAILED, SPILLS = {}, [], []
 
 
-def resources(cubin):
-    """(registers per thread, stack bytes per thread: where spilled registers go, barrier instructions: what
-    cross-warp reductions and layout conversions through shared memory cost) of a kernel's cubin, from the
-    cuobjdump that ships with Triton; None where it is missing."""
+def cuobjdump(cubin, *flags):
+    """The output of the cuobjdump that ships with Triton on a kernel's cubin; "" where it is missing."""
     import triton.backends.nvidia as nvidia
 
     tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
     if not os.path.exists(tool):
-        return None
+        return ""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", "-sass", f.name], capture_output=True, text=True)
-    found = re.search(r"REG:(\d+) STACK:(\d+)", out.stdout)
-    return (int(found[1]), int(found[2]), out.stdout.count("BAR.SYNC")) if found else None
+        return subprocess.run([tool, *flags, f.name], capture_output=True, text=True).stdout
+
+
+def resources(cubin):
+    """(registers per thread, stack bytes per thread: where spilled registers go, barrier instructions: what
+    cross-warp reductions and layout conversions through shared memory cost) of a kernel's cubin; None
+    without cuobjdump."""
+    out = cuobjdump(cubin, "--dump-resource-usage", "-sass")
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return (int(found[1]), int(found[2]), out.count("BAR.SYNC")) if found else None
 
 
 MIX = [("MMA", "HMMA HGMMA"), ("MUFU", "MUFU"), ("FP32", "FFMA FMUL FADD FMNMX FSEL FSETP"),
@@ -64,15 +69,7 @@ MIX = [("MMA", "HMMA HGMMA"), ("MUFU", "MUFU"), ("FP32", "FFMA FMUL FADD FMNMX F
 def loop_mix(cubin):
     """[(instructions, {class: count})] of each loop body (a backward branch's span) of over 30 instructions
     in the kernel's SASS (cuobjdump), innermost first; [] without cuobjdump."""
-    import triton.backends.nvidia as nvidia
-
-    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        return []
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    sass = cuobjdump(cubin, "-sass")
     ins = re.findall(
         r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)[^;]*?(?:0x([0-9a-f]+))?\s*;", sass
     )
