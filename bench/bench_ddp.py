@@ -15,6 +15,7 @@ over iterations --skip..; peak memory: rank 0's. Runs stay in --work: a stage ca
 import argparse
 import json
 import os
+import pathlib
 import re
 import sys
 
@@ -79,15 +80,12 @@ def read_run(args, variant, stage):
     records = read_jsonl(os.path.join(out_dir, "log.jsonl"))
     train = sorted((r for r in records if "train_loss" in r), key=lambda r: r["iter"])
     rates = sorted(r["tok_per_s"] for r in train if r["iter"] >= args.skip)
-    with open(os.path.join(out_dir, "stdout.txt")) as f:
-        text = f.read()
+    text = pathlib.Path(out_dir, "stdout.txt").read_text()
     peak = re.findall(r"peak memory ([0-9.]+) GiB", text)
     ranks = re.findall(r"(\d+) rank\(s\) on", text)
-    with open(os.path.join(out_dir, "command.txt")) as f:
-        command = f.read().strip()
     return dict(losses=[r["train_loss"] for r in train], tok_s=rates[len(rates) // 2] if rates else None,
                 peak_gib=float(peak[-1]) if peak else None, ranks=int(ranks[-1]) if ranks else None,
-                command=command)  # fmt: skip
+                command=pathlib.Path(out_dir, "command.txt").read_text().strip())  # fmt: skip
 
 
 def max_difference(a, b, n):
