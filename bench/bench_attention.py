@@ -14,16 +14,12 @@ same count), as TFLOP/s against the H200's 790 dense bf16.
 
 import argparse
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
+import torch.nn.functional as F
+from common import command, graph_ms, markdown, median_ms, versions, write_json  # bench/common.py
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from common import command, graph_ms, markdown, median_ms, versions, write_json  # noqa: E402
-
-from kernels.deltaformer import deltaformer_u_triton  # noqa: E402
+from kernels.deltaformer import deltaformer_u_triton
 
 SHAPES = [(8, 12, 1024, 64), (8, 6, 1024, 128), (4, 12, 2048, 64), (2, 12, 4096, 64), (8, 16, 1024, 64)]
 

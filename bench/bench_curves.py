@@ -18,9 +18,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import Span, atomic_write, command, markdown, read_jsonl, run_commands, versions  # noqa: E402
+from bench.common import REPO, Span, atomic_write, command, markdown, read_jsonl, run_commands, versions  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/shakespeare.py"
 VARIANTS = ("additive", "ddl", "ddl-cc", "ddl-tc")  # GPTConfig.residual
 RUNS = ("this", "ref", "split")

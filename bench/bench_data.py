@@ -12,16 +12,13 @@ best of --repeats interleaved runs.
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import Span, command, versions  # bench/common.py, first: it puts the root on sys.path
 
-from common import Span, command, versions  # noqa: E402  (bench/common.py, this script's folder)
-
-from data.fineweb_edu import prepare  # noqa: E402
-from data.shakespeare import load_plays  # noqa: E402
-from data.tokenizer import get_encoding  # noqa: E402
+from data.fineweb_edu import prepare
+from data.shakespeare import load_plays
+from data.tokenizer import get_encoding
 
 
 def make_corpus(megabytes, doc_bytes=4000):

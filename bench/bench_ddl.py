@@ -10,12 +10,9 @@ the GB/s against the copy bandwidth measured in the same run; torch.compile of t
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
-from common import command, graph_ms, median_ms, versions, write_json  # noqa: E402  (bench/common.py)
+import torch
+from common import command, graph_ms, median_ms, versions, write_json  # bench/common.py
 
 N, D = 32768, 768  # tokens (as [N / 1024, 1024]), width
 

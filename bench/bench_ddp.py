@@ -19,9 +19,8 @@ import pathlib
 import re
 import sys
 
-from common import atomic_write, markdown, read_jsonl, run_commands, versions  # bench/common.py
+from common import REPO, atomic_write, markdown, read_jsonl, run_commands, versions  # bench/common.py
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/gpt2_small.py"
 STAGES = ("single", "multi", "yardstick")
 

@@ -18,17 +18,13 @@ their shares of the CPU cores, their timed parts taking turns on the GPU while t
 (common.run_rows). --time-limit bounds the run (a row 300 s at most); the tables are saved after each row.
 """
 
-import os
 import statistics
 import sys
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import common  # noqa: E402  (bench/common.py)
-import torch  # noqa: E402
-from common import Span  # noqa: E402
+import common  # bench/common.py
+import torch
+from common import Span
 
 PEAK_TFLOPS = 989.0  # for the forward's MFU: H100/H200 dense bf16
 JOB_TIMEOUT = 300  # seconds for one row

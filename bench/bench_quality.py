@@ -29,9 +29,8 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import atomic_write, command, markdown, read_jsonl, run_commands, versions  # noqa: E402
+from bench.common import REPO, atomic_write, command, markdown, read_jsonl, run_commands, versions  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = dict(
     learning_rate=1e-3, min_lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, grad_clip=1.0, dropout=0.0
 )

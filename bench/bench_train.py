@@ -20,12 +20,9 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import common  # noqa: E402  (bench/common.py)
-import torch  # noqa: E402
-from common import Span  # noqa: E402
+import common  # bench/common.py
+import torch
+from common import Span
 
 PEAK_TFLOPS = 989.0  # for MFU: H100/H200 dense bf16
 JOB_TIMEOUT = 420  # seconds for one (model, variant)

@@ -1,5 +1,6 @@
 """What the benchmark scripts share: the timers, a table's header (command, versions) and markdown, safe file
-writes, running commands a few at a time, and a table of rows each measured in its own process."""
+writes, running commands a few at a time, and a table of rows each measured in its own process. Imported
+first, it puts the repository root on sys.path (model.py, kernels/, data/)."""
 
 import argparse
 import contextlib
@@ -17,6 +18,9 @@ import sys
 import tempfile
 import time
 import traceback
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 # ---------------------------------------------------------------------------------------------------------
 # Timing: the median of many calls (do_bench), a CUDA graph's replay, or one span (a training step, a job).

@@ -18,10 +18,7 @@ import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from common import atomic_write, command, markdown, read_jsonl, run_commands, versions  # noqa: E402  (bench/common.py)
+from common import REPO, atomic_write, command, markdown, read_jsonl, run_commands, versions
 
 DF = ["--attention=deltaformer", "--n_layer=1"]
 MODELS = [  # (name, overrides of configs/state_tracking.py)
