@@ -22,7 +22,6 @@ import time
 
 import common  # bench/common.py
 import torch
-from common import Span
 
 PEAK_TFLOPS = 989.0  # for MFU: H100/H200 dense bf16
 JOB_TIMEOUT = 420  # seconds for one (model, variant)
@@ -45,7 +44,7 @@ def train_steps(model, opt, B, T, steps, vocab, device, host=None, accum=1):
     times = []
     for _ in range(steps):
         batches = [tuple(b) for b in torch.randint(0, vocab, (accum, 2, B, T), device=device)]  # (idx, tgt)s
-        with Span(cuda=device == "cuda") as step:
+        with common.Span(cuda=device == "cuda") as step:
             # the host's marks (part, its end); parts: 0 forward, 1 backward, 2 optimizer, 3 wait for the GPU
             marks = [(None, time.perf_counter())]
             for idx, tgt in batches:  # the host runs ahead of the GPU from one micro-batch into the next
@@ -67,8 +66,10 @@ def train_steps(model, opt, B, T, steps, vocab, device, host=None, accum=1):
     return times
 
 
-def measure(model, compiled, cfg, B, args, row):
-    """Warm up (compiles at this batch) and time; fills row. Raises torch.OutOfMemoryError."""
+def measure(model, cfg, B, args, row):
+    """Compile at micro-batch B (static shapes), warm up and time; fills row. Raises
+    torch.OutOfMemoryError."""
+    compiled = torch.compile(model, dynamic=False) if args.compile else model
     device, cuda = args.device, torch.cuda.is_available()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device == "cuda")
     if cuda:
@@ -77,12 +78,12 @@ def measure(model, compiled, cfg, B, args, row):
     def run(n, host=None):  # n steps at this micro-batch
         return train_steps(compiled, opt, B, args.seq, n, cfg.vocab_size, device, host, args.accum)
 
-    with Span() as first:
+    with common.Span() as first:
         run(1)
     row["compile_s"] = round(first.seconds, 1)  # the first step: compile (forward and backward) + 1 step
     # a row prints nothing until it ends: say where a slow one is
     print(row["model"], row["variant"], f"micro-batch {B}: first step {row['compile_s']} s", file=sys.stderr)
-    with Span() as warm:
+    with common.Span() as warm:
         run(max(args.warmup - 1, 0))
     row["warmup_s"] = round(warm.seconds, 1)
     times = run(args.steps, host := [])
@@ -203,11 +204,7 @@ def worker(job, row):
     else:
         model, cfg = common.gpt(args, row["model"], VARIANTS[variant])
     row["params_M"] = model.num_params() / 1e6
-
-    def at(B):  # compiled at this micro-batch (static shapes)
-        compiled = torch.compile(model, dynamic=False) if args.compile else model
-        measure(model, compiled, cfg, B, args, row)
-
+    at = lambda B: measure(model, cfg, B, args, row)
     common.largest_batch(args.batches, row, at, reset=lambda: model.zero_grad(set_to_none=True))
 
 
