@@ -83,14 +83,6 @@ def loop_mix(cubin):
     return mixes
 
 
-def check_compilable():
-    """Triton imported under TRITON_INTERPRET=1 decorated its own library for the interpreter, which its
-    compiler cannot take (Triton 3.9's refuses on its first compile with a bare AssertionError)."""
-    if not isinstance(tl.standard.cdiv, JITFunction):
-        raise RuntimeError("triton was imported with TRITON_INTERPRET=1, so its library is interpreted, not "
-                           "compilable: run compile_check in a process without TRITON_INTERPRET")  # fmt: skip
-
-
 @functools.cache
 def _binder(fn):  # Triton's backend for TARGET and fn's binder, built once per kernel as the runtime does
     backend = make_backend(TARGET)
@@ -114,7 +106,12 @@ def compile_launch(fn, args, kwargs):
     key = label = f"{fn.__name__} " + " ".join(f"{n}={bound[n]}" for n, p in zip(fn.arg_names, fn.params)
                                               if p.is_constexpr and n not in ("SPIN_LIMIT",))  # fmt: skip
     try:
-        check_compilable()
+        # Triton imported under TRITON_INTERPRET=1 decorated its own library for the interpreter, which its
+        # compiler cannot take (Triton 3.9's refuses on its first compile with a bare AssertionError)
+        if not isinstance(tl.standard.cdiv, JITFunction):
+            raise RuntimeError("triton was imported with TRITON_INTERPRET=1, so its library is "
+                               "interpreted, not compilable: run compile_check in a process without "
+                               "TRITON_INTERPRET")  # fmt: skip
         bound, sig, consts, attrs = specialized(fn, args, kwargs)
         key = (fn.__name__, str(sig), str(consts), str(attrs), str(options))
         if key in SEEN:
