@@ -17,6 +17,7 @@ kappa's weight on token i - 1) and the first non-finite u into probe.jsonl, summ
 """
 
 import argparse
+import glob
 import itertools
 import json
 import math
@@ -34,22 +35,18 @@ from bench.common import REPO, atomic_write, command, markdown, read_jsonl, run_
 RECIPE = dict(
     learning_rate=1e-3, min_lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, grad_clip=1.0, dropout=0.0
 )
+CORPUS = dict(dataset="fineweb_edu", n_layer=12, n_embd=768, n_head=6, head_dim=128, block_size=1024,
+              batch_size=16, eval_iters=8, log_interval=32, compile=True)  # fmt: skip
 SETTINGS = {
     "shakespeare": dict(
         dataset="shakespeare", n_layer=8, n_embd=512, n_head=4, head_dim=128, block_size=512, batch_size=16,
         gradient_accumulation_steps=1, max_iters=800, warmup_iters=80, lr_decay_iters=800,
         eval_interval=100, eval_iters=8, log_interval=100, compile=False,
     ),
-    "corpus": dict(
-        dataset="fineweb_edu", n_layer=12, n_embd=768, n_head=6, head_dim=128, block_size=1024, batch_size=16,
-        gradient_accumulation_steps=4, max_iters=384, warmup_iters=40, lr_decay_iters=384,
-        eval_interval=128, eval_iters=8, log_interval=32, compile=True,
-    ),
-    "stability": dict(
-        dataset="fineweb_edu", n_layer=12, n_embd=768, n_head=6, head_dim=128, block_size=1024, batch_size=16,
-        gradient_accumulation_steps=2, max_iters=480, warmup_iters=48, lr_decay_iters=480,
-        eval_interval=96, eval_iters=8, log_interval=32, compile=True,
-    ),
+    "corpus": dict(CORPUS, gradient_accumulation_steps=4, max_iters=384, warmup_iters=40,
+                   lr_decay_iters=384, eval_interval=128),
+    "stability": dict(CORPUS, gradient_accumulation_steps=2, max_iters=480, warmup_iters=48,
+                      lr_decay_iters=480, eval_interval=96),
 }  # fmt: skip
 ROWS = {  # name -> GPTConfig overrides; the README's variant table
     **{r: dict(residual=r) for r in ("additive", "ddl", "ddl-tc", "ddl-cc")},
@@ -227,24 +224,18 @@ def table(dirs):
     """Markdown tables over every <row>-s<seed> run found under dirs (grouped by setting folder): per row
     (mean and spread over seeds), or for the stability setting per run."""
     runs = {}  # (setting folder, row) -> [(seed, run dict, best, final)]
-    for top in dirs:
-        top = os.path.normpath(top)
-        if setting_of(os.path.basename(top)):  # a setting's own folder
-            top, folders = os.path.dirname(top), [os.path.basename(top)]
-        else:
-            folders = sorted(os.listdir(top)) if os.path.isdir(top) else []
-        for folder in folders:
-            if not setting_of(folder) or not os.path.isdir(os.path.join(top, folder)):
+    for top in map(os.path.normpath, dirs):  # a setting's own folder, or one that holds setting folders
+        pattern = "*-s*" if setting_of(os.path.basename(top)) else os.path.join("*", "*-s*")
+        for path in sorted(glob.glob(os.path.join(glob.escape(top), pattern))):
+            folder, name = os.path.basename(os.path.dirname(path)), os.path.basename(path)
+            row, _, seed = name.rpartition("-s")
+            if not setting_of(folder) or row not in ROWS:
                 continue
-            for name in sorted(os.listdir(os.path.join(top, folder))):
-                row, _, seed = name.rpartition("-s")
-                if row not in ROWS:
-                    continue
-                run = read_run(os.path.join(top, folder, name))
-                run["probe"] = probe_summary(os.path.join(top, folder, name))
-                best = min((v for v in run["vals"].values() if math.isfinite(v)), default=float("nan"))
-                last = run["vals"][max(run["vals"])] if run["vals"] else float("nan")
-                runs.setdefault((folder, row), []).append((seed, run, best, last))
+            run = read_run(path)
+            run["probe"] = probe_summary(path)
+            best = min((v for v in run["vals"].values() if math.isfinite(v)), default=float("nan"))
+            last = run["vals"][max(run["vals"])] if run["vals"] else float("nan")
+            runs.setdefault((folder, row), []).append((seed, run, best, last))
     if not runs:
         raise ValueError(f"no runs (<setting>/<row>-s<seed> folders) under {', '.join(dirs)}")
     lines = []
