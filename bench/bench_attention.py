@@ -17,7 +17,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from common import command, graph_ms, markdown, median_ms, versions, write_json  # bench/common.py
+from common import command, graph_ms, markdown, median_ms, profiled, versions, write_json  # bench/common.py
 
 from kernels.deltaformer import deltaformer_u_triton
 
@@ -112,20 +112,16 @@ def kernel_split(kernels, B, H, T, D, runs):
 
 def profile_shape(B, H, T, D, runs=10):
     """Each kernel's GPU us per f+b of ours (softmax κ), torch.profiler over `runs` of them (kernel_split)."""
-    from torch.profiler import ProfilerActivity, profile
-
     run = fwd_bwd(ours("softmax"), make(B, H, T, D), reset=True)
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
+
+    def steps(n):
+        for _ in range(n):
             run()
         torch.cuda.synchronize()
-    # the attribute was renamed (cuda -> device) across torch versions
-    gpu_us = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
-    on_gpu = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
-    lines, totals = kernel_split([(e.key, gpu_us(e)) for e in on_gpu if gpu_us(e) > 0], B, H, T, D, runs)
+
+    steps(3)  # warm-up
+    kernels, _ = profiled(lambda: steps(runs))
+    lines, totals = kernel_split([(name, us) for name, us, _ in kernels], B, H, T, D, runs)
     print(f"profile {B},{H},{T},{D} (softmax κ, us per f+b):", *lines, sep="\n", flush=True)
     return totals
 

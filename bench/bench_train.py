@@ -102,30 +102,13 @@ def profile_step(run, B, args, row):
     """torch.profiler over --profile-steps training steps (run(n): n of them): the time by kind (kernel_kind),
     the top GPU kernels and the top host ops by self CPU time (ms/step, calls/step). Printed, and kept in the
     row (profile_kinds_ms, profile_top, profile_host_top) of bench_train.json."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda, n, top = args.device == "cuda", args.profile_steps, args.profile_top
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        run(n)
-    events = prof.key_averages()
-
-    def gpu_us(e):  # the attribute was renamed (cuda -> device) across torch versions; CPU: a smoke test
-        names = ("self_device_time_total", "self_cuda_time_total") if cuda else ()
-        return next((getattr(e, a) for a in names + ("self_cpu_time_total",) if hasattr(e, a)), 0.0)
-
-    # On the GPU only the kernels themselves (device events): an aten op's self device time repeats the
-    # time of the kernels it launched, and Inductor's Triton kernels have no aten op above them.
-    on_gpu = lambda e: getattr(e, "device_type", None) == DeviceType.CUDA
-    kernels = [(e.key, gpu_us(e), e.count) for e in ([e for e in events if on_gpu(e)] or events)]
-    kernels = sorted((k for k in kernels if k[1] > 0), key=lambda k: -k[1])
+    n, top = args.profile_steps, args.profile_top
+    # the host's ops: where the CPU time goes, for steps whose GPU sits idle between kernels (timed step >
+    # kernels busy): what launches them is then the bound
+    kernels, host = common.profiled(lambda: run(n), cuda=args.device == "cuda")
     total, kinds = sum(us for _, us, _ in kernels) or 1.0, {}
     for name, us, _ in kernels:
         kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us
-    # the host: where the CPU time goes (self time of each op, Python-level ops included), for steps whose
-    # GPU sits idle between kernels (timed step > kernels busy): what launches them is then the bound
-    host = sorted((e for e in events if not on_gpu(e) and e.self_cpu_time_total > 0),
-                  key=lambda e: -e.self_cpu_time_total)  # fmt: skip
     fwd, bwd, optim, wait = row["host_ms"]
     per = lambda us: us / 1e3 / n  # noqa: E731  (ms per step)
     lines = [
@@ -137,15 +120,14 @@ def profile_step(run, B, args, row):
           for k, us in sorted(kinds.items(), key=lambda kv: -kv[1])),
         f"  top {top} kernels (ms/step, share, calls/step, name):",
         *(f"  {per(us):8.3f} {100 * us / total:5.1f}% {c // n:4d}  {k[:150]}" for k, us, c in kernels[:top]),
-        f"  host: {per(sum(e.self_cpu_time_total for e in host)):.1f} ms/step of CPU time in ops (profiled); "
+        f"  host: {per(sum(us for _, us, _ in host)):.1f} ms/step of CPU time in ops (profiled); "
         "the top by self time:",
-        *(f"  {per(e.self_cpu_time_total):8.3f} {e.count // n:5d}  {e.key[:150]}" for e in host[:top]),
+        *(f"  {per(us):8.3f} {c // n:5d}  {k[:150]}" for k, us, c in host[:top]),
     ]  # fmt: skip
     print("\n".join(lines), flush=True)
-    row["profile_kinds_ms"] = {k: round(per(us), 3) for k, us in kinds.items()}
-    row["profile_top"] = [[k[:200], round(per(us), 3), c // n] for k, us, c in kernels[:top]]
-    row["profile_host_top"] = [[e.key[:200], round(per(e.self_cpu_time_total), 3), e.count // n]
-                               for e in host[:top]]  # fmt: skip
+    listed = lambda ops: [[k[:200], round(per(us), 3), c // n] for k, us, c in ops[:top]]
+    row.update(profile_kinds_ms={k: round(per(us), 3) for k, us in kinds.items()},
+               profile_top=listed(kernels), profile_host_top=listed(host))  # fmt: skip
 
 
 KINDS = [  # (label, substrings of a GPU kernel's lowercased name), the first match wins

@@ -55,6 +55,25 @@ def graph_ms(fn):
         return math.nan
 
 
+def profiled(fn, cuda=True):
+    """torch.profiler over fn(): (kernels, host ops), each [(name, self us, calls)], largest first. Kernels:
+    on the GPU only the kernels themselves (device events): an aten op's self device time repeats the time of
+    the kernels it launched, and Inductor's Triton kernels have no aten op above them; cuda False (a CPU
+    smoke test): every op, by self CPU time. Host ops: the rest, by self CPU time (Python-level ops too)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+    events = prof.key_averages()
+    names = ("self_device_time_total", "self_cuda_time_total") if cuda else ()  # renamed across versions
+    us = lambda e: next((getattr(e, a) for a in names + ("self_cpu_time_total",) if hasattr(e, a)), 0.0)
+    on_gpu = lambda e: getattr(e, "device_type", None) == DeviceType.CUDA
+    kernels = [(e.key, us(e), e.count) for e in ([e for e in events if on_gpu(e)] or events)]
+    host = [(e.key, e.self_cpu_time_total, e.count) for e in events if not on_gpu(e)]
+    return [sorted((k for k in ks if k[1] > 0), key=lambda k: -k[1]) for ks in (kernels, host)]
+
+
 def cpu_seconds():
     """User + system CPU time of this process (all threads) and of its children that have exited."""
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
