@@ -10,6 +10,7 @@ best of --repeats interleaved runs.
 """
 
 import argparse
+import itertools
 import os
 import shutil
 import tempfile
@@ -31,13 +32,11 @@ def make_corpus(megabytes, doc_bytes=4000):
             docs.append(text[cut:end])
             cut = end
     out, size = [], 0
-    while size < megabytes * 1e6:
-        for d in docs:
-            out.append(d)
-            size += len(d.encode("utf-8"))
-            if size >= megabytes * 1e6:
-                break
-    return out, size
+    for d in itertools.cycle(docs):
+        if size >= megabytes * 1e6:
+            return out, size
+        out.append(d)
+        size += len(d.encode("utf-8"))
 
 
 def main():

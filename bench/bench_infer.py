@@ -24,7 +24,6 @@ import traceback
 
 import common  # bench/common.py
 import torch
-from common import Span
 
 PEAK_TFLOPS = 989.0  # for the forward's MFU: H100/H200 dense bf16
 JOB_TIMEOUT = 300  # seconds for one row
@@ -43,7 +42,7 @@ def forward_row(model, cfg, args, row):
     def at(B):
         fwd = torch.compile(logits, dynamic=False) if args.compile else logits
         idx = torch.randint(0, cfg.vocab_size, (B, args.seq), device=args.device)
-        with Span() as first:  # compiles
+        with common.Span() as first:  # compiles
             fwd(idx)
         print(row["model"], row["variant"], f"B {B}: first call {first.seconds:.1f} s", file=sys.stderr)
         with common.gpu_turn():
@@ -52,7 +51,7 @@ def forward_row(model, cfg, args, row):
             torch.cuda.reset_peak_memory_stats() if cuda else None
             times = []
             for _ in range(args.steps):
-                with Span(cuda) as s:
+                with common.Span(cuda) as s:
                     fwd(idx)
                 times.append(s.seconds)
         step = statistics.median(times)
@@ -79,7 +78,7 @@ def decode_row(model, cfg, args, row):
             row["decode"].append(r := dict(batch=B, mode=mode, new=new, kb_token=sum(kb) / B / 1e3))
             r["kb_fixed"] = sum(fixed) / B / 1e3
             try:
-                with Span() as first:  # compiled: compiles, then records the CUDA graphs
+                with common.Span() as first:  # compiled: compiles, then records the CUDA graphs
                     generate(model, prompt, min(new, 8), top_k=1, decode=mode)
                 r["first_s"] = round(first.seconds, 1)
                 with common.gpu_turn():
@@ -87,7 +86,7 @@ def decode_row(model, cfg, args, row):
                         torch.cuda.synchronize(), torch.cuda.reset_peak_memory_stats()
                     times = []
                     while len(times) < 3 and sum(times) < 2:  # a slow (eager) mode: one or two runs
-                        with Span(cuda) as s:
+                        with common.Span(cuda) as s:
                             out = generate(model, prompt, new, top_k=1, decode=mode)
                         times.append(s.seconds)
                 assert out.shape == (B, args.prompt + new), out.shape
@@ -110,9 +109,10 @@ def worker(job, row):
         (forward_row if row["section"] == "forward" else decode_row)(model, cfg, args, row)
 
 
-def decode_table(rows):
-    """Markdown of the decode rows, one line per (model, variant, batch, mode): tokens/s against additive
-    (the same model, batch and mode) and against the modes "cache" and "none" of the same variant."""
+def tables(rows):
+    """The forward rows' table (common.throughput_table), then the decode rows', one line per (model,
+    variant, batch, mode): tokens/s against additive (the same model, batch and mode) and against the modes
+    "cache" and "none" of the same variant."""
     runs = {(r["model"], r["variant"], d["batch"], d["mode"]): d for r in rows for d in r.get("decode", [])}
     cells = []
     for (m, v, B, mode), d in runs.items():
@@ -127,12 +127,9 @@ def decode_table(rows):
         cells.append([r["model"], r["variant"], "", "", f"not measured: {r.get('error', '?')}"] + [""] * 9)
     head = ["model", "variant", "batch", "decode", "new tokens", "tokens/s", "×additive", "×cache", "×none"]
     head += ["ms/token", "peak GB", "cache KB/token", "fixed KB", "first call s"]
-    return "\n".join(common.markdown(head, cells, ["---"] * 4 + ["---:"] * 10))
-
-
-def tables(rows):
-    forward = [r for r in rows if r["section"] == "forward"]
-    return ["Forward:", "", common.throughput_table(forward, ms="ms"), "", "Decode:", "", decode_table(rows)]
+    forward = common.throughput_table([r for r in rows if r["section"] == "forward"], ms="ms")
+    decode = "\n".join(common.markdown(head, cells, ["---"] * 4 + ["---:"] * 10))
+    return ["Forward:", "", forward, "", "Decode:", "", decode]
 
 
 def settings(args):
