@@ -48,8 +48,7 @@ def fwd_bwd(fn, inputs, reset=False):
     return run
 
 
-def sdpa(q, k, v, w, beta):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+sdpa = lambda q, k, v, w, beta: F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def ours(kernel, **opts):

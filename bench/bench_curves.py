@@ -48,11 +48,8 @@ def train_losses(run_dir):
 
 def diffs(a, b):
     """(max, mean) |a - b| over the iterations both have, or None if they share none."""
-    common = sorted(set(a) & set(b))
-    if not common:
-        return None
-    d = [abs(a[i] - b[i]) for i in common]
-    return max(d), sum(d) / len(d)
+    d = [abs(a[i] - b[i]) for i in sorted(set(a) & set(b))]
+    return (max(d), sum(d) / len(d)) if d else None
 
 
 def table(out, variants):

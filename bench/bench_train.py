@@ -16,6 +16,7 @@ the GPU (near 0: the host sets the step time). --time-limit bounds the run (a jo
 """
 
 import os
+import runpy
 import statistics
 import sys
 import time
@@ -153,18 +154,14 @@ def nanogpt_model(path, size, seq, overrides):
     """nanoGPT's GPT from its model.py at `path`, at the preset's depth and width with its own 64-wide
     heads, no biases, vocab 50304 (its GPT-2 124M recipe at gpt2-small); flops_per_token = 6 N + 12 L d T,
     the count of GPT.flops_per_token for a softmax model."""
-    import importlib.util
-
     from model import PRESETS
 
-    spec = importlib.util.spec_from_file_location("nanogpt_model", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = runpy.run_path(path)
     shape = {**PRESETS[size], "vocab_size": 50304, **overrides}
     L, d = shape["n_layer"], shape["n_embd"]
-    cfg = mod.GPTConfig(n_layer=L, n_embd=d, n_head=d // 64, block_size=seq, vocab_size=shape["vocab_size"],
-                        dropout=0.0, bias=False)  # fmt: skip
-    model = mod.GPT(cfg)
+    cfg = mod["GPTConfig"](n_layer=L, n_embd=d, n_head=d // 64, block_size=seq,
+                           vocab_size=shape["vocab_size"], dropout=0.0, bias=False)  # fmt: skip
+    model = mod["GPT"](cfg)
     n = sum(p.numel() for p in model.parameters())
     model.flops_per_token = lambda T: 6 * n + 12 * L * d * T
     model.num_params = lambda: n
