@@ -52,15 +52,6 @@ def cuobjdump(cubin, *flags):
         return subprocess.run([tool, *flags, f.name], capture_output=True, text=True).stdout
 
 
-def resources(cubin):
-    """(registers per thread, stack bytes per thread: where spilled registers go, barrier instructions: what
-    cross-warp reductions and layout conversions through shared memory cost) of a kernel's cubin; None
-    without cuobjdump."""
-    out = cuobjdump(cubin, "--dump-resource-usage", "-sass")
-    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
-    return (int(found[1]), int(found[2]), out.count("BAR.SYNC")) if found else None
-
-
 MIX = [("MMA", "HMMA HGMMA"), ("MUFU", "MUFU"), ("FP32", "FFMA FMUL FADD FMNMX FSEL FSETP"),
        ("CVT", "F2F F2FP I2F F2I FRND"), ("LDG", "LDG LDGSTS"), ("SMEM", "LDS STS LDSM"), ("BAR", "BAR"),
        ("INT", "IMAD IADD3 LOP3 SHF ISETP LEA SEL IMNMX PRMT MOV VIADD")]  # fmt: skip
@@ -124,11 +115,13 @@ def compile_launch(fn, args, kwargs):
         src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         k = triton.compile(src, target=TARGET, options=options)
         SEEN[key] = f"ok   {label}: shared memory {k.metadata.shared} B"
-        regs = resources(k.asm["cubin"])
-        if regs:
-            SEEN[key] += f", {regs[0]} registers, stack {regs[1]} B, barriers {regs[2]}"
-            if regs[1]:
-                SPILLS.append((regs[1], label))
+        # registers and stack bytes (where spilled registers go) per thread, barrier instructions (what
+        # cross-warp reductions and layout conversions through shared memory cost)
+        out = cuobjdump(k.asm["cubin"], "--dump-resource-usage", "-sass")
+        if regs := re.search(r"REG:(\d+) STACK:(\d+)", out):
+            SEEN[key] += f", {regs[1]} registers, stack {regs[2]} B, barriers {out.count('BAR.SYNC')}"
+            if int(regs[2]):
+                SPILLS.append((int(regs[2]), label))
         for n, mix in loop_mix(k.asm["cubin"]) if "--mix" in sys.argv else ():
             SEEN[key] += f"\n       loop of {n}: " + " ".join(f"{c} {x}" for c, x in mix.items() if x)
     except Exception as e:  # noqa: BLE001
