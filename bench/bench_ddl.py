@@ -51,15 +51,12 @@ def bench_kernels(args):
     bufs[1] = torch.empty_like(bufs[0])
     case("copy 1 GiB (read + write)", lambda: bufs[1].copy_(bufs[0]), 2 * 2**30)
     bufs.clear()
-    if args.sweeps:  # only these
-        for dtype in (torch.float32, torch.bfloat16):  # the model's state dtype first
-            sweep_update(case, dtype)
-            torch.cuda.empty_cache()
-        return rows
-    for dtype in (torch.float32,) if args.quick else (torch.float32, torch.bfloat16):
-        bench_kernels_dtype(args, dtype, case)
+    # the model's state dtype first; --sweeps: only the launch shapes, of both (--quick or not)
+    for dtype in (torch.float32,) if args.quick and not args.sweeps else (torch.float32, torch.bfloat16):
+        sweep_update(case, dtype) if args.sweeps else bench_kernels_dtype(args, dtype, case)
         torch.cuda.empty_cache()
-    bench_kernels_dv1(args, case)
+    if not args.sweeps:
+        bench_kernels_dv1(args, case)
     return rows
 
 
