@@ -53,8 +53,7 @@ def main():
     texts, nbytes = make_corpus(args.mb)
     enc = get_encoding()
     ntokens = sum(len(t) for t in enc.encode_ordinary_batch(texts[:1000], num_threads=args.workers))  # warm
-    tmp = tempfile.mkdtemp(prefix="bench_data_")
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:
         parquet = os.path.join(tmp, "corpus.parquet")
         n = len(texts)
         table = pa.table({"text": texts, "id": [f"<urn:uuid:{i}>" for i in range(n)], "int_score": [3] * n})
@@ -72,8 +71,6 @@ def main():
             with Span() as span:
                 prepare(out, inputs=[parquet], shard_tokens=2_000_000, workers=args.workers, progress=False)
             pipe.append((span.seconds, span.cpu_seconds))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
     pipe_tokens = ntokens + len(texts)  # the pipeline also writes one EOT per document
     print(f"Command: `{command(__file__)}`", f"{versions()}; tiktoken {tiktoken.__version__}; "
