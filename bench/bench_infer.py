@@ -132,19 +132,8 @@ def tables(rows):
     return ["Forward:", "", forward, "", "Decode:", "", decode]
 
 
-def settings(args):
-    compiled = "torch.compile (whole model, static shapes)" if args.compile else "eager"
-    return (f"forward: B x {args.seq} random tokens, logits of every position, no grad, bf16 autocast, "
-            f"{compiled}; {args.warmup} warm-up and {args.steps} timed calls, their median; MFU = tokens/s x "
-            f"GPT.flops_per_token / 3 / {PEAK_TFLOPS:g} TFLOP/s. decode: sample.generate, greedy, bf16 "
-            f"autocast, a prompt of {args.prompt} random tokens, then {args.new} new tokens ('none': "
-            f"{args.none_new}); tokens/s = batch x new tokens / the time from the prompt's pass to the last "
-            "token (median of up to 3 runs). ×additive: against additive + softmax of the same model in this "
-            "run")  # fmt: skip
-
-
 def main():
-    p = common.row_parser(__doc__, __file__, VARIANTS)
+    p = common.row_parser(__doc__, VARIANTS)
     p.add_argument("--sections", default="forward,decode", help="forward, decode, or both (in this order)")
     p.add_argument("--decode-models", default="gpt2-small")
     p.add_argument("--decode-batches", default="1,32")
@@ -155,8 +144,7 @@ def main():
     p.add_argument("--parallel", type=int, default=1, help="rows at a time (their timed parts take turns)")
     if common.job_main(worker):
         return
-    args = p.parse_args()
-    common.check_row_flags(args, __file__, VARIANTS)
+    args = common.parse_row_flags(p, __file__, VARIANTS)
     from sample import DECODES
 
     lists = (args.sections, args.decode_models, args.decode_modes)
@@ -173,7 +161,15 @@ def main():
     models = dict(forward=args.models, decode=args.decode_models)
     specs = [dict(row=dict(section=s, model=m, variant=v)) for s in args.sections for m in models[s]
              for v in args.variants]  # fmt: skip
-    common.run_rows(args, __file__, specs, settings(args), tables, JOB_TIMEOUT, args.parallel)
+    compiled = "torch.compile (whole model, static shapes)" if args.compile else "eager"
+    settings = (f"forward: B x {args.seq} random tokens, logits of every position, no grad, bf16 autocast, "
+                f"{compiled}; {args.warmup} warm-up and {args.steps} timed calls, their median; MFU = "
+                f"tokens/s x GPT.flops_per_token / 3 / {PEAK_TFLOPS:g} TFLOP/s. decode: sample.generate, "
+                f"greedy, bf16 autocast, a prompt of {args.prompt} random tokens, then {args.new} new tokens "
+                f"('none': {args.none_new}); tokens/s = batch x new tokens / the time from the prompt's pass "
+                "to the last token (median of up to 3 runs). ×additive: against additive + softmax of the "
+                "same model in this run")  # fmt: skip
+    common.run_rows(args, __file__, specs, settings, tables, JOB_TIMEOUT, args.parallel)
 
 
 if __name__ == "__main__":

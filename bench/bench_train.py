@@ -187,17 +187,8 @@ def worker(job, row):
     common.largest_batch(args.batches, row, at, reset=lambda: model.zero_grad(set_to_none=True))
 
 
-def settings(args):
-    compiled = "torch.compile (whole model, static shapes)" if args.compile else "eager"
-    return (f"seq {args.seq}, bf16 autocast, {compiled}, {'fused ' if args.device == 'cuda' else ''}AdamW, "
-            f"random tokens; {args.warmup} warm-up (the first compiles) and {args.steps} timed steps of "
-            f"{args.accum} micro-batch(es), step time their median; MFU = tokens/s x GPT.flops_per_token / "
-            f"{PEAK_TFLOPS:g} TFLOP/s; ×additive: against additive + softmax of the same model in this "
-            "run")  # fmt: skip
-
-
 def main():
-    p = common.row_parser(__doc__, __file__, VARIANTS)
+    p = common.row_parser(__doc__, VARIANTS)
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient "
                    "accumulation, as train.py: the GPU waits for the host at a step's start)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="after timing each row, profile --profile-steps")
@@ -209,8 +200,7 @@ def main():
                    "its model.py and kernels/, just before this one's (rows VARIANT@against)")  # fmt: skip
     if common.job_main(worker):  # one row, in its own process
         return
-    args = p.parse_args()
-    common.check_row_flags(args, __file__, VARIANTS)
+    args = common.parse_row_flags(p, __file__, VARIANTS)
     if args.nanogpt and "nanogpt" not in args.variants:
         args.variants.append("nanogpt")
     if "nanogpt" in args.variants and not os.path.isfile(args.nanogpt):
@@ -226,7 +216,13 @@ def main():
              for m in args.models for v in args.variants
              for a in ((True, False) if args.against and v != "additive" else (False,))]  # fmt: skip
     tables = lambda rows: [common.throughput_table(rows)]
-    common.run_rows(args, __file__, specs, settings(args), tables, JOB_TIMEOUT)
+    compiled = "torch.compile (whole model, static shapes)" if args.compile else "eager"
+    fused = "fused " if args.device == "cuda" else ""
+    settings = (f"seq {args.seq}, bf16 autocast, {compiled}, {fused}AdamW, random tokens; {args.warmup} "
+                f"warm-up (the first compiles) and {args.steps} timed steps of {args.accum} micro-batch(es), "
+                f"step time their median; MFU = tokens/s x GPT.flops_per_token / {PEAK_TFLOPS:g} TFLOP/s; "
+                "×additive: against additive + softmax of the same model in this run")  # fmt: skip
+    common.run_rows(args, __file__, specs, settings, tables, JOB_TIMEOUT)
 
 
 if __name__ == "__main__":

@@ -229,7 +229,7 @@ def run_commands(jobs, slots, time_limit=0.0, job_timeout=0.0, min_left=0.0, on_
 # the runner, the GPU's turns when rows run side by side, the largest micro-batch that fits, the report.
 
 
-def row_parser(doc, script, variants):
+def row_parser(doc, variants):
     """An argument parser (doc: its description) with the flags of a table of (model, variant) rows."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="gpt2-small,gpt2-medium")
@@ -244,16 +244,16 @@ def row_parser(doc, script, variants):
     p.add_argument("--time-limit", type=float, default=540, help="seconds for the whole table")
     p.add_argument("--device", default="cuda", help="cpu: a smoke test (tiny --model-overrides)")
     p.add_argument("--model-overrides", default="", help="GPTConfig overrides, e.g. n_layer=2,n_embd=64")
-    name = os.path.basename(script)[:-3]
-    p.add_argument("--out", default=os.environ.get("OUT", ""), help=f"folder for {name}.json / .md")
+    p.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for the run's .json and .md")
     return p
 
 
-def check_row_flags(args, script, variants):
-    """Parses the flags of row_parser in place (lists, ints; additive first among the variants) and
-    records the command; a clear SystemExit on a bad one."""
+def parse_row_flags(p, script, variants):
+    """The arguments of row_parser's parser p, parsed (lists, ints; additive first among the variants), with
+    the command; a clear SystemExit on a bad one."""
     import torch
 
+    args = p.parse_args()
     args.command = command(script)
     args.models = [m for m in args.models.split(",") if m]
     args.variants = [v for v in args.variants.split(",") if v]
@@ -267,6 +267,7 @@ def check_row_flags(args, script, variants):
     args.model_overrides = {key: (int(val) if val.isdigit() else val) for key, val in pairs}
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"{os.path.basename(script)} needs a CUDA GPU (or --device cpu for a smoke test)")
+    return args
 
 
 def positive_ints(text, flag, example):
