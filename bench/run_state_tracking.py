@@ -82,11 +82,14 @@ def check_triton(timeout):
     return False, f"PyTorch stage 1 (Triton check failed: {out[-1] if out else 'no output'})"
 
 
-def summarise(name, command, records, wall, target):
+def summarise(job, records, target):
+    """A run's row of the table from its job (run_commands: status, seconds) and its log records."""
     train = [r for r in records if "train_loss" in r]
     evals = [r for r in records if "val_acc" in r]
     final = next((r for r in reversed(records) if r.get("final")), {})
-    row = dict(config=name, iters=final.get("iter", len(train)), wall_s=f"{wall:.0f}", command=command)
+    config = job["name"] + ("" if job["status"] == "exit 0" else f" ({job['status']})")
+    row = dict(config=config, iters=final.get("iter", len(train)), wall_s=f"{job['seconds']:.0f}")
+    row["command"] = job["shown"]
     row["train_s"] = f"{sum(r['dt_ms'] for r in train) / 1000:.0f}"
     if target:  # the curriculum: the last training length, and the iteration that reached the target
         reached = [r["iter"] for r in evals if r.get("st_length", 0) >= target]
@@ -175,16 +178,12 @@ def main():
         title, _, target = TASKS[task]
         rows = []
         for name in (name for name, run_task, _ in runs if run_task == task):
-            status, wall, cmd = done[name]["status"], done[name]["seconds"], done[name]["shown"]
-            out_dir = os.path.join(args.work, name)
+            job, out_dir = done[name], os.path.join(args.work, name)
             with open(os.path.join(out_dir, "stdout.txt")) as f:
-                stdout.append(f"===== {name} ({status}): {cmd}\n{f.read()}")
+                stdout.append(f"===== {name} ({job['status']}): {job['shown']}\n{f.read()}")
             records = read_jsonl(os.path.join(out_dir, "log.jsonl"))
             all_records += [json.dumps({"config": name, **r}) for r in records]
-            row = summarise(name, cmd, records, wall, target)
-            if status != "exit 0":
-                row["config"] += f" ({status})"
-            rows.append(row)
+            rows.append(summarise(job, records, target))
         sections += [f"## {title}", "", table(rows, target), ""]
 
     result = "\n".join(["# State tracking", "", *[f"- {h}" for h in header], "", *sections])
