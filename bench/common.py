@@ -12,7 +12,6 @@ import pickle
 import platform
 import resource
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -323,7 +322,7 @@ def run_rows(args, script, specs, settings, tables, job_timeout, parallel=1):
     ends, and last the run's text (command, versions, settings, tables(rows)), which is saved after each row
     (a run cut short keeps its rows) as SCRIPT's NAME.md, with NAME.json (command, versions, settings, rows),
     in args.out when given."""
-    tmp, t0, done = tempfile.mkdtemp(prefix="bench-"), time.time(), {}
+    t0, done = time.time(), {}
     print(f"Command: `{args.command}`", versions(), sep="\n", flush=True)
 
     def job(i, spec):
@@ -361,12 +360,10 @@ def run_rows(args, script, specs, settings, tables, job_timeout, parallel=1):
         done[job["i"]] = row
         save()
 
-    jobs = [job(i, spec) for i, spec in enumerate(specs)]
-    slots = cpu_slots(parallel, os.path.join(tmp, "gpu.lock")) if parallel > 1 else [None]
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench-", ignore_cleanup_errors=True) as tmp:
+        jobs = [job(i, spec) for i, spec in enumerate(specs)]
+        slots = cpu_slots(parallel, os.path.join(tmp, "gpu.lock")) if parallel > 1 else [None]
         run_commands(jobs, slots, args.time_limit, job_timeout, min_left=30, on_end=on_end, poll_s=0.2)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     print("\n" + save(), flush=True)
 
 
