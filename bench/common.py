@@ -256,9 +256,8 @@ def parse_row_flags(p, script, variants):
     args.command = command(script)
     args.models = [m for m in args.models.split(",") if m]
     args.variants = [v for v in args.variants.split(",") if v]
-    for v in args.variants:
-        if v not in variants:
-            raise SystemExit(f"--variants: unknown variant {v!r}; allowed: {', '.join(variants)}")
+    if unknown := [v for v in args.variants if v not in variants]:
+        raise SystemExit(f"--variants: unknown variant {unknown[0]!r}; allowed: {', '.join(variants)}")
     if "additive" not in args.variants:
         args.variants.insert(0, "additive")
     args.batches = positive_ints(args.batches, "--batches", "64,32")
@@ -406,8 +405,7 @@ def largest_batch(batches, row, measure, reset=lambda: None):
             row.setdefault("oom_batches", []).append(B)
         reset()
         torch._dynamo.reset()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # a no-op where CUDA was never initialized
     raise RuntimeError(f"no micro-batch of {batches} fits")
 
 
