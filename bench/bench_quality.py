@@ -202,9 +202,8 @@ def largest_spike(losses):
 def probe_summary(out_dir):
     """The probe's largest max |u| / max |v| (where, beta and kappa there) and the first non-finite u."""
     recs = read_jsonl(os.path.join(out_dir, "probe.jsonl"))
-    finite = [r for r in recs if r["finite"]]
     out = []
-    if finite:
+    if finite := [r for r in recs if r["finite"]]:
         r = max(finite, key=lambda r: r["u_over_v"])
         kappa = f", kappa(i-1) {r['kappa_prev_mean']:.2f}" if "kappa_prev_mean" in r else ""
         out.append(f"u/v {r['u_over_v']:.3g} (iter {r['iter']}, layer {r['layer']}, beta mean "
@@ -305,15 +304,6 @@ def main(argv=None):
         return probe_run(int(argv[1]), argv[3:])
     args = p.parse_args(argv)
     dirs = args.table if args.table is not None else [args.out]
-    if args.table is None:
-        if args.setting is None:
-            p.error("--setting is required (or --table DIR ...)")
-        folder = os.path.join(args.out, args.setting + (f"-lr{args.lr:g}" if args.lr else ""))
-        runs = [(row, seed, os.path.join(folder, f"{row}-s{seed}"))
-                for seed in args.seeds for row in args.rows or DEFAULT_ROWS[args.setting]]  # fmt: skip
-        runs = [run for run in runs if not ((r := read_run(run[2]))["final"] or r["diverged"])]  # ended: kept
-        extra = (args.data_dir, args.max_seconds, args.lr, args.probe)
-        jobs = [(run_args(args.setting, row, seed, out_dir, *extra), out_dir) for row, seed, out_dir in runs]
     header = f"command: `{command(__file__, argv)}`"
 
     def write_table(show=False):
@@ -326,6 +316,14 @@ def main(argv=None):
         atomic_write(os.path.join(dirs[0], "quality.md"), text + "\n")
 
     if args.table is None:
+        if args.setting is None:
+            p.error("--setting is required (or --table DIR ...)")
+        folder = os.path.join(args.out, args.setting + (f"-lr{args.lr:g}" if args.lr else ""))
+        runs = [(row, seed, os.path.join(folder, f"{row}-s{seed}"))
+                for seed in args.seeds for row in args.rows or DEFAULT_ROWS[args.setting]]  # fmt: skip
+        runs = [run for run in runs if not ((r := read_run(run[2]))["final"] or r["diverged"])]  # ended: kept
+        extra = (args.data_dir, args.max_seconds, args.lr, args.probe)
+        jobs = [(run_args(args.setting, row, seed, out_dir, *extra), out_dir) for row, seed, out_dir in runs]
         launch_all(jobs, args.parallel or PARALLEL[args.setting], on_finish=write_table)
     write_table(show=True)
 
