@@ -41,8 +41,7 @@ def train_command(args, variant, stage):
         f"--out_dir={os.path.join(args.work, f'{variant}-{stage}')}",
     ]  # fmt: skip
     train = [os.path.join(REPO, "train.py"), os.path.join(REPO, CONFIG), *overrides]
-    nproc = len(args.gpus.split(","))
-    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus.count(',') + 1}"]
     return [sys.executable, *(torchrun if stage == "multi" else []), *train]
 
 

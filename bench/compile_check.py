@@ -172,8 +172,7 @@ def run_deltaformer_variants(mix=False):
         beta = torch.rand(1, 2, 70, dtype=dtype, requires_grad=True)
         for kernel in KERNELS:
             for lowp in (True, False):  # fp32 ignores it
-                u = deltaformer_u_triton(k, v, w, beta, kernel=kernel, lowp=lowp)
-                u.float().sum().backward()
+                deltaformer_u_triton(k, v, w, beta, kernel=kernel, lowp=lowp).float().sum().backward()
 
 
 def main():

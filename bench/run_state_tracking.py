@@ -105,8 +105,7 @@ def table(rows, target):
     columns = [("config", "config"), ("iters", "iters"), ("train_s", "train s"), ("wall_s", "wall s")]
     if target:
         columns += [("len", "final train len"), ("target_at", f"iter len {target} reached")]
-    lengths = sorted({int(k.split("@")[1]) for r in rows for k in r if k.startswith("acc@")})
-    for L in lengths:
+    for L in sorted({int(k.split("@")[1]) for r in rows for k in r if k.startswith("acc@")}):
         columns += [(f"acc@{L}", f"acc@{L} %"), (f"acc_last@{L}", f"last-pos acc@{L} %")]
     lines = markdown([h for _, h in columns], [[r.get(k, "-") for k, _ in columns] for r in rows])
     lines += ["", "Commands (from the repository root; the bench adds --out_dir):", ""]
