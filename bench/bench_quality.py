@@ -240,8 +240,7 @@ def table(dirs):
     lines = []
     for folder in sorted({f for f, _ in runs}, key=lambda f: (list(SETTINGS).index(setting_of(f)), f)):
         rows = [r for r in ROWS if (folder, r) in runs]
-        setting = setting_of(folder)
-        if setting == "stability":
+        if (setting := setting_of(folder)) == "stability":
             lines += stability_table(folder, rows, runs)
             continue
         base_best = mean([x[2] for x in runs.get((folder, "additive"), [])])
