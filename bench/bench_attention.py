@@ -14,16 +14,12 @@ same count), as TFLOP/s against the H200's 790 dense bf16.
 
 import argparse
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
+import torch.nn.functional as F
+from common import command, graph_ms, markdown, median_ms, profiled, versions, write_json  # bench/common.py
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from common import command, graph_ms, markdown, median_ms, versions, write_json  # noqa: E402
-
-from kernels.deltaformer import deltaformer_u_triton  # noqa: E402
+from kernels.deltaformer import deltaformer_u_triton
 
 SHAPES = [(8, 12, 1024, 64), (8, 6, 1024, 128), (4, 12, 2048, 64), (2, 12, 4096, 64), (8, 16, 1024, 64)]
 
@@ -52,8 +48,7 @@ def fwd_bwd(fn, inputs, reset=False):
     return run
 
 
-def sdpa(q, k, v, w, beta):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+sdpa = lambda q, k, v, w, beta: F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def ours(kernel, **opts):
@@ -99,20 +94,14 @@ STAGE1 = ("_prep_kernel", "_fwd_kernel", "_bwd_g_kernel", "_dk_dw_kernel", "_row
 SDPA = ("flash", "fmha", "attention", "sdpa")
 
 
-def part_of(name):
-    """ "stage 1" (our Triton kernels, by exact name), "sdpa" or "other" for a GPU kernel's name."""
-    if name in STAGE1:
-        return "stage 1"
-    return "sdpa" if any(s in name.lower() for s in SDPA) else "other"
-
-
 def kernel_split(kernels, B, H, T, D, runs):
     """(lines, us per f+b of stage 1, SDPA and the rest) from [(kernel name, GPU us over `runs` f+b)]; the
     last line has stage 1's and SDPA's TFLOP/s at the least count, 7 B H T^2 D each."""
     totals, lines = {"stage 1": 0.0, "sdpa": 0.0, "other": 0.0}, []
     for name, us in sorted(kernels, key=lambda k: -k[1]):
-        totals[part_of(name)] += us / runs
-        lines.append(f"  {us / runs:9.1f} us  {part_of(name):7s}  {name[:110]}")
+        part = "stage 1" if name in STAGE1 else "sdpa" if any(s in name.lower() for s in SDPA) else "other"
+        totals[part] += us / runs
+        lines.append(f"  {us / runs:9.1f} us  {part:7s}  {name[:110]}")
     tflops = {k: 7 * B * H * T * T * D / v / 1e6 if v else math.nan for k, v in totals.items()}
     lines.append(f"  stage 1 {totals['stage 1']:.1f} us ({tflops['stage 1']:.0f} TFLOP/s), SDPA "
                  f"{totals['sdpa']:.1f} us ({tflops['sdpa']:.0f} TFLOP/s), other {totals['other']:.1f} us; "
@@ -122,22 +111,16 @@ def kernel_split(kernels, B, H, T, D, runs):
 
 def profile_shape(B, H, T, D, runs=10):
     """Each kernel's GPU us per f+b of ours (softmax κ), torch.profiler over `runs` of them (kernel_split)."""
-    from torch.profiler import ProfilerActivity, profile
-
     run = fwd_bwd(ours("softmax"), make(B, H, T, D), reset=True)
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
+
+    def steps(n):
+        for _ in range(n):
             run()
         torch.cuda.synchronize()
 
-    def gpu_us(e):  # the attribute was renamed (cuda -> device) across torch versions
-        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
-
-    on_gpu = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
-    lines, totals = kernel_split([(e.key, gpu_us(e)) for e in on_gpu if gpu_us(e) > 0], B, H, T, D, runs)
+    steps(3)  # warm-up
+    kernels, _ = profiled(lambda: steps(runs))
+    lines, totals = kernel_split([(name, us) for name, us, _ in kernels], B, H, T, D, runs)
     print(f"profile {B},{H},{T},{D} (softmax κ, us per f+b):", *lines, sep="\n", flush=True)
     return totals
 
@@ -171,7 +154,7 @@ def main():
         rows.append([shape, *(f"{x:.3f}" for x in (sd, fl, so, re_)), *ratios])
         sd, so, re_ = (r.get(f"{n} f+b graph", math.nan) for n in ("sdpa", "softmax", "relu"))
         graph_rows.append(
-            [shape, *(f"{x:.3f}" for x in (sd, so, re_)), *(f"{x:.2f}x" for x in (so / sd, re_ / sd))]
+            [shape, *(f"{x:.3f}" for x in (sd, so, re_)), f"{so / sd:.2f}x", f"{re_ / sd:.2f}x"]
         )
     print("\nf+b medians in ms, bf16; ours/SDPA = time ratio; FLA/ours = speed-up over FLA 0.6.0")
     head = ["B,H,T,D", *(f"{n} f+b" for n in ("sdpa", "fla", "softmax", "relu")), "softmax/SDPA", "relu/SDPA"]

@@ -18,9 +18,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import Span, atomic_write, command, markdown, read_jsonl, run_commands, versions  # noqa: E402
+from bench.common import REPO, Span, atomic_write, command, markdown, read_jsonl, run_commands, versions  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/shakespeare.py"
 VARIANTS = ("additive", "ddl", "ddl-cc", "ddl-tc")  # GPTConfig.residual
 RUNS = ("this", "ref", "split")
@@ -49,11 +48,8 @@ def train_losses(run_dir):
 
 def diffs(a, b):
     """(max, mean) |a - b| over the iterations both have, or None if they share none."""
-    common = sorted(set(a) & set(b))
-    if not common:
-        return None
-    d = [abs(a[i] - b[i]) for i in common]
-    return max(d), sum(d) / len(d)
+    d = [abs(a[i] - b[i]) for i in sorted(set(a) & set(b))]
+    return (max(d), sum(d) / len(d)) if d else None
 
 
 def table(out, variants):

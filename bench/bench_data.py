@@ -10,18 +10,16 @@ best of --repeats interleaved runs.
 """
 
 import argparse
+import itertools
 import os
 import shutil
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import Span, command, versions  # bench/common.py, first: it puts the root on sys.path
 
-from common import Span, command, versions  # noqa: E402  (bench/common.py, this script's folder)
-
-from data.fineweb_edu import prepare  # noqa: E402
-from data.shakespeare import load_plays  # noqa: E402
-from data.tokenizer import get_encoding  # noqa: E402
+from data.fineweb_edu import prepare
+from data.shakespeare import load_plays
+from data.tokenizer import get_encoding
 
 
 def make_corpus(megabytes, doc_bytes=4000):
@@ -34,13 +32,11 @@ def make_corpus(megabytes, doc_bytes=4000):
             docs.append(text[cut:end])
             cut = end
     out, size = [], 0
-    while size < megabytes * 1e6:
-        for d in docs:
-            out.append(d)
-            size += len(d.encode("utf-8"))
-            if size >= megabytes * 1e6:
-                break
-    return out, size
+    for d in itertools.cycle(docs):
+        if size >= megabytes * 1e6:
+            return out, size
+        out.append(d)
+        size += len(d.encode("utf-8"))
 
 
 def main():
@@ -57,8 +53,7 @@ def main():
     texts, nbytes = make_corpus(args.mb)
     enc = get_encoding()
     ntokens = sum(len(t) for t in enc.encode_ordinary_batch(texts[:1000], num_threads=args.workers))  # warm
-    tmp = tempfile.mkdtemp(prefix="bench_data_")
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:
         parquet = os.path.join(tmp, "corpus.parquet")
         n = len(texts)
         table = pa.table({"text": texts, "id": [f"<urn:uuid:{i}>" for i in range(n)], "int_score": [3] * n})
@@ -76,8 +71,6 @@ def main():
             with Span() as span:
                 prepare(out, inputs=[parquet], shard_tokens=2_000_000, workers=args.workers, progress=False)
             pipe.append((span.seconds, span.cpu_seconds))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
     pipe_tokens = ntokens + len(texts)  # the pipeline also writes one EOT per document
     print(f"Command: `{command(__file__)}`", f"{versions()}; tiktoken {tiktoken.__version__}; "

@@ -9,13 +9,11 @@ the GB/s against the copy bandwidth measured in the same run; torch.compile of t
 """
 
 import argparse
+import functools
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
-from common import command, graph_ms, median_ms, versions, write_json  # noqa: E402  (bench/common.py)
+import torch
+from common import command, graph_ms, median_ms, versions, write_json  # bench/common.py
 
 N, D = 32768, 768  # tokens (as [N / 1024, 1024]), width
 
@@ -30,39 +28,32 @@ def state_inputs(dtype, dv, small=torch.float32):
     return x, k, v, beta, make(torch.randn, D, dv, dt=small)
 
 
-def recorder(rows, timer=median_ms):
-    """case(name, fn, nbytes): times fn (timer after one call that compiles it), prints its line and
-    appends its row to rows; a case that fails prints why and the run goes on."""
-
-    def case(name, fn, nbytes):
-        try:
-            fn()
-            ms = timer(fn)
-        except Exception as e:  # noqa: BLE001
-            print(f"{name} FAILED: {type(e).__name__}: {e}"[:300], flush=True)
-            return
-        rows.append(r := dict(name=name, us=ms * 1e3, GB=nbytes / 1e9, GBps=nbytes / ms / 1e6))
-        print(f"{name:60s} {r['us']:9.1f} us  {r['GB']:7.3f} GB  {r['GBps']:7.0f} GB/s", flush=True)
-
-    return case
+def record(rows, timer, name, fn, nbytes):
+    """Times fn (timer after one call that compiles it), prints its line and appends its row to rows; a case
+    that fails prints why and the run goes on. The cases call it as case(name, fn, nbytes) (bench_kernels)."""
+    try:
+        fn()
+        ms = timer(fn)
+    except Exception as e:  # noqa: BLE001
+        print(f"{name} FAILED: {type(e).__name__}: {e}"[:300], flush=True)
+        return
+    rows.append(r := dict(name=name, us=ms * 1e3, GB=nbytes / 1e9, GBps=nbytes / ms / 1e6))
+    print(f"{name:60s} {r['us']:9.1f} us  {r['GB']:7.3f} GB  {r['GBps']:7.0f} GB/s", flush=True)
 
 
 def bench_kernels(args):
     rows = []
-    case = recorder(rows, graph_ms if args.sweeps else median_ms)  # sweeps: GPU time (host dispatch varies)
+    case = functools.partial(record, rows, graph_ms if args.sweeps else median_ms)  # sweeps: GPU time only
     bufs = [torch.randint(0, 255, (2**30,), dtype=torch.uint8, device="cuda"), None]
     bufs[1] = torch.empty_like(bufs[0])
     case("copy 1 GiB (read + write)", lambda: bufs[1].copy_(bufs[0]), 2 * 2**30)
     bufs.clear()
-    if args.sweeps:  # only these
-        for dtype in (torch.float32, torch.bfloat16):  # the model's state dtype first
-            sweep_update(case, dtype)
-            torch.cuda.empty_cache()
-        return rows
-    for dtype in (torch.float32,) if args.quick else (torch.float32, torch.bfloat16):
-        bench_kernels_dtype(args, dtype, case)
+    # the model's state dtype first; --sweeps: only the launch shapes, of both (--quick or not)
+    for dtype in (torch.float32,) if args.quick and not args.sweeps else (torch.float32, torch.bfloat16):
+        sweep_update(case, dtype) if args.sweeps else bench_kernels_dtype(args, dtype, case)
         torch.cuda.empty_cache()
-    bench_kernels_dv1(args, case)
+    if not args.sweeps:
+        bench_kernels_dv1(args, case)
     return rows
 
 

@@ -15,12 +15,12 @@ over iterations --skip..; peak memory: rank 0's. Runs stay in --work: a stage ca
 import argparse
 import json
 import os
+import pathlib
 import re
 import sys
 
-from common import atomic_write, markdown, read_jsonl, run_commands, versions  # bench/common.py
+from common import REPO, atomic_write, markdown, read_jsonl, run_commands, versions  # bench/common.py
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/gpt2_small.py"
 STAGES = ("single", "multi", "yardstick")
 
@@ -41,8 +41,7 @@ def train_command(args, variant, stage):
         f"--out_dir={os.path.join(args.work, f'{variant}-{stage}')}",
     ]  # fmt: skip
     train = [os.path.join(REPO, "train.py"), os.path.join(REPO, CONFIG), *overrides]
-    nproc = len(args.gpus.split(","))
-    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus.count(',') + 1}"]
     return [sys.executable, *(torchrun if stage == "multi" else []), *train]
 
 
@@ -79,15 +78,12 @@ def read_run(args, variant, stage):
     records = read_jsonl(os.path.join(out_dir, "log.jsonl"))
     train = sorted((r for r in records if "train_loss" in r), key=lambda r: r["iter"])
     rates = sorted(r["tok_per_s"] for r in train if r["iter"] >= args.skip)
-    with open(os.path.join(out_dir, "stdout.txt")) as f:
-        text = f.read()
+    text = pathlib.Path(out_dir, "stdout.txt").read_text()
     peak = re.findall(r"peak memory ([0-9.]+) GiB", text)
     ranks = re.findall(r"(\d+) rank\(s\) on", text)
-    with open(os.path.join(out_dir, "command.txt")) as f:
-        command = f.read().strip()
     return dict(losses=[r["train_loss"] for r in train], tok_s=rates[len(rates) // 2] if rates else None,
                 peak_gib=float(peak[-1]) if peak else None, ranks=int(ranks[-1]) if ranks else None,
-                command=command)  # fmt: skip
+                command=pathlib.Path(out_dir, "command.txt").read_text().strip())  # fmt: skip
 
 
 def max_difference(a, b, n):

@@ -18,18 +18,12 @@ their shares of the CPU cores, their timed parts taking turns on the GPU while t
 (common.run_rows). --time-limit bounds the run (a row 300 s at most); the tables are saved after each row.
 """
 
-import argparse
-import os
 import statistics
 import sys
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import common  # noqa: E402  (bench/common.py)
-import torch  # noqa: E402
-from common import Span  # noqa: E402
+import common  # bench/common.py
+import torch
 
 PEAK_TFLOPS = 989.0  # for the forward's MFU: H100/H200 dense bf16
 JOB_TIMEOUT = 300  # seconds for one row
@@ -48,7 +42,7 @@ def forward_row(model, cfg, args, row):
     def at(B):
         fwd = torch.compile(logits, dynamic=False) if args.compile else logits
         idx = torch.randint(0, cfg.vocab_size, (B, args.seq), device=args.device)
-        with Span() as first:  # compiles
+        with common.Span() as first:  # compiles
             fwd(idx)
         print(row["model"], row["variant"], f"B {B}: first call {first.seconds:.1f} s", file=sys.stderr)
         with common.gpu_turn():
@@ -57,7 +51,7 @@ def forward_row(model, cfg, args, row):
             torch.cuda.reset_peak_memory_stats() if cuda else None
             times = []
             for _ in range(args.steps):
-                with Span(cuda) as s:
+                with common.Span(cuda) as s:
                     fwd(idx)
                 times.append(s.seconds)
         step = statistics.median(times)
@@ -85,7 +79,7 @@ def decode_row(model, cfg, args, row):
             row["decode"].append(r := dict(batch=B, mode=mode, new=new, kb_token=sum(kb) / B / 1e3))
             r["kb_fixed"] = sum(fixed) / B / 1e3
             try:
-                with Span() as first:  # compiled: compiles, then records the CUDA graphs
+                with common.Span() as first:  # compiled: compiles, then records the CUDA graphs
                     generate(model, prompt, min(new, 8), top_k=1, decode=mode)
                 r["first_s"] = round(first.seconds, 1)
                 with common.gpu_turn():
@@ -93,7 +87,7 @@ def decode_row(model, cfg, args, row):
                         torch.cuda.synchronize(), torch.cuda.reset_peak_memory_stats()
                     times = []
                     while len(times) < 3 and sum(times) < 2:  # a slow (eager) mode: one or two runs
-                        with Span(cuda) as s:
+                        with common.Span(cuda) as s:
                             out = generate(model, prompt, new, top_k=1, decode=mode)
                         times.append(s.seconds)
                 assert out.shape == (B, args.prompt + new), out.shape
@@ -106,31 +100,20 @@ def decode_row(model, cfg, args, row):
                 traceback.print_exc()
 
 
-def worker(job):
-    """One row in a fresh process: the model, then its section's measurements."""
-    args, row = job["args"], dict(job["row"])
-    try:
-        from kernels.common import set_auto_backend
-        from model import GPT, GPTConfig
-
-        if args.ddl_backend != "auto":
-            set_auto_backend(args.ddl_backend)
-        torch.manual_seed(0)
-        overrides = {**VARIANTS[row["variant"]], **args.model_overrides}
-        cfg = GPTConfig.preset(row["model"], block_size=args.seq, **overrides)
-        model = GPT(cfg).to(args.device).eval()
-        row["params_M"] = model.num_params() / 1e6
-        with torch.no_grad(), torch.autocast(args.device, dtype=torch.bfloat16):
-            (forward_row if row["section"] == "forward" else decode_row)(model, cfg, args, row)
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {e}"[:400]
-        traceback.print_exc()
-    return row
+def worker(job, row):
+    """One row in a fresh process (common.job_main): the model, then its section's measurements."""
+    args = job["args"]
+    model, cfg = common.gpt(args, row["model"], VARIANTS[row["variant"]])
+    model.eval()
+    row["params_M"] = model.num_params() / 1e6
+    with torch.no_grad(), torch.autocast(args.device, dtype=torch.bfloat16):
+        (forward_row if row["section"] == "forward" else decode_row)(model, cfg, args, row)
 
 
-def decode_table(rows):
-    """Markdown of the decode rows, one line per (model, variant, batch, mode): tokens/s against additive
-    (the same model, batch and mode) and against the modes "cache" and "none" of the same variant."""
+def tables(rows):
+    """The forward rows' table (common.throughput_table), then the decode rows', one line per (model,
+    variant, batch, mode): tokens/s against additive (the same model, batch and mode) and against the modes
+    "cache" and "none" of the same variant."""
     runs = {(r["model"], r["variant"], d["batch"], d["mode"]): d for r in rows for d in r.get("decode", [])}
     cells = []
     for (m, v, B, mode), d in runs.items():
@@ -145,33 +128,13 @@ def decode_table(rows):
         cells.append([r["model"], r["variant"], "", "", f"not measured: {r.get('error', '?')}"] + [""] * 9)
     head = ["model", "variant", "batch", "decode", "new tokens", "tokens/s", "×additive", "×cache", "×none"]
     head += ["ms/token", "peak GB", "cache KB/token", "fixed KB", "first call s"]
-    return "\n".join(common.markdown(head, cells, ["---"] * 4 + ["---:"] * 10))
-
-
-def tables(rows):
-    forward = [r for r in rows if r["section"] == "forward"]
-    return ["Forward:", "", common.throughput_table(forward, ms="ms"), "", "Decode:", "", decode_table(rows)]
-
-
-def settings(args):
-    compiled = "torch.compile (whole model, static shapes)" if args.compile else "eager"
-    return (f"forward: B x {args.seq} random tokens, logits of every position, no grad, bf16 autocast, "
-            f"{compiled}; {args.warmup} warm-up and {args.steps} timed calls, their median; MFU = tokens/s x "
-            f"GPT.flops_per_token / 3 / {PEAK_TFLOPS:g} TFLOP/s. decode: sample.generate, greedy, bf16 "
-            f"autocast, a prompt of {args.prompt} random tokens, then {args.new} new tokens ('none': "
-            f"{args.none_new}); tokens/s = batch x new tokens / the time from the prompt's pass to the last "
-            "token (median of up to 3 runs). ×additive: against additive + softmax of the same model in this "
-            "run")  # fmt: skip
-
-
-def save(args, rows):
-    """bench_infer.json and bench_infer.md in --out."""
-    return common.save_run(args, "bench_infer", settings(args), rows, *tables(rows))
+    forward = common.throughput_table([r for r in rows if r["section"] == "forward"], ms="ms")
+    decode = "\n".join(common.markdown(head, cells, ["---"] * 4 + ["---:"] * 10))
+    return ["Forward:", "", forward, "", "Decode:", "", decode]
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_row_flags(p, VARIANTS, "64,32,16,8", "bench_infer.json / .md")
+    p = common.row_parser(__doc__, VARIANTS)
     p.add_argument("--sections", default="forward,decode", help="forward, decode, or both (in this order)")
     p.add_argument("--decode-models", default="gpt2-small")
     p.add_argument("--decode-batches", default="1,32")
@@ -182,8 +145,7 @@ def main():
     p.add_argument("--parallel", type=int, default=1, help="rows at a time (their timed parts take turns)")
     if common.job_main(worker):
         return
-    args = p.parse_args()
-    common.check_row_flags(args, __file__, VARIANTS)
+    args = common.parse_row_flags(p, __file__, VARIANTS)
     from sample import DECODES
 
     lists = (args.sections, args.decode_models, args.decode_modes)
@@ -200,9 +162,15 @@ def main():
     models = dict(forward=args.models, decode=args.decode_models)
     specs = [dict(row=dict(section=s, model=m, variant=v)) for s in args.sections for m in models[s]
              for v in args.variants]  # fmt: skip
-    print(f"Command: `{args.command}`", common.versions(), sep="\n", flush=True)
-    rows = common.run_rows(args, __file__, specs, lambda rows: save(args, rows), JOB_TIMEOUT, args.parallel)
-    print("\n" + save(args, rows), flush=True)
+    compiled = "torch.compile (whole model, static shapes)" if args.compile else "eager"
+    settings = (f"forward: B x {args.seq} random tokens, logits of every position, no grad, bf16 autocast, "
+                f"{compiled}; {args.warmup} warm-up and {args.steps} timed calls, their median; MFU = "
+                f"tokens/s x GPT.flops_per_token / 3 / {PEAK_TFLOPS:g} TFLOP/s. decode: sample.generate, "
+                f"greedy, bf16 autocast, a prompt of {args.prompt} random tokens, then {args.new} new tokens "
+                f"('none': {args.none_new}); tokens/s = batch x new tokens / the time from the prompt's pass "
+                "to the last token (median of up to 3 runs). ×additive: against additive + softmax of the "
+                "same model in this run")  # fmt: skip
+    common.run_rows(args, __file__, specs, settings, tables, JOB_TIMEOUT, args.parallel)
 
 
 if __name__ == "__main__":

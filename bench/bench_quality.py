@@ -17,6 +17,7 @@ kappa's weight on token i - 1) and the first non-finite u into probe.jsonl, summ
 """
 
 import argparse
+import glob
 import itertools
 import json
 import math
@@ -29,28 +30,23 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import atomic_write, command, markdown, read_jsonl, run_commands, versions  # noqa: E402
+from bench.common import REPO, atomic_write, command, markdown, read_jsonl, run_commands, versions  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = dict(
     learning_rate=1e-3, min_lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, grad_clip=1.0, dropout=0.0
 )
+CORPUS = dict(dataset="fineweb_edu", n_layer=12, n_embd=768, n_head=6, head_dim=128, block_size=1024,
+              batch_size=16, eval_iters=8, log_interval=32, compile=True)  # fmt: skip
 SETTINGS = {
     "shakespeare": dict(
         dataset="shakespeare", n_layer=8, n_embd=512, n_head=4, head_dim=128, block_size=512, batch_size=16,
         gradient_accumulation_steps=1, max_iters=800, warmup_iters=80, lr_decay_iters=800,
         eval_interval=100, eval_iters=8, log_interval=100, compile=False,
     ),
-    "corpus": dict(
-        dataset="fineweb_edu", n_layer=12, n_embd=768, n_head=6, head_dim=128, block_size=1024, batch_size=16,
-        gradient_accumulation_steps=4, max_iters=384, warmup_iters=40, lr_decay_iters=384,
-        eval_interval=128, eval_iters=8, log_interval=32, compile=True,
-    ),
-    "stability": dict(
-        dataset="fineweb_edu", n_layer=12, n_embd=768, n_head=6, head_dim=128, block_size=1024, batch_size=16,
-        gradient_accumulation_steps=2, max_iters=480, warmup_iters=48, lr_decay_iters=480,
-        eval_interval=96, eval_iters=8, log_interval=32, compile=True,
-    ),
+    "corpus": dict(CORPUS, gradient_accumulation_steps=4, max_iters=384, warmup_iters=40,
+                   lr_decay_iters=384, eval_interval=128),
+    "stability": dict(CORPUS, gradient_accumulation_steps=2, max_iters=480, warmup_iters=48,
+                      lr_decay_iters=480, eval_interval=96),
 }  # fmt: skip
 ROWS = {  # name -> GPTConfig overrides; the README's variant table
     **{r: dict(residual=r) for r in ("additive", "ddl", "ddl-tc", "ddl-cc")},
@@ -206,9 +202,8 @@ def largest_spike(losses):
 def probe_summary(out_dir):
     """The probe's largest max |u| / max |v| (where, beta and kappa there) and the first non-finite u."""
     recs = read_jsonl(os.path.join(out_dir, "probe.jsonl"))
-    finite = [r for r in recs if r["finite"]]
     out = []
-    if finite:
+    if finite := [r for r in recs if r["finite"]]:
         r = max(finite, key=lambda r: r["u_over_v"])
         kappa = f", kappa(i-1) {r['kappa_prev_mean']:.2f}" if "kappa_prev_mean" in r else ""
         out.append(f"u/v {r['u_over_v']:.3g} (iter {r['iter']}, layer {r['layer']}, beta mean "
@@ -228,31 +223,24 @@ def table(dirs):
     """Markdown tables over every <row>-s<seed> run found under dirs (grouped by setting folder): per row
     (mean and spread over seeds), or for the stability setting per run."""
     runs = {}  # (setting folder, row) -> [(seed, run dict, best, final)]
-    for top in dirs:
-        top = os.path.normpath(top)
-        if setting_of(os.path.basename(top)):  # a setting's own folder
-            top, folders = os.path.dirname(top), [os.path.basename(top)]
-        else:
-            folders = sorted(os.listdir(top)) if os.path.isdir(top) else []
-        for folder in folders:
-            if not setting_of(folder) or not os.path.isdir(os.path.join(top, folder)):
+    for top in map(os.path.normpath, dirs):  # a setting's own folder, or one that holds setting folders
+        pattern = "*-s*" if setting_of(os.path.basename(top)) else os.path.join("*", "*-s*")
+        for path in sorted(glob.glob(os.path.join(glob.escape(top), pattern))):
+            folder, name = os.path.basename(os.path.dirname(path)), os.path.basename(path)
+            row, _, seed = name.rpartition("-s")
+            if not setting_of(folder) or row not in ROWS:
                 continue
-            for name in sorted(os.listdir(os.path.join(top, folder))):
-                row, _, seed = name.rpartition("-s")
-                if row not in ROWS:
-                    continue
-                run = read_run(os.path.join(top, folder, name))
-                run["probe"] = probe_summary(os.path.join(top, folder, name))
-                best = min((v for v in run["vals"].values() if math.isfinite(v)), default=float("nan"))
-                last = run["vals"][max(run["vals"])] if run["vals"] else float("nan")
-                runs.setdefault((folder, row), []).append((seed, run, best, last))
+            run = read_run(path)
+            run["probe"] = probe_summary(path)
+            best = min((v for v in run["vals"].values() if math.isfinite(v)), default=float("nan"))
+            last = run["vals"][max(run["vals"])] if run["vals"] else float("nan")
+            runs.setdefault((folder, row), []).append((seed, run, best, last))
     if not runs:
         raise ValueError(f"no runs (<setting>/<row>-s<seed> folders) under {', '.join(dirs)}")
     lines = []
     for folder in sorted({f for f, _ in runs}, key=lambda f: (list(SETTINGS).index(setting_of(f)), f)):
         rows = [r for r in ROWS if (folder, r) in runs]
-        setting = setting_of(folder)
-        if setting == "stability":
+        if (setting := setting_of(folder)) == "stability":
             lines += stability_table(folder, rows, runs)
             continue
         base_best = mean([x[2] for x in runs.get((folder, "additive"), [])])
@@ -315,15 +303,6 @@ def main(argv=None):
         return probe_run(int(argv[1]), argv[3:])
     args = p.parse_args(argv)
     dirs = args.table if args.table is not None else [args.out]
-    if args.table is None:
-        if args.setting is None:
-            p.error("--setting is required (or --table DIR ...)")
-        folder = os.path.join(args.out, args.setting + (f"-lr{args.lr:g}" if args.lr else ""))
-        runs = [(row, seed, os.path.join(folder, f"{row}-s{seed}"))
-                for seed in args.seeds for row in args.rows or DEFAULT_ROWS[args.setting]]  # fmt: skip
-        runs = [run for run in runs if not ((r := read_run(run[2]))["final"] or r["diverged"])]  # ended: kept
-        extra = (args.data_dir, args.max_seconds, args.lr, args.probe)
-        jobs = [(run_args(args.setting, row, seed, out_dir, *extra), out_dir) for row, seed, out_dir in runs]
     header = f"command: `{command(__file__, argv)}`"
 
     def write_table(show=False):
@@ -336,6 +315,14 @@ def main(argv=None):
         atomic_write(os.path.join(dirs[0], "quality.md"), text + "\n")
 
     if args.table is None:
+        if args.setting is None:
+            p.error("--setting is required (or --table DIR ...)")
+        folder = os.path.join(args.out, args.setting + (f"-lr{args.lr:g}" if args.lr else ""))
+        runs = [(row, seed, os.path.join(folder, f"{row}-s{seed}"))
+                for seed in args.seeds for row in args.rows or DEFAULT_ROWS[args.setting]]  # fmt: skip
+        runs = [run for run in runs if not ((r := read_run(run[2]))["final"] or r["diverged"])]  # ended: kept
+        extra = (args.data_dir, args.max_seconds, args.lr, args.probe)
+        jobs = [(run_args(args.setting, row, seed, out_dir, *extra), out_dir) for row, seed, out_dir in runs]
         launch_all(jobs, args.parallel or PARALLEL[args.setting], on_finish=write_table)
     write_table(show=True)
 

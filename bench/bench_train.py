@@ -15,19 +15,14 @@ dense bf16); host_ms: the host's median time to issue the forward, backward and 
 the GPU (near 0: the host sets the step time). --time-limit bounds the run (a job 420 s at most).
 """
 
-import argparse
 import os
+import runpy
 import statistics
 import sys
 import time
-import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import common  # noqa: E402  (bench/common.py)
-import torch  # noqa: E402
-from common import Span  # noqa: E402
+import common  # bench/common.py
+import torch
 
 PEAK_TFLOPS = 989.0  # for MFU: H100/H200 dense bf16
 JOB_TIMEOUT = 420  # seconds for one (model, variant)
@@ -50,7 +45,7 @@ def train_steps(model, opt, B, T, steps, vocab, device, host=None, accum=1):
     times = []
     for _ in range(steps):
         batches = [tuple(b) for b in torch.randint(0, vocab, (accum, 2, B, T), device=device)]  # (idx, tgt)s
-        with Span(cuda=device == "cuda") as step:
+        with common.Span(cuda=device == "cuda") as step:
             # the host's marks (part, its end); parts: 0 forward, 1 backward, 2 optimizer, 3 wait for the GPU
             marks = [(None, time.perf_counter())]
             for idx, tgt in batches:  # the host runs ahead of the GPU from one micro-batch into the next
@@ -72,8 +67,10 @@ def train_steps(model, opt, B, T, steps, vocab, device, host=None, accum=1):
     return times
 
 
-def measure(model, compiled, cfg, B, args, row):
-    """Warm up (compiles at this batch) and time; fills row. Raises torch.OutOfMemoryError."""
+def measure(model, cfg, B, args, row):
+    """Compile at micro-batch B (static shapes), warm up and time; fills row. Raises
+    torch.OutOfMemoryError."""
+    compiled = torch.compile(model, dynamic=False) if args.compile else model
     device, cuda = args.device, torch.cuda.is_available()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device == "cuda")
     if cuda:
@@ -82,12 +79,12 @@ def measure(model, compiled, cfg, B, args, row):
     def run(n, host=None):  # n steps at this micro-batch
         return train_steps(compiled, opt, B, args.seq, n, cfg.vocab_size, device, host, args.accum)
 
-    with Span() as first:
+    with common.Span() as first:
         run(1)
     row["compile_s"] = round(first.seconds, 1)  # the first step: compile (forward and backward) + 1 step
     # a row prints nothing until it ends: say where a slow one is
     print(row["model"], row["variant"], f"micro-batch {B}: first step {row['compile_s']} s", file=sys.stderr)
-    with Span() as warm:
+    with common.Span() as warm:
         run(max(args.warmup - 1, 0))
     row["warmup_s"] = round(warm.seconds, 1)
     times = run(args.steps, host := [])
@@ -106,30 +103,13 @@ def profile_step(run, B, args, row):
     """torch.profiler over --profile-steps training steps (run(n): n of them): the time by kind (kernel_kind),
     the top GPU kernels and the top host ops by self CPU time (ms/step, calls/step). Printed, and kept in the
     row (profile_kinds_ms, profile_top, profile_host_top) of bench_train.json."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda, n, top = args.device == "cuda", args.profile_steps, args.profile_top
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        run(n)
-    events = prof.key_averages()
-
-    def gpu_us(e):  # the attribute was renamed (cuda -> device) across torch versions; CPU: a smoke test
-        names = ("self_device_time_total", "self_cuda_time_total") if cuda else ()
-        return next((getattr(e, a) for a in names + ("self_cpu_time_total",) if hasattr(e, a)), 0.0)
-
-    # On the GPU only the kernels themselves (device events): an aten op's self device time repeats the
-    # time of the kernels it launched, and Inductor's Triton kernels have no aten op above them.
-    on_gpu = lambda e: getattr(e, "device_type", None) == DeviceType.CUDA
-    kernels = [(e.key, gpu_us(e), e.count) for e in ([e for e in events if on_gpu(e)] or events)]
-    kernels = sorted((k for k in kernels if k[1] > 0), key=lambda k: -k[1])
+    n, top = args.profile_steps, args.profile_top
+    # the host's ops: where the CPU time goes, for steps whose GPU sits idle between kernels (timed step >
+    # kernels busy): what launches them is then the bound
+    kernels, host = common.profiled(lambda: run(n), cuda=args.device == "cuda")
     total, kinds = sum(us for _, us, _ in kernels) or 1.0, {}
     for name, us, _ in kernels:
         kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us
-    # the host: where the CPU time goes (self time of each op, Python-level ops included), for steps whose
-    # GPU sits idle between kernels (timed step > kernels busy): what launches them is then the bound
-    host = sorted((e for e in events if not on_gpu(e) and e.self_cpu_time_total > 0),
-                  key=lambda e: -e.self_cpu_time_total)  # fmt: skip
     fwd, bwd, optim, wait = row["host_ms"]
     per = lambda us: us / 1e3 / n  # noqa: E731  (ms per step)
     lines = [
@@ -141,15 +121,14 @@ def profile_step(run, B, args, row):
           for k, us in sorted(kinds.items(), key=lambda kv: -kv[1])),
         f"  top {top} kernels (ms/step, share, calls/step, name):",
         *(f"  {per(us):8.3f} {100 * us / total:5.1f}% {c // n:4d}  {k[:150]}" for k, us, c in kernels[:top]),
-        f"  host: {per(sum(e.self_cpu_time_total for e in host)):.1f} ms/step of CPU time in ops (profiled); "
+        f"  host: {per(sum(us for _, us, _ in host)):.1f} ms/step of CPU time in ops (profiled); "
         "the top by self time:",
-        *(f"  {per(e.self_cpu_time_total):8.3f} {e.count // n:5d}  {e.key[:150]}" for e in host[:top]),
+        *(f"  {per(us):8.3f} {c // n:5d}  {k[:150]}" for k, us, c in host[:top]),
     ]  # fmt: skip
     print("\n".join(lines), flush=True)
-    row["profile_kinds_ms"] = {k: round(per(us), 3) for k, us in kinds.items()}
-    row["profile_top"] = [[k[:200], round(per(us), 3), c // n] for k, us, c in kernels[:top]]
-    row["profile_host_top"] = [[e.key[:200], round(per(e.self_cpu_time_total), 3), e.count // n]
-                               for e in host[:top]]  # fmt: skip
+    listed = lambda ops: [[k[:200], round(per(us), 3), c // n] for k, us, c in ops[:top]]
+    row.update(profile_kinds_ms={k: round(per(us), 3) for k, us in kinds.items()},
+               profile_top=listed(kernels), profile_host_top=listed(host))  # fmt: skip
 
 
 KINDS = [  # (label, substrings of a GPU kernel's lowercased name), the first match wins
@@ -175,85 +154,41 @@ def nanogpt_model(path, size, seq, overrides):
     """nanoGPT's GPT from its model.py at `path`, at the preset's depth and width with its own 64-wide
     heads, no biases, vocab 50304 (its GPT-2 124M recipe at gpt2-small); flops_per_token = 6 N + 12 L d T,
     the count of GPT.flops_per_token for a softmax model."""
-    import importlib.util
-
     from model import PRESETS
 
-    spec = importlib.util.spec_from_file_location("nanogpt_model", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = runpy.run_path(path)
     shape = {**PRESETS[size], "vocab_size": 50304, **overrides}
     L, d = shape["n_layer"], shape["n_embd"]
-    cfg = mod.GPTConfig(n_layer=L, n_embd=d, n_head=d // 64, block_size=seq, vocab_size=shape["vocab_size"],
-                        dropout=0.0, bias=False)  # fmt: skip
-    model = mod.GPT(cfg)
+    cfg = mod["GPTConfig"](n_layer=L, n_embd=d, n_head=d // 64, block_size=seq,
+                           vocab_size=shape["vocab_size"], dropout=0.0, bias=False)  # fmt: skip
+    model = mod["GPT"](cfg)
     n = sum(p.numel() for p in model.parameters())
     model.flops_per_token = lambda T: 6 * n + 12 * L * d * T
     model.num_params = lambda: n
     return model, cfg
 
 
-def worker(job):
-    """One (model, variant) in a fresh process: static shapes, compiled at the batch it is timed at."""
-    row, overrides, args = dict(job["row"]), job["overrides"], job["args"]
-    name, size = job["variant"], row["model"]
+def worker(job, row):
+    """One (model, variant) in a fresh process (common.job_main): static shapes, compiled at the batch it is
+    timed at."""
+    args, variant = job["args"], job["variant"]
     if job["against"]:  # the model and kernels of the other checkout
         sys.path.insert(0, args.against)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     torch._dynamo.config.automatic_dynamic_shapes = False  # a smaller batch after an OOM: static again
-    try:
-        from kernels.common import set_auto_backend
-        from model import GPT, GPTConfig
-
-        if args.ddl_backend != "auto":
-            set_auto_backend(args.ddl_backend)
-        torch.manual_seed(0)
-        if name == "nanogpt":
-            model, cfg = nanogpt_model(args.nanogpt, size, args.seq, args.model_overrides)
-            model = model.to(args.device)
-        else:
-            cfg = GPTConfig.preset(size, block_size=args.seq, **overrides, **args.model_overrides)
-            model = GPT(cfg).to(args.device)
-        row["params_M"] = model.num_params() / 1e6
-
-        def at(B):  # compiled at this micro-batch (static shapes)
-            compiled = torch.compile(model, dynamic=False) if args.compile else model
-            measure(model, compiled, cfg, B, args, row)
-
-        common.largest_batch(job["batches"], row, at, reset=lambda: model.zero_grad(set_to_none=True))
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {e}"[:400]
-        traceback.print_exc()
-    return row
-
-
-def run_table(args):
-    """Every (model, variant) in a fresh process, one after another, additive first (common.run_rows)."""
-    todo = [(m, v, a) for m in args.models for v in args.variants  # the other checkout's row, then this one's
-            for a in ((True, False) if args.against and v != "additive" else (False,))]  # fmt: skip
-    specs = [dict(row=dict(model=m, variant=v + ("@against" if a else "")), variant=v, against=a,
-                  overrides=VARIANTS[v], batches=args.batches) for m, v, a in todo]  # fmt: skip
-    return common.run_rows(args, __file__, specs, lambda rows: save(args, rows), JOB_TIMEOUT)
-
-
-def settings(args):
-    compiled = "torch.compile (whole model, static shapes)" if args.compile else "eager"
-    return (f"seq {args.seq}, bf16 autocast, {compiled}, {'fused ' if args.device == 'cuda' else ''}AdamW, "
-            f"random tokens; {args.warmup} warm-up (the first compiles) and {args.steps} timed steps of "
-            f"{args.accum} micro-batch(es), step time their median; MFU = tokens/s x GPT.flops_per_token / "
-            f"{PEAK_TFLOPS:g} TFLOP/s; ×additive: against additive + softmax of the same model in this "
-            "run")  # fmt: skip
-
-
-def save(args, rows):
-    """bench_train.json and bench_train.md in --out (after every row: a run cut short keeps its rows)."""
-    return common.save_run(args, "bench_train", settings(args), rows, common.throughput_table(rows))
+    if variant == "nanogpt":
+        model, cfg = nanogpt_model(args.nanogpt, row["model"], args.seq, args.model_overrides)
+        model = model.to(args.device)
+    else:
+        model, cfg = common.gpt(args, row["model"], VARIANTS[variant])
+    row["params_M"] = model.num_params() / 1e6
+    at = lambda B: measure(model, cfg, B, args, row)
+    common.largest_batch(args.batches, row, at, reset=lambda: model.zero_grad(set_to_none=True))
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_row_flags(p, VARIANTS, "64,32,16,8", "bench_train.json / .md")
+    p = common.row_parser(__doc__, VARIANTS)
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient "
                    "accumulation, as train.py: the GPU waits for the host at a step's start)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="after timing each row, profile --profile-steps")
@@ -263,10 +198,9 @@ def main():
                    "same depth and width (64-wide heads), timed like the others")  # fmt: skip
     p.add_argument("--against", default="", help="another checkout: every variant but additive also runs on "
                    "its model.py and kernels/, just before this one's (rows VARIANT@against)")  # fmt: skip
-    if common.job_main(worker):  # one job of run_table, in its own process
+    if common.job_main(worker):  # one row, in its own process
         return
-    args = p.parse_args()
-    common.check_row_flags(args, __file__, VARIANTS)
+    args = common.parse_row_flags(p, __file__, VARIANTS)
     if args.nanogpt and "nanogpt" not in args.variants:
         args.variants.append("nanogpt")
     if "nanogpt" in args.variants and not os.path.isfile(args.nanogpt):
@@ -276,9 +210,19 @@ def main():
     args.against = os.path.abspath(args.against) if args.against else ""
     if args.accum < 1:
         raise SystemExit(f"--accum {args.accum}: expected a positive number of micro-batches")
-    print(f"Command: `{args.command}`", common.versions(), sep="\n", flush=True)
-    rows = run_table(args)
-    print("\n" + save(args, rows), flush=True)
+    # every (model, variant) in a fresh process, one after another, additive first; --against: the other
+    # checkout's row just before this one's
+    specs = [dict(row=dict(model=m, variant=v + ("@against" if a else "")), variant=v, against=a)
+             for m in args.models for v in args.variants
+             for a in ((True, False) if args.against and v != "additive" else (False,))]  # fmt: skip
+    tables = lambda rows: [common.throughput_table(rows)]
+    compiled = "torch.compile (whole model, static shapes)" if args.compile else "eager"
+    fused = "fused " if args.device == "cuda" else ""
+    settings = (f"seq {args.seq}, bf16 autocast, {compiled}, {fused}AdamW, random tokens; {args.warmup} "
+                f"warm-up (the first compiles) and {args.steps} timed steps of {args.accum} micro-batch(es), "
+                f"step time their median; MFU = tokens/s x GPT.flops_per_token / {PEAK_TFLOPS:g} TFLOP/s; "
+                "×additive: against additive + softmax of the same model in this run")  # fmt: skip
+    common.run_rows(args, __file__, specs, settings, tables, JOB_TIMEOUT)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """What the benchmark scripts share: the timers, a table's header (command, versions) and markdown, safe file
-writes, running commands a few at a time, and a table of rows each measured in its own process."""
+writes, running commands a few at a time, and a table of rows each measured in its own process. Imported
+first, it puts the repository root on sys.path (model.py, kernels/, data/)."""
 
+import argparse
 import contextlib
 import fcntl
 import json
@@ -10,11 +12,14 @@ import pickle
 import platform
 import resource
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 # ---------------------------------------------------------------------------------------------------------
 # Timing: the median of many calls (do_bench), a CUDA graph's replay, or one span (a training step, a job).
@@ -47,6 +52,25 @@ def graph_ms(fn):
     except Exception as e:  # noqa: BLE001  (a capture that fails must not end the run)
         print(f"CUDA graph failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         return math.nan
+
+
+def profiled(fn, cuda=True):
+    """torch.profiler over fn(): (kernels, host ops), each [(name, self us, calls)], largest first. Kernels:
+    on the GPU only the kernels themselves (device events): an aten op's self device time repeats the time of
+    the kernels it launched, and Inductor's Triton kernels have no aten op above them; cuda False (a CPU
+    smoke test): every op, by self CPU time. Host ops: the rest, by self CPU time (Python-level ops too)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+    events = prof.key_averages()
+    names = ("self_device_time_total", "self_cuda_time_total") if cuda else ()  # renamed across versions
+    us = lambda e: next((getattr(e, a) for a in names + ("self_cpu_time_total",) if hasattr(e, a)), 0.0)
+    on_gpu = lambda e: getattr(e, "device_type", None) == DeviceType.CUDA
+    kernels = [(e.key, us(e), e.count) for e in ([e for e in events if on_gpu(e)] or events)]
+    host = [(e.key, e.self_cpu_time_total, e.count) for e in events if not on_gpu(e)]
+    return [sorted((k for k in ks if k[1] > 0), key=lambda k: -k[1]) for ks in (kernels, host)]
 
 
 def cpu_seconds():
@@ -204,11 +228,12 @@ def run_commands(jobs, slots, time_limit=0.0, job_timeout=0.0, min_left=0.0, on_
 # the runner, the GPU's turns when rows run side by side, the largest micro-batch that fits, the report.
 
 
-def add_row_flags(p, variants, batches, out):
-    """The flags of a table of (model, variant) rows; `out`: the names it writes there."""
+def row_parser(doc, variants):
+    """An argument parser (doc: its description) with the flags of a table of (model, variant) rows."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="gpt2-small,gpt2-medium")
     p.add_argument("--variants", default=",".join(variants), help="additive is added when missing")
-    p.add_argument("--batches", default=batches, help="micro-batch sizes to try, e.g. 64,32")
+    p.add_argument("--batches", default="64,32,16,8", help="micro-batch sizes to try, e.g. 64,32")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
@@ -218,20 +243,21 @@ def add_row_flags(p, variants, batches, out):
     p.add_argument("--time-limit", type=float, default=540, help="seconds for the whole table")
     p.add_argument("--device", default="cuda", help="cpu: a smoke test (tiny --model-overrides)")
     p.add_argument("--model-overrides", default="", help="GPTConfig overrides, e.g. n_layer=2,n_embd=64")
-    p.add_argument("--out", default=os.environ.get("OUT", ""), help=f"folder for {out}")
+    p.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for the run's .json and .md")
+    return p
 
 
-def check_row_flags(args, script, variants):
-    """Parses the flags of add_row_flags in place (lists, ints; additive first among the variants) and
-    records the command; a clear SystemExit on a bad one."""
+def parse_row_flags(p, script, variants):
+    """The arguments of row_parser's parser p, parsed (lists, ints; additive first among the variants), with
+    the command; a clear SystemExit on a bad one."""
     import torch
 
+    args = p.parse_args()
     args.command = command(script)
     args.models = [m for m in args.models.split(",") if m]
     args.variants = [v for v in args.variants.split(",") if v]
-    for v in args.variants:
-        if v not in variants:
-            raise SystemExit(f"--variants: unknown variant {v!r}; allowed: {', '.join(variants)}")
+    if unknown := [v for v in args.variants if v not in variants]:
+        raise SystemExit(f"--variants: unknown variant {unknown[0]!r}; allowed: {', '.join(variants)}")
     if "additive" not in args.variants:
         args.variants.insert(0, "additive")
     args.batches = positive_ints(args.batches, "--batches", "64,32")
@@ -239,6 +265,7 @@ def check_row_flags(args, script, variants):
     args.model_overrides = {key: (int(val) if val.isdigit() else val) for key, val in pairs}
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"{os.path.basename(script)} needs a CUDA GPU (or --device cpu for a smoke test)")
+    return args
 
 
 def positive_ints(text, flag, example):
@@ -253,23 +280,49 @@ def positive_ints(text, flag, example):
 
 
 def job_main(worker):
-    """In a row's own process (`SCRIPT --job FILE`, run_rows): writes worker(the pickled job) to FILE.json
-    and returns True; elsewhere False. BENCH_CPUS: the cores this process (and what it starts) may use."""
+    """In a row's own process (`SCRIPT --job FILE`, run_rows): worker(job, row) fills row (the job's labels,
+    copied; an exception becomes row["error"]), seeded, then FILE.json gets the row; returns True. Elsewhere
+    False. BENCH_CPUS: the cores this process (and what it starts) may use."""
     if sys.argv[1:2] != ["--job"]:
         return False
+    import torch
+
     if os.environ.get("BENCH_CPUS"):
         os.sched_setaffinity(0, [int(c) for c in os.environ["BENCH_CPUS"].split(",")])
     with open(sys.argv[2], "rb") as f:
-        write_json(sys.argv[2] + ".json", worker(pickle.load(f)))
+        job = pickle.load(f)
+    row = dict(job["row"])
+    try:
+        torch.manual_seed(0)
+        worker(job, row)
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"[:400]
+        traceback.print_exc()
+    write_json(sys.argv[2] + ".json", row)
     return True
 
 
-def run_rows(args, script, specs, save, job_timeout, parallel=1):
+def gpt(args, size, overrides):
+    """(GPT on --device, its config): the preset `size` with block_size --seq, the variant's overrides, then
+    --model-overrides; --ddl-backend sets what backend='auto' means."""
+    from kernels.common import set_auto_backend
+    from model import GPT, GPTConfig
+
+    if args.ddl_backend != "auto":
+        set_auto_backend(args.ddl_backend)
+    cfg = GPTConfig.preset(size, block_size=args.seq, **{**overrides, **args.model_overrides})
+    return GPT(cfg).to(args.device), cfg
+
+
+def run_rows(args, script, specs, settings, tables, job_timeout, parallel=1):
     """Each spec (a dict: `row`, the labels its row starts with, and what the worker needs) measured by its
     own process, `python SCRIPT --job FILE` (job_main), one after another or `parallel` at a time (cpu_slots,
-    gpu_turn); each row printed as it ends, then save(rows) (a run cut short keeps its rows). args.time_limit
-    bounds the run (run_commands). Returns the rows, in the order of specs."""
-    tmp, t0, done = tempfile.mkdtemp(prefix="bench-"), time.time(), {}
+    gpu_turn); args.time_limit bounds the run (run_commands). Prints the command and versions, each row as it
+    ends, and last the run's text (command, versions, settings, tables(rows)), which is saved after each row
+    (a run cut short keeps its rows) as SCRIPT's NAME.md, with NAME.json (command, versions, settings, rows),
+    in args.out when given."""
+    t0, done = time.time(), {}
+    print(f"Command: `{args.command}`", versions(), sep="\n", flush=True)
 
     def job(i, spec):
         path = os.path.join(tmp, f"{i}.pkl")
@@ -277,6 +330,16 @@ def run_rows(args, script, specs, save, job_timeout, parallel=1):
             pickle.dump(dict(spec, args=args), f)
         name = " ".join(str(v) for v in spec["row"].values())
         return dict(name=name, i=i, row=spec["row"], cmd=[sys.executable, script, "--job", path])
+
+    def save():
+        rows = [done[i] for i in sorted(done)]
+        text = "\n".join([f"Command: `{args.command}`", versions(), settings, "", *tables(rows)])
+        if args.out:
+            path = os.path.join(args.out, os.path.basename(script)[:-3])
+            run = dict(command=args.command, versions=versions(), settings=settings, rows=rows)
+            write_json(path + ".json", run)
+            atomic_write(path + ".md", text + "\n")
+        return text
 
     def on_end(job):
         path = job["cmd"][-1] + ".json"
@@ -294,15 +357,13 @@ def run_rows(args, script, specs, save, job_timeout, parallel=1):
             row["t_done_s"] = round(time.time() - t0, 1)
             print(json.dumps(row), flush=True)
         done[job["i"]] = row
-        save([done[i] for i in sorted(done)])
+        save()
 
-    jobs = [job(i, spec) for i, spec in enumerate(specs)]
-    slots = cpu_slots(parallel, os.path.join(tmp, "gpu.lock")) if parallel > 1 else [None]
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench-", ignore_cleanup_errors=True) as tmp:
+        jobs = [job(i, spec) for i, spec in enumerate(specs)]
+        slots = cpu_slots(parallel, os.path.join(tmp, "gpu.lock")) if parallel > 1 else [None]
         run_commands(jobs, slots, args.time_limit, job_timeout, min_left=30, on_end=on_end, poll_s=0.2)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return [done[i] for i in sorted(done)]
+    print("\n" + save(), flush=True)
 
 
 def cpu_slots(n, lock):
@@ -344,8 +405,7 @@ def largest_batch(batches, row, measure, reset=lambda: None):
             row.setdefault("oom_batches", []).append(B)
         reset()
         torch._dynamo.reset()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # a no-op where CUDA was never initialized
     raise RuntimeError(f"no micro-batch of {batches} fits")
 
 
@@ -368,19 +428,3 @@ def throughput_table(rows, ms="step ms"):
         cells[-1] += [f"{r['peak_GB']:.1f}", mem_ratio, f"{100 * r['mfu']:.1f}%", r.get("compile_s", "-")]
     align = ["---"] * 2 + ["---:"] * 8
     return "\n".join(markdown(head + ["MFU", "compile s"], cells, align))
-
-
-def report(args, settings, *tables):
-    """The text of a run: its command, GPU and versions, settings, then the tables."""
-    return "\n".join([f"Command: `{args.command}`", versions(), settings, "", *tables])
-
-
-def save_run(args, name, settings, rows, *tables):
-    """The run's text (report); NAME.json (command, versions, settings, rows) and NAME.md (the text) in
-    args.out, when given. Returns the text."""
-    text = report(args, settings, *tables)
-    if args.out:
-        run = dict(command=args.command, versions=versions(), settings=settings, rows=rows)
-        write_json(os.path.join(args.out, f"{name}.json"), run)
-        atomic_write(os.path.join(args.out, f"{name}.md"), text + "\n")
-    return text

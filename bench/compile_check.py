@@ -39,21 +39,17 @@ TARGET = GPUTarget("cuda", 90, 32)
 SEEN, FAILED, SPILLS = {}, [], []
 
 
-def resources(cubin):
-    """(registers per thread, stack bytes per thread: where spilled registers go, barrier instructions: what
-    cross-warp reductions and layout conversions through shared memory cost) of a kernel's cubin, from the
-    cuobjdump that ships with Triton; None where it is missing."""
+def cuobjdump(cubin, *flags):
+    """The output of the cuobjdump that ships with Triton on a kernel's cubin; "" where it is missing."""
     import triton.backends.nvidia as nvidia
 
     tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
     if not os.path.exists(tool):
-        return None
+        return ""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", "-sass", f.name], capture_output=True, text=True)
-    found = re.search(r"REG:(\d+) STACK:(\d+)", out.stdout)
-    return (int(found[1]), int(found[2]), out.stdout.count("BAR.SYNC")) if found else None
+        return subprocess.run([tool, *flags, f.name], capture_output=True, text=True).stdout
 
 
 MIX = [("MMA", "HMMA HGMMA"), ("MUFU", "MUFU"), ("FP32", "FFMA FMUL FADD FMNMX FSEL FSETP"),
@@ -64,15 +60,7 @@ MIX = [("MMA", "HMMA HGMMA"), ("MUFU", "MUFU"), ("FP32", "FFMA FMUL FADD FMNMX F
 def loop_mix(cubin):
     """[(instructions, {class: count})] of each loop body (a backward branch's span) of over 30 instructions
     in the kernel's SASS (cuobjdump), innermost first; [] without cuobjdump."""
-    import triton.backends.nvidia as nvidia
-
-    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        return []
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    sass = cuobjdump(cubin, "-sass")
     ins = re.findall(
         r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)[^;]*?(?:0x([0-9a-f]+))?\s*;", sass
     )
@@ -84,14 +72,6 @@ def loop_mix(cubin):
         ops = [op for _, op, _ in ins[lo : hi + 1]]
         mixes.append((len(ops), {c: sum(op in names.split() for op in ops) for c, names in MIX}))
     return mixes
-
-
-def check_compilable():
-    """Triton imported under TRITON_INTERPRET=1 decorated its own library for the interpreter, which its
-    compiler cannot take (Triton 3.9's refuses on its first compile with a bare AssertionError)."""
-    if not isinstance(tl.standard.cdiv, JITFunction):
-        raise RuntimeError("triton was imported with TRITON_INTERPRET=1, so its library is interpreted, not "
-                           "compilable: run compile_check in a process without TRITON_INTERPRET")  # fmt: skip
 
 
 @functools.cache
@@ -117,7 +97,12 @@ def compile_launch(fn, args, kwargs):
     key = label = f"{fn.__name__} " + " ".join(f"{n}={bound[n]}" for n, p in zip(fn.arg_names, fn.params)
                                               if p.is_constexpr and n not in ("SPIN_LIMIT",))  # fmt: skip
     try:
-        check_compilable()
+        # Triton imported under TRITON_INTERPRET=1 decorated its own library for the interpreter, which its
+        # compiler cannot take (Triton 3.9's refuses on its first compile with a bare AssertionError)
+        if not isinstance(tl.standard.cdiv, JITFunction):
+            raise RuntimeError("triton was imported with TRITON_INTERPRET=1, so its library is "
+                               "interpreted, not compilable: run compile_check in a process without "
+                               "TRITON_INTERPRET")  # fmt: skip
         bound, sig, consts, attrs = specialized(fn, args, kwargs)
         key = (fn.__name__, str(sig), str(consts), str(attrs), str(options))
         if key in SEEN:
@@ -130,11 +115,13 @@ def compile_launch(fn, args, kwargs):
         src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         k = triton.compile(src, target=TARGET, options=options)
         SEEN[key] = f"ok   {label}: shared memory {k.metadata.shared} B"
-        regs = resources(k.asm["cubin"])
-        if regs:
-            SEEN[key] += f", {regs[0]} registers, stack {regs[1]} B, barriers {regs[2]}"
-            if regs[1]:
-                SPILLS.append((regs[1], label))
+        # registers and stack bytes (where spilled registers go) per thread, barrier instructions (what
+        # cross-warp reductions and layout conversions through shared memory cost)
+        out = cuobjdump(k.asm["cubin"], "--dump-resource-usage", "-sass")
+        if regs := re.search(r"REG:(\d+) STACK:(\d+)", out):
+            SEEN[key] += f", {regs[1]} registers, stack {regs[2]} B, barriers {out.count('BAR.SYNC')}"
+            if int(regs[2]):
+                SPILLS.append((int(regs[2]), label))
         for n, mix in loop_mix(k.asm["cubin"]) if "--mix" in sys.argv else ():
             SEEN[key] += f"\n       loop of {n}: " + " ".join(f"{c} {x}" for c, x in mix.items() if x)
     except Exception as e:  # noqa: BLE001
@@ -185,8 +172,7 @@ def run_deltaformer_variants(mix=False):
         beta = torch.rand(1, 2, 70, dtype=dtype, requires_grad=True)
         for kernel in KERNELS:
             for lowp in (True, False):  # fp32 ignores it
-                u = deltaformer_u_triton(k, v, w, beta, kernel=kernel, lowp=lowp)
-                u.float().sum().backward()
+                deltaformer_u_triton(k, v, w, beta, kernel=kernel, lowp=lowp).float().sum().backward()
 
 
 def main():

@@ -18,10 +18,7 @@ import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from common import atomic_write, command, markdown, read_jsonl, run_commands, versions  # noqa: E402  (bench/common.py)
+from common import REPO, atomic_write, command, markdown, read_jsonl, run_commands, versions
 
 DF = ["--attention=deltaformer", "--n_layer=1"]
 MODELS = [  # (name, overrides of configs/state_tracking.py)
@@ -85,11 +82,14 @@ def check_triton(timeout):
     return False, f"PyTorch stage 1 (Triton check failed: {out[-1] if out else 'no output'})"
 
 
-def summarise(name, command, records, wall, target):
+def summarise(job, records, target):
+    """A run's row of the table from its job (run_commands: status, seconds) and its log records."""
     train = [r for r in records if "train_loss" in r]
     evals = [r for r in records if "val_acc" in r]
     final = next((r for r in reversed(records) if r.get("final")), {})
-    row = dict(config=name, iters=final.get("iter", len(train)), wall_s=f"{wall:.0f}", command=command)
+    config = job["name"] + ("" if job["status"] == "exit 0" else f" ({job['status']})")
+    row = dict(config=config, iters=final.get("iter", len(train)), wall_s=f"{job['seconds']:.0f}")
+    row["command"] = job["shown"]
     row["train_s"] = f"{sum(r['dt_ms'] for r in train) / 1000:.0f}"
     if target:  # the curriculum: the last training length, and the iteration that reached the target
         reached = [r["iter"] for r in evals if r.get("st_length", 0) >= target]
@@ -105,8 +105,7 @@ def table(rows, target):
     columns = [("config", "config"), ("iters", "iters"), ("train_s", "train s"), ("wall_s", "wall s")]
     if target:
         columns += [("len", "final train len"), ("target_at", f"iter len {target} reached")]
-    lengths = sorted({int(k.split("@")[1]) for r in rows for k in r if k.startswith("acc@")})
-    for L in lengths:
+    for L in sorted({int(k.split("@")[1]) for r in rows for k in r if k.startswith("acc@")}):
         columns += [(f"acc@{L}", f"acc@{L} %"), (f"acc_last@{L}", f"last-pos acc@{L} %")]
     lines = markdown([h for _, h in columns], [[r.get(k, "-") for k, _ in columns] for r in rows])
     lines += ["", "Commands (from the repository root; the bench adds --out_dir):", ""]
@@ -178,16 +177,12 @@ def main():
         title, _, target = TASKS[task]
         rows = []
         for name in (name for name, run_task, _ in runs if run_task == task):
-            status, wall, cmd = done[name]["status"], done[name]["seconds"], done[name]["shown"]
-            out_dir = os.path.join(args.work, name)
+            job, out_dir = done[name], os.path.join(args.work, name)
             with open(os.path.join(out_dir, "stdout.txt")) as f:
-                stdout.append(f"===== {name} ({status}): {cmd}\n{f.read()}")
+                stdout.append(f"===== {name} ({job['status']}): {job['shown']}\n{f.read()}")
             records = read_jsonl(os.path.join(out_dir, "log.jsonl"))
             all_records += [json.dumps({"config": name, **r}) for r in records]
-            row = summarise(name, cmd, records, wall, target)
-            if status != "exit 0":
-                row["config"] += f" ({status})"
-            rows.append(row)
+            rows.append(summarise(job, records, target))
         sections += [f"## {title}", "", table(rows, target), ""]
 
     result = "\n".join(["# State tracking", "", *[f"- {h}" for h in header], "", *sections])

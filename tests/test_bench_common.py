@@ -176,3 +176,42 @@ def test_gpu_turn_is_exclusive(tmp_path, monkeypatch):
     except KeyError:
         pass
     assert free()
+
+
+def test_profiled_keeps_the_gpu_kernels_and_the_host_ops(monkeypatch):
+    """On the GPU the device events are the kernels (by self device time), the others the host's ops (by self
+    CPU time), each largest first, zero times left out; with no device event (a CPU run), every op by CPU
+    time. The profiler is a stand-in that returns known events."""
+    import torch
+    from torch.autograd import DeviceType
+
+    def event(key, device, gpu_us, cpu_us, count):
+        return types.SimpleNamespace(key=key, device_type=device, self_device_time_total=gpu_us,
+                                     self_cpu_time_total=cpu_us, count=count)  # fmt: skip
+
+    events = [event("aten::mm", DeviceType.CPU, 90.0, 5.0, 2), event("gemm", DeviceType.CUDA, 80.0, 0.0, 2),
+              event("triton_x", DeviceType.CUDA, 120.0, 0.0, 4), event("idle", DeviceType.CUDA, 0.0, 0.0, 1),
+              event("aten::add", DeviceType.CPU, 0.0, 7.0, 3)]  # fmt: skip
+
+    class Profile:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def key_averages(self):
+            return events
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    ran = []
+    kernels, host = common.profiled(lambda: ran.append(1))
+    assert ran == [1]
+    assert kernels == [("triton_x", 120.0, 4), ("gemm", 80.0, 2)]
+    assert host == [("aten::add", 7.0, 3), ("aten::mm", 5.0, 2)]
+    events[:] = [e for e in events if e.device_type == DeviceType.CPU]
+    kernels, host = common.profiled(lambda: None, cuda=False)
+    assert kernels == host == [("aten::add", 7.0, 3), ("aten::mm", 5.0, 2)]
