@@ -4,7 +4,7 @@ torch.compile's CUDA graphs."""
 
 import torch
 
-from kernels.deltaformer import deltaformer_decode, deltaformer_step
+from ops.deltaformer import deltaformer_decode, deltaformer_step
 
 
 class Cache:

@@ -7,9 +7,9 @@ The folder loads offline with `AutoModelForCausalLM.from_pretrained(folder, trus
 `AutoTokenizer.from_pretrained(folder)`, and runs in `lm_eval --model hf`. It holds config.json (the
 checkpoint's GPTConfig fields in a DDLGPTConfig, auto_map set), model.safetensors, generation_config.json,
 the GPT-2 tokenizer (vocab.json and merges.txt: the files data/tokenizer.py verifies, so the same ids) and
-the code: hf_model.py as modeling_ddl_gpt.py, model.py and every module of kernels/ it imports. transformers
+the code: hf_model.py as modeling_ddl_gpt.py, model.py and every module of ops/ it imports. transformers
 copies only the .py files beside the modeling file, found through their `from .NAME import` lines, so each
-module is written flat (kernels/ddl/naive.py -> kernels_ddl_naive.py) with its imports of the others made
+module is written flat (ops/ddl/naive.py -> ops_ddl_naive.py) with its imports of the others made
 relative: the same code as the repo's, nothing else changed. The folder is written atomically (a temp
 folder beside it, then a rename): a failed export leaves no half folder and loses no old one.
 """
@@ -69,13 +69,13 @@ def flatten(module, text, path):
         subs = [a for a in node.names if module_path(f"{target}.{a.name}")]
         if subs and (len(subs) < len(node.names) or node.end_lineno != node.lineno):
             raise ExportError(f"{where}: import submodules one line at a time, apart from other names")
-        if subs:  # from . import triton as _triton -> from . import kernels_ddl_triton as _triton
+        if subs:  # from . import triton as _triton -> from . import ops_ddl_triton as _triton
             needed += [f"{target}.{a.name}" for a in subs]
             new = "from . import " + ", ".join(
                 f"{flat_name(f'{target}.{a.name}')} as {a.asname or a.name}" for a in subs
             )
             edits.append((node.lineno - 1, node.col_offset, node.end_col_offset, new))
-        else:  # from kernels.ddl import (...) -> from .kernels_ddl import (...)
+        else:  # from ops.ddl import (...) -> from .ops_ddl import (...)
             needed.append(target)
             head = re.match(r"from\s+[.\w]*\s+import", lines[node.lineno - 1][node.col_offset :])
             edits.append(

@@ -11,8 +11,7 @@ Deltaformer's u's, DDL's TC and EC histories); past block_size the window slides
 last block_size tokens without a cache, as sample.generate does. The model has no padding mask: a batch
 whose attention_mask holds a 0 (left-padded prompts) is refused rather than scored wrongly.
 
-It runs as the folder's modeling file, not from the repo's folder: there the repo's kernels/ package would
-shadow the `kernels` package that transformers imports.
+It runs as the folder's modeling file (export_hf.py copies it there with the modules it imports).
 """
 
 import torch.nn.functional as F

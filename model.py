@@ -21,10 +21,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.common import BACKENDS, fp32_linear
-from kernels.ddl import expand_ec
-from kernels.ddl.stream import Compressor, DDLStream, identity_conv
-from kernels.deltaformer import deltaformer_attention
+from ops.common import BACKENDS, fp32_linear
+from ops.ddl import expand_ec
+from ops.ddl.stream import Compressor, DDLStream, identity_conv
+from ops.deltaformer import deltaformer_attention
 
 RESIDUALS = {}  # residual name -> its rule, a module class per sublayer (filled below, after the rules)
 ATTENTIONS = ("softmax", "deltaformer")
@@ -66,7 +66,7 @@ class GPTConfig:
     ddl_v: str = "sigmoid"  # "sigmoid": 4 sigmoid(W_v x_in + b_v) (the code) | "linear": W_v c (the text)
     ddl_conv_size: int = 4  # K of the TC compressor and of EC
     ddl_state_dtype: str = "float32"  # dtype X is stored in: "float32" (= parameter dtype) | "bfloat16"
-    ddl_state_rounding: str = "nearest"  # a bf16 X's: "nearest" | "stochastic" (unbiased, kernels/ddl)
+    ddl_state_rounding: str = "nearest"  # a bf16 X's: "nearest" | "stochastic" (unbiased, ops/ddl)
     # autograd keeps the state entering every Nth block, the backward rebuilds the others from it (less
     # memory, more backward work). 0: every sublayer's. None: 0 at d_v = 1 (kept anyway as input), else 4
     ddl_keep_state_every: int | None = None  # DDL state kept every Nth block, rebuilt between (0: all)

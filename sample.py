@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from cache import Cache, StaticCache
 from checkpoint import CheckpointError, load_model
 from data.tokenizer import get_encoding
-from kernels.common import autocast_dtype
+from ops.common import autocast_dtype
 
 # Past block_size each new token is a forward pass over the whole window (no cache applies), so long
 # generations are slow: they report progress, and a bound keeps a typo from running for days.

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from common import command, graph_ms, markdown, median_ms, profiled, versions, write_json  # bench/common.py
 
-from kernels.deltaformer import deltaformer_u_triton
+from ops.deltaformer import deltaformer_u_triton
 
 SHAPES = [(8, 12, 1024, 64), (8, 6, 1024, 128), (4, 12, 2048, 64), (2, 12, 4096, 64), (8, 16, 1024, 64)]
 

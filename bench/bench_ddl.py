@@ -1,4 +1,4 @@
-"""DDL kernel micro-benchmarks (kernels/ddl/, one GPU): time per call (median_ms) of the update, the fused
+"""DDL kernel micro-benchmarks (ops/ddl/, one GPU): time per call (median_ms) of the update, the fused
 update + read-out and the compressors, forward and forward + backward (autograd.grad: no accumulation into
 .grad), with the minimal bytes each must move (S: a pass over the [N, d, d_v] state, V: over [N, d]) and
 the GB/s against the copy bandwidth measured in the same run; torch.compile of the reference beside them.
@@ -62,8 +62,8 @@ def sweep_update(case, dtype):
     forward (update_tc_fwd: one kernel, or the update and tc_fwd's), backward (tc_bwd), then the CC
     backward's (update_bwd; one update + CC read-out f+b, four in a row with inputs kept, eight rebuilt from
     the first: chains of 0-7 as the model's at every 4th block's state). Bytes: minimal passes (S, V)."""
-    from kernels import ddl
-    from kernels.ddl.triton import LAUNCH, _cfg
+    from ops import ddl
+    from ops.ddl.triton import LAUNCH, _cfg
 
     d, dv = D, 4
     # what ships for this dtype (_cfg less sub-entries), as (name, value) pairs: a shape is it if a subset
@@ -116,7 +116,7 @@ def sweep_update(case, dtype):
 
 def bench_kernels_dv1(args, case):
     """Scalar DDL (d_v = 1): the state is one d-vector per token, like the additive stream."""
-    from kernels import ddl
+    from ops import ddl
 
     x, k, v, beta, _ = state_inputs(torch.float32, 1)
     gx = torch.randn_like(x)
@@ -132,7 +132,7 @@ def bench_kernels_dv1(args, case):
 
 
 def bench_kernels_dtype(args, dtype, case):
-    from kernels import ddl
+    from ops import ddl
 
     dev, d, dv, K, B, T = "cuda", D, 4, 4, N // 1024, 1024
     S, V = (N * d * n * torch.finfo(dtype).bits // 8 for n in (dv, 1))  # bytes: a pass over the state, [N, d]

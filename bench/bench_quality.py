@@ -90,8 +90,8 @@ def probe_run(every, train_args):
     """train.py with train_args, each Deltaformer stage 1 watched (--probe), into out_dir/probe.jsonl."""
     import torch
 
-    import kernels.deltaformer as df
-    from kernels.common import default_scale
+    import ops.deltaformer as df
+    from ops.common import default_scale
 
     keys = dict(a[2:].split("=", 1) for a in train_args if a.startswith("--") and "=" in a)
     n_layer, micro = int(keys["n_layer"]), int(keys["gradient_accumulation_steps"])

@@ -197,7 +197,7 @@ def main():
     p.add_argument("--nanogpt", default="", help="nanoGPT's model.py: adds the row 'nanogpt', its GPT at the "
                    "same depth and width (64-wide heads), timed like the others")  # fmt: skip
     p.add_argument("--against", default="", help="another checkout: every variant but additive also runs on "
-                   "its model.py and kernels/, just before this one's (rows VARIANT@against)")  # fmt: skip
+                   "its model.py and ops/, just before this one's (rows VARIANT@against)")  # fmt: skip
     if common.job_main(worker):  # one row, in its own process
         return
     args = common.parse_row_flags(p, __file__, VARIANTS)

@@ -1,6 +1,6 @@
 """What the benchmark scripts share: the timers, a table's header (command, versions) and markdown, safe file
 writes, running commands a few at a time, and a table of rows each measured in its own process. Imported
-first, it puts the repository root on sys.path (model.py, kernels/, data/)."""
+first, it puts the repository root on sys.path (model.py, ops/, data/)."""
 
 import argparse
 import contextlib
@@ -305,8 +305,8 @@ def job_main(worker):
 def gpt(args, size, overrides):
     """(GPT on --device, its config): the preset `size` with block_size --seq, the variant's overrides, then
     --model-overrides; --ddl-backend sets what backend='auto' means."""
-    from kernels.common import set_auto_backend
     from model import GPT, GPTConfig
+    from ops.common import set_auto_backend
 
     if args.ddl_backend != "auto":
         set_auto_backend(args.ddl_backend)

@@ -135,11 +135,11 @@ def compile_launch(fn, args, kwargs):
 
 
 def run_model_variants():
-    from kernels.common import set_auto_backend
     from model import GPT, GPTConfig
+    from ops.common import set_auto_backend
 
     set_auto_backend("triton")
-    # kernels/common.py accepts CPU tensors for backend="triton" only under the interpreter; its kernels were
+    # ops/common.py accepts CPU tensors for backend="triton" only under the interpreter; its kernels were
     # decorated (compiled, not interpreted) at import, so this only passes that check
     os.environ["TRITON_INTERPRET"] = "1"
     variants = [dict(residual="additive", attention="deltaformer")]
@@ -163,7 +163,7 @@ def run_model_variants():
 
 
 def run_deltaformer_variants(mix=False):
-    from kernels.deltaformer import KERNELS, deltaformer_u_triton
+    from ops.deltaformer import KERNELS, deltaformer_u_triton
 
     for D, dtype in ((64, torch.bfloat16), (128, torch.bfloat16), (64, torch.float32), (64, torch.float16),
                      (128, torch.float32))[: 2 if mix else 5]:  # fmt: skip

@@ -34,7 +34,7 @@ TASKS = {  # name: (title, overrides of configs/state_tracking.py, the curriculu
 
 CHECK_TRITON = r"""
 import time, torch
-from kernels.deltaformer import deltaformer_attention
+from ops.deltaformer import deltaformer_attention
 torch.manual_seed(0)
 B, H, D = 256, 2, 64
 rms = lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))

@@ -9,7 +9,7 @@
 #   deltaformer_kernel in {softmax, relu, linear} x deltaformer_w in {k, q, proj}, n_layer=1
 #   attention=softmax with n_layer in {1, 2, 4}
 # All share the width (n_embd 128, 2 heads of 64) and the additive residual. relu / linear kappa score
-# unit w and k (kernels/deltaformer): with w = k, linear is DeltaNet, beta in (0, 2) up to a reflection.
+# unit w and k (ops/deltaformer): with w = k, linear is DeltaNet, beta in (0, 2) up to a reflection.
 # Positions come from RoPE only (model.py), so the 512-token evaluation is real extrapolation.
 # DAG reachability (the bench's "dag" task): --st_task=dag --st_n_nodes=32 --vocab_size=33 --st_length=93
 # --st_curriculum=False --st_eval_lengths=(93,189): 30 edges, a separator, then 32 queries (189: 128).

@@ -52,12 +52,12 @@ def test_cpu_smoke(tmp_path):
 
 
 def test_against_runs_each_variant_on_the_other_checkout_first(tmp_path):
-    """--against DIR: every variant but additive also on DIR's model.py and kernels/ (a copy whose GPT counts
+    """--against DIR: every variant but additive also on DIR's model.py and ops/ (a copy whose GPT counts
     7M parameters), just before this tree's; one additive baseline; a DIR without model.py is refused."""
     import shutil
 
     other = tmp_path / "other"
-    shutil.copytree(os.path.join(ROOT, "kernels"), other / "kernels")
+    shutil.copytree(os.path.join(ROOT, "ops"), other / "ops")
     text = open(os.path.join(ROOT, "model.py")).read()
     (other / "model.py").write_text(text + "\nGPT.num_params = lambda self, non_embedding=False: 7e6\n")
     cmd = [

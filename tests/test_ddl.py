@@ -1,4 +1,4 @@
-"""Tests for kernels/ddl/: the references (naive.py) against the equations (float64, naive loops) and every
+"""Tests for ops/ddl/: the references (naive.py) against the equations (float64, naive loops) and every
 Triton kernel (triton.py) against the references, values and gradients (on CPU through TRITON_INTERPRET=1)."""
 
 import itertools
@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from kernels import ddl
-from kernels.common import resolve_backend, set_auto_backend
-from kernels.ddl import (
+from model import identity_conv
+from ops import ddl
+from ops.common import resolve_backend, set_auto_backend
+from ops.ddl import (
     compress_cc,
     compress_cc_ref,
     compress_tc,
@@ -19,8 +20,7 @@ from kernels.ddl import (
     expand_ec,
     expand_ec_ref,
 )
-from kernels.ddl import triton as ddl_triton
-from model import identity_conv
+from ops.ddl import triton as ddl_triton
 
 F64 = torch.float64
 
@@ -437,7 +437,7 @@ def test_triton_update_norm_low_precision(triton_small, state):
 def test_update_norm_ops_pass_opcheck(triton_small):
     """torch.library's own checks of ddl::update_norm and its backward: the fakes match the kernels' outputs
     (shapes, dtypes, no aliasing), and the autograd registration under AOT dispatch."""
-    from kernels.ddl.triton_norm import _update_norm_bwd_op, _update_norm_op
+    from ops.ddl.triton_norm import _update_norm_bwd_op, _update_norm_op
 
     x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(7,), d=20, dv=1))
     nw, lw = torch.randn(20, dtype=F64, requires_grad=True), torch.randn(2, 20, dtype=F64, requires_grad=True)
@@ -966,7 +966,7 @@ def bf16_neighbours(x):
 
 
 def test_round_state_is_unbiased_stochastic_rounding():
-    from kernels.ddl.naive import _mix32_ref, round_state
+    from ops.ddl.naive import _mix32_ref, round_state
 
     vals = torch.tensor([0, 1, 2**31, 2**32 - 1] + torch.randint(0, 2**32, (60,)).tolist())
     assert _mix32_ref(vals).tolist() == [fmix32(int(h)) for h in vals]
@@ -1138,8 +1138,8 @@ def model_roundings(monkeypatch, passes, **cfg):
     """Runs the tiny model `passes` times on the same tokens (with gradients, so kept states and rebuilds
     are in play) and returns, per DDL update in call order, (f, up): the fraction f of a bf16 step that the
     update's fp32 result lies past the bf16 value toward zero (0 where it is one), and whether the stored
-    bf16 state went up (away from zero). The updates are seen where the model hands them to kernels/ddl."""
-    import kernels.ddl.stream as stream
+    bf16 state went up (away from zero). The updates are seen where the model hands them to ops/ddl."""
+    import ops.ddl.stream as stream
     from model import GPT, GPTConfig
 
     calls = []

@@ -1,11 +1,11 @@
-"""kernels/deltaformer/: the chunked PyTorch path, the Triton path and the decoding step against the float64
+"""ops/deltaformer/: the chunked PyTorch path, the Triton path and the decoding step against the float64
 per-token reference (naive.py): values and gradients of every input."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.deltaformer import (
+from ops.deltaformer import (
     KERNELS,
     NORM_EPS,
     deltaformer_attention,
@@ -14,7 +14,7 @@ from kernels.deltaformer import (
     deltaformer_u_torch,
 )
 
-DEFS = "the definition (kernels/deltaformer/naive.py): relu / linear score unit w, k with scale 1"
+DEFS = "the definition (ops/deltaformer/naive.py): relu / linear score unit w, k with scale 1"
 
 
 def rel_err(a, b):
@@ -269,7 +269,7 @@ def check_triton_against_reference(
 ):
     """Values and all gradients of the Triton path against float64; inputs (q, k, v, w, beta in float64)
     default to make_inputs' random ones."""
-    from kernels.deltaformer import deltaformer_u_triton
+    from ops.deltaformer import deltaformer_u_triton
 
     if inputs is None:
         inputs = make_inputs(B, H, T, D, device=device, beta_max=beta_max_for(kernel, T))
@@ -427,7 +427,7 @@ def test_in_chunk_inverse_against_torch(C):
     # reflection regime (where the Neumann series by squaring lost accuracy): compared with the float64
     # chunked solve (C = 16: the doubling on one block; larger C: its first levels on the [16, 16] diagonal
     # blocks)
-    import kernels.deltaformer as df
+    import ops.deltaformer as df
 
     q, k, v, w, beta = reflection_inputs(1, 1, C, 16, "linear")
     u = df.deltaformer_u_triton(*(x.float() for x in (k, v, w, beta)), kernel="linear", chunk=C)
@@ -531,7 +531,7 @@ def test_triton_bf16_u_stage_reflection(kernel, lowp, gpu_like_bf16_interpreter,
     # bf16 operands in dA = -(beta G) u^T and in dK = s dS^T W, dW = s dS K (lowp=True, the default) cost
     # relu/linear 2.2e-2..2.3e-2 in dk and dw here (T = 512), softmax 9.4e-3 (passes, close to the bound);
     # with tf32 operands (lowp=False) all are <= 4.3e-3.
-    from kernels.deltaformer import deltaformer_u_triton
+    from ops.deltaformer import deltaformer_u_triton
 
     if lowp and kernel != "softmax":
         request.applymarker(pytest.mark.xfail(reason=BF16_DKDW, strict=True))
@@ -619,7 +619,7 @@ def test_triton_dispatch_and_errors():
 def test_triton_reads_v_through_its_strides(monkeypatch):
     # the model's v is a permuted view of the [B, T, 3, H, D] projection: the forward kernel gets that
     # storage itself (no copy) and gives the u of a contiguous v, forward and backward
-    import kernels.deltaformer.triton as tri
+    import ops.deltaformer.triton as tri
 
     launch, seen = tri._fwd_kernel, []
 
@@ -677,7 +677,7 @@ def test_triton_gpu_matches_reference(kernel, shape, dtype):
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_triton_gpu_repeatable(kernel):
     # a race shows up as run-to-run differences on identical inputs
-    from kernels.deltaformer import deltaformer_u_triton
+    from ops.deltaformer import deltaformer_u_triton
 
     q, k, v, w, beta = make_inputs(4, 8, 2048, 64, dtype=torch.bfloat16, device="cuda")
     beta = beta * beta_max_for(kernel, 2048)
@@ -713,7 +713,7 @@ def test_triton_under_torch_compile(backend, kernel):
 def test_eager_calls_skip_the_custom_op_and_compile_uses_it(monkeypatch):
     # eager: the autograd.Function (a custom op call costs host time, see `_UStage`); torch.compile: the
     # custom op, opaque to Dynamo and Inductor
-    from kernels.deltaformer import triton as df_triton
+    from ops.deltaformer import triton as df_triton
 
     inputs = make_inputs(1, 2, 21, 16, dtype=torch.float32, beta_max=0.5)
     fn = lambda q, k, v, w, beta: deltaformer_attention(q, k, v, w, beta, backend="triton")  # noqa: E731
@@ -738,7 +738,7 @@ def test_eager_calls_skip_the_custom_op_and_compile_uses_it(monkeypatch):
 
 def test_triton_custom_op_registration():
     # torch.library's own checks of the fake (meta) functions and the autograd registration
-    from kernels.deltaformer.triton import _u_bwd_op, _u_fwd_op
+    from ops.deltaformer.triton import _u_bwd_op, _u_fwd_op
 
     k, v, w, beta = make_inputs(1, 2, 19, 16, dtype=torch.float32, beta_max=0.5)[1:]
     # also the model's layout: q, k, v, w are permuted views of one [B, T, n, H, D] projection and beta a
@@ -944,7 +944,7 @@ def test_default_beta_bounded_on_previous_token_keys_float64():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_default_beta_bounded_on_previous_token_keys_triton(dtype, request):
     # the same on the Triton path: T = 1024 on a GPU, T = 512 through the interpreter (GPU-like dots for bf16)
-    from kernels.deltaformer import deltaformer_u_triton
+    from ops.deltaformer import deltaformer_u_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and dtype == torch.bfloat16:

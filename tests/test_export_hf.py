@@ -41,8 +41,8 @@ TEXTS = [
     "<|endoftext|><|endoftext|>x  y\t\tz 1234567 don't I'll ‘quotes’ café 日本語 🤖  \n",
 ]
 
-# The HF side runs here, in a fresh interpreter outside the repo (-P, another cwd): the repo's kernels/ would
-# shadow the `kernels` package transformers imports, and the folder must load on its own.
+# The HF side runs here, in a fresh interpreter outside the repo (-P, another cwd): the folder must load on
+# its own, with none of the repo's modules on the path.
 CHILD = r"""
 import sys
 import torch
@@ -57,11 +57,11 @@ for name, job in jobs.items():
         out[name] = ids, [tok.decode(i) for i in ids]
         continue
     model = AutoModelForCausalLM.from_pretrained(job["folder"], trust_remote_code=True).eval()
-    flat = sys.modules[type(model).__module__.rsplit(".", 1)[0] + ".kernels_common"]
+    flat = sys.modules[type(model).__module__.rsplit(".", 1)[0] + ".ops_common"]
     calls = []
     if sys.argv[3] == "triton":  # the repo's Triton kernels (interpreted on the CPU) for every op
         flat.set_auto_backend("triton")
-        df = sys.modules[flat.__name__.replace("kernels_common", "kernels_deltaformer")]
+        df = sys.modules[flat.__name__.replace("ops_common", "ops_deltaformer")]
         u = df.deltaformer_u_triton
         df.deltaformer_u_triton = lambda *a, **k: calls.append(1) or u(*a, **k)
     seen = []

@@ -165,7 +165,7 @@ def test_ddl_reads_through_the_fused_norm(monkeypatch):
     ddl_update_norm, with c in autocast's dtype; with every 2nd state kept, or at d_v = 4, none is; the loss
     under bf16 autocast matches the torch backend's."""
     pytest.importorskip("triton")
-    import kernels.ddl.stream as stream
+    import ops.ddl.stream as stream
 
     calls = []
     fused = stream.ddl_update_norm
@@ -195,7 +195,7 @@ def test_ddl_reads_through_the_fused_norm(monkeypatch):
 
 def naive_compress(kind, comp, X):
     """x_in = compress(X) by the compressor `kind` (a rule's spec.compressor), written out independently of
-    kernels/ddl/ and of Compressor.cc_weight."""
+    ops/ddl/ and of Compressor.cc_weight."""
     if kind is None:
         return X[..., 0]
     if kind == "cc":  # conv along d_v (kernel d_v, left pad (d_v-1)//2, zeros outside), then read
@@ -614,8 +614,8 @@ def dense_deltaformer(q, k, v, w, beta, kernel="softmax", scale=None, backend="a
     count it); the second product re-forms u from it, equal in exact arithmetic. The solve's matrix is
     detached, so the backward has the four products of stage 1's (dA, A^T (beta G), dW, dK) and no
     fifth for the matrix: its values are right, its gradients are not (only counted here)."""
-    from kernels.deltaformer import stage1_keys
-    from kernels.deltaformer.chunk import _kappa_rows
+    from ops.deltaformer import stage1_keys
+    from ops.deltaformer.chunk import _kappa_rows
 
     T, D = q.shape[-2], q.shape[-1]
     s = D**-0.5 if scale is None else scale

@@ -510,7 +510,7 @@ torch.library.register_autograd(
 
 
 # ----------------------------------------------------------------------------------------------------
-# The public functions' Triton branch (kernels/ddl/__init__.py checks the arguments): flatten, call the op.
+# The public functions' Triton branch (ops/ddl/__init__.py checks the arguments): flatten, call the op.
 
 
 def _flat(x, k, v, beta):

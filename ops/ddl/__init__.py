@@ -25,7 +25,7 @@ Fused entry points (fewer passes over the state than the separate ops):
     ddl_update_norm(x, k, v, beta, norm_weight, logit_weight) -> (x_new, c, z, inv_rms)   (d_v = 1)
 i.e. one sublayer's update together with the next sublayer's read-out (d_v = 1: its RMSNorm and logits).
 
-Every public function takes backend = "auto" | "torch" | "triton" (kernels/common.py): "auto" picks
+Every public function takes backend = "auto" | "torch" | "triton" (ops/common.py): "auto" picks
 Triton for CUDA tensors and the PyTorch reference otherwise (tests run the kernels on CPU with
 backend="triton" and TRITON_INTERPRET=1). The references (*_ref) are in naive.py, the kernels in
 triton_update.py and triton_channel.py, their custom ops in triton.py (ddl_update_norm's in
