@@ -251,7 +251,9 @@ def _init_worker(parent):
         if os.getppid() != parent:  # the parent died before that
             os._exit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops the pool
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # pool.terminate() ends a worker quietly
+    # main() makes SIGTERM raise KeyboardInterrupt, which a forked worker inherits: pool.terminate() would
+    # print each worker's traceback
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     get_encoding()  # build the encoding once per process, before the first task
 
 
@@ -265,17 +267,7 @@ def make_pool(workers):
         return None
     method = "fork" if sys.platform.startswith("linux") else "spawn"
     pool = multiprocessing.get_context(method).Pool
-    # the workers are born ignoring Ctrl-C and ended silently by SIGTERM (pool.terminate): a fork keeps the
-    # parent's handlers, and main() makes SIGTERM raise KeyboardInterrupt, which printed their tracebacks
-    handlers = [
-        (s, signal.signal(s, h))
-        for s, h in ((signal.SIGINT, signal.SIG_IGN), (signal.SIGTERM, signal.SIG_DFL))
-    ]
-    try:
-        return pool(workers, initializer=_init_worker, initargs=(os.getpid(),))
-    finally:
-        for s, h in handlers:
-            signal.signal(s, h)
+    return pool(workers, initializer=_init_worker, initargs=(os.getpid(),))
 
 
 def run_task(task, min_int_score):
@@ -540,7 +532,7 @@ def main(argv=None):
         )
     except (InputError, ValueError, ImportError) as e:
         sys.exit(f"error: {e}")
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (below): the finished shards stay, the state says which
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (above): the finished shards stay, the state says which
         sys.exit(f"interrupted: run the same command again to resume ({a.out})")
 
 
