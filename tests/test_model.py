@@ -1133,3 +1133,112 @@ def test_checkpoints_of_the_earlier_layout_load(residual, tmp_path):
     assert set(model.state_dict()) == set(keys)
     for k, v in model.state_dict().items():
         assert torch.equal(v, earlier[k]), k
+
+
+def init_rows():
+    """Every residual x attention row (Deltaformer with w = k and its own w) under both inits, and the
+    options that change the init's parameters or values: GPTConfig overrides of tiny(), with a name."""
+    rows = [
+        dict(residual=r, attention=a, deltaformer_w=w, init=init)
+        for r in ("additive", "ddl", "ddl-tc", "ddl-cc")
+        for a, w in (("softmax", "k"), ("deltaformer", "k"), ("deltaformer", "proj"))
+        for init in ("scaled", "nanogpt")
+    ]
+    rows += [
+        dict(residual="ddl-cc", attention="softmax", deltaformer_w="k", init="scaled", ddl_v="linear"),
+        dict(residual="ddl", attention="softmax", deltaformer_w="k", init="nanogpt", ddl_v="linear"),
+        dict(residual="ddl-tc", attention="softmax", deltaformer_w="k", init="scaled", ddl_ec=False,
+             ddl_beta_init=0.5),
+    ]  # fmt: skip
+    for row in rows:
+        extra = [
+            f"{k}={v}" for k, v in row.items() if k not in ("residual", "attention", "deltaformer_w", "init")
+        ]
+        w = [f"w={row['deltaformer_w']}"] if row["attention"] == "deltaformer" else []
+        yield " ".join([row["residual"], row["attention"], *w, row["init"], *extra]), row
+
+
+def expected_keys(cfg):
+    """A model's state_dict keys in order, written out from the architecture: the names its checkpoints
+    have been saved under, in the order the parameters are made (which the init's draws follow)."""
+    rule = ["norm.weight"]
+    if cfg.residual != "additive":
+        rule += ["v_proj.weight", "v_proj.bias", "beta.weight", "beta.bias"]
+        if cfg.ddl_v == "linear":  # v = W_v c: no b_v
+            rule.remove("v_proj.bias")
+    attn = ["c_attn.weight", "c_proj.weight", "q_norm.weight", "k_norm.weight"]
+    if cfg.attention == "deltaformer":
+        attn += (["w_norm.weight"] if cfg.deltaformer_w == "proj" else []) + ["beta.weight", "beta.bias"]
+    compressor = ["conv", "read"] if cfg.residual in ("ddl-cc", "ddl-tc") else []  # ddl (d_v = 1): none
+    keys = (["ec_conv"] if compressor and cfg.ddl_ec else []) + ["wte.weight"]  # GPT's own parameter first
+    for i in range(cfg.n_layer):
+        keys += [f"blocks.{i}.compress.{n}" for n in compressor] + [f"blocks.{i}.res_attn.{n}" for n in rule]
+        keys += [f"blocks.{i}.attn.{n}" for n in attn] + [f"blocks.{i}.res_mlp.{n}" for n in rule]
+        keys += [f"blocks.{i}.mlp.c_fc.weight", f"blocks.{i}.mlp.c_proj.weight"]
+    return keys + [f"readout.{n}" for n in compressor] + ["ln_f.weight", "lm_head.weight"]
+
+
+@pytest.mark.parametrize("name,row", list(init_rows()), ids=[name for name, _ in init_rows()])
+def test_state_dict_keys_of_every_row(name, row):
+    with torch.device("meta"):
+        model = GPT(tiny(**row))
+    assert list(model.state_dict()) == expected_keys(model.config)
+
+
+# The init of each row of init_rows() after torch.manual_seed(0), as the code before the attentions became
+# classes drew it (tiny(); the first two sums of fingerprint(state_dict)): a changed draw, order, scale or
+# bias of any row must show. The tolerance, 1e-6 relative, admits only last-bit differences of a platform's
+# vectorised random normals.
+INIT_FINGERPRINTS = {
+    "additive softmax scaled": (1865.7449445376608, -1080.0425414222934),
+    "additive softmax nanogpt": (623.2128953733928, -1089.3489903227705),
+    "additive deltaformer w=k scaled": (1877.44147854224, 1235.8815664597796),
+    "additive deltaformer w=k nanogpt": (625.8545141188197, 1804.6108990225516),
+    "additive deltaformer w=proj scaled": (2053.5910809488287, -1497.430117058966),
+    "additive deltaformer w=proj nanogpt": (689.938535871856, -1556.9736369813277),
+    "ddl softmax scaled": (1874.346251893609, 459.86758169014774),
+    "ddl softmax nanogpt": (622.368908250001, 307.0979614073467),
+    "ddl deltaformer w=k scaled": (1886.1547060254766, 1419.0639749977108),
+    "ddl deltaformer w=k nanogpt": (625.6660825502307, 1049.2948996728323),
+    "ddl deltaformer w=proj scaled": (2062.067872401444, -4052.826596278369),
+    "ddl deltaformer w=proj nanogpt": (691.051369315373, -4260.781526844505),
+    "ddl-tc softmax scaled": (2149.485083696314, -142.09658983455847),
+    "ddl-tc softmax nanogpt": (1144.3140096751877, -401.80137132925836),
+    "ddl-tc deltaformer w=k scaled": (2156.9289492257435, 498.2639513187578),
+    "ddl-tc deltaformer w=k nanogpt": (1146.2265517848973, 322.502655368451),
+    "ddl-tc deltaformer w=proj scaled": (2332.0406680250735, 1651.8437769066013),
+    "ddl-tc deltaformer w=proj nanogpt": (1213.3760030719122, 1324.1814787027324),
+    "ddl-cc softmax scaled": (2065.2528389452873, -1376.9606931851945),
+    "ddl-cc softmax nanogpt": (856.3140096751875, -1457.6298580123303),
+    "ddl-cc deltaformer w=k scaled": (2067.3305000118366, -491.8399769533844),
+    "ddl-cc deltaformer w=k nanogpt": (858.2265517848974, -799.5910768461086),
+    "ddl-cc deltaformer w=proj scaled": (2251.6331588067105, 796.4668596587044),
+    "ddl-cc deltaformer w=proj nanogpt": (925.3760030719121, 915.8044558389107),
+    "ddl-cc softmax scaled ddl_v=linear": (2066.8790200546155, -777.4660823387597),
+    "ddl softmax nanogpt ddl_v=linear": (624.2179433687006, 79.12479034463723),
+    "ddl-tc softmax scaled ddl_ec=False ddl_beta_init=0.5": (2025.8795329303227, 911.5483097945387),
+}
+
+
+def fingerprint(state):
+    """(sum |x_i|, sum x_i w_i, sum |x_i w_i|) over the concatenation of every tensor in order, w_i = i mod 97
+    - 48, in exactly rounded float64 (math.fsum: independent of the order of summation)."""
+    flat = torch.cat([t.detach().flatten().double() for t in state.values()])
+    w = (torch.arange(flat.numel()) % 97 - 48).double()
+    return (
+        math.fsum(flat.abs().tolist()),
+        math.fsum((flat * w).tolist()),
+        math.fsum((flat * w).abs().tolist()),
+    )
+
+
+def test_init_of_every_row_is_unchanged():
+    names = []
+    for name, row in init_rows():
+        torch.manual_seed(0)
+        abs_sum, weighted, weighted_abs = fingerprint(GPT(tiny(**row)).state_dict())
+        want_abs, want_weighted = INIT_FINGERPRINTS[name]
+        assert abs(abs_sum - want_abs) <= 1e-6 * want_abs, (name, abs_sum, want_abs)
+        assert abs(weighted - want_weighted) <= 1e-6 * weighted_abs, (name, weighted, want_weighted)
+        names.append(name)
+    assert sorted(names) == sorted(INIT_FINGERPRINTS)
