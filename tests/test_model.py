@@ -1071,7 +1071,9 @@ def test_readme_attention_example_is_deltaformer_at_beta_1_trains_and_decodes():
     """The example as written (at most 30 lines), pasted into model.py's namespace: it registers its
     attention (one class, one registry line) and every block uses it; it has no W_beta, b_beta, and gives
     the logits of the built-in Deltaformer whose gate is 1 exactly (beta_max = 2, W_beta = b_beta = 0:
-    2 sigmoid(0)); it trains and decodes (trains_and_decodes)."""
+    2 sigmoid(0)), at its FLOPs and activation memory; it trains and decodes (trains_and_decodes)."""
+    from checkpoint import step_memory
+
     (code,) = readme_blocks("Add your own attention")
     assert len(code.strip().splitlines()) <= 30
     with pasted(code) as (name,):
@@ -1089,6 +1091,11 @@ def test_readme_attention_example_is_deltaformer_at_beta_1_trains_and_decodes():
         assert unexpected == [] and all(".attn.beta." in k for k in missing) and len(missing) == 4
         idx = tokens()
         torch.testing.assert_close(model(idx, idx)[0], gated(idx, idx)[0], rtol=1e-12, atol=1e-12)
+        # its cost is Deltaformer's, read from its class: two stages; u among the activations of a step
+        betas = sum(p.numel() for b in gated.blocks for p in b.attn.beta.parameters())
+        assert model.flops_per_token(12) == gated.flops_per_token(12) - 6 * betas
+        activations = [step_memory(c, 2, 12, bf16=False)["activations"] for c in (cfg, gated_cfg)]
+        assert activations[0] == activations[1]
         torch.manual_seed(0)
         model = GPT(cfg).double()
         trains_and_decodes(model, [b.attn.c_attn.weight for b in model.blocks])
