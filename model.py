@@ -1,8 +1,9 @@
 """GPT with switchable residual (additive | Deep Delta Learning) and attention (softmax | Deltaformer).
 The defaults build the model of the DDL authors' released code (arXiv 2601.00417); where the paper's text
-differs, the text is a named option. Read top to bottom: config, small pieces, the residual rules (the only
-variant-specific code: a module per sublayer, rule(stream, F) -> stream, and its RuleSpec), Block, GPT. The
-stream is a vector x [B, T, d] (additive) or, for DDL, a state X [B, T, d, d_v] per token in a DDLStream:
+differs, the text is a named option. Read top to bottom: config, small pieces, the attentions and the
+residual rules (the variant-specific code, each a registered class: an attention's attend(q, k, v, ...), a
+rule per sublayer, rule(stream, F) -> stream, with its RuleSpec), Block, GPT. The stream is a vector
+x [B, T, d] (additive) or, for DDL, a state X [B, T, d, d_v] per token in a DDLStream:
 
     additive:  x <- x + F(RMSNorm(x))
     DDL:       x_in = compress(X);  c = RMSNorm(x_in);  h = F(c);  khat = h / sqrt(|h|^2 + eps^2)
@@ -216,8 +217,7 @@ class Attention(nn.Module):
         cos, sin = self.rope_cos[at], self.rope_sin[at]  # pos + T <= block_size (a tensor: StaticCache)
         q = self.q_norm(apply_rope(heads[0], cos, sin))
         k = self.k_norm(apply_rope(heads[1], cos, sin))
-        own_w = heads.shape[0] == 4  # its own w, roped and normed like k
-        w = self.w_norm(apply_rope(heads[3], cos, sin)) if own_w else None
+        w = self.w_norm(apply_rope(heads[3], cos, sin)) if heads.shape[0] == 4 else None  # own w: as k
         y = self.attend(c, q, k, heads[2], w, cache)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -235,9 +235,8 @@ class SoftmaxAttention(Attention):
 
 
 class DeltaformerAttention(Attention):
-    """Deltaformer: u_i = v_i - beta_i sum_{j<i} kappa(w_i, k_j) u_j, then softmax attention over the u's;
-    w = k, q or its own projection (deltaformer_w), beta = deltaformer_beta_max sigmoid(W_beta c + b_beta)
-    per head (gate); a cache keeps the keys and u's."""
+    """u_i = v_i - beta_i sum_{j<i} kappa(w_i, k_j) u_j, then softmax attention over the u's; w = k, q or its
+    own (deltaformer_w), beta = deltaformer_beta_max sigmoid(W_beta c + b_beta) per head; cached: k, u."""
 
     stages = 2  # stage 1 (the u's) and stage 2
     beta_logit = True  # False: no W_beta, b_beta (a subclass whose gate() gives beta without them)
@@ -376,8 +375,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         if cfg.ddl_ec and cfg.spec.ec:  # EC
             self.ec_conv = nn.Parameter(identity_conv(cfg.n_embd, cfg.ddl_dv, cfg.ddl_conv_size))
-        # the parameters every block shares: a rule or attention sets each on it once (shared.<name>)
-        self.shared = nn.Module()
+        self.shared = nn.Module()  # the parameters every block shares: a rule or attention sets each once
         self.blocks = nn.ModuleList(Block(cfg, self.shared) for _ in range(cfg.n_layer))
         if cfg.is_ddl:
             self.readout = Compressor(cfg)
