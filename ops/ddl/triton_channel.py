@@ -73,7 +73,7 @@ def _tc_fwd_kernel(
         inside = _vec_mask((s >= 0) & (s < N), offs_d)
         starts = _vec_mask(s % T == 0, offs_d)
         x = tl.load(X + s * D * DV + off2, mask=(md & inside)[:, None] & mv[None, :], other=0.0).to(CT)
-        keeps = _tc_read_out_keeps(s, DS, T, N, offs_d, KW, DOC)
+        keeps = _tc_read_out_keeps(s, DS, T, N, KW, DOC)
         h, acc = _tc_read_out_step(taps, acc, x, starts, keeps, DOC)
         own = md & inside & _vec_mask(s >= pid * TOKENS, offs_d)  # the KW-1 before the run only feed it
         tl.store(H + s * D + offs_d, h.to(H.dtype.element_ty), mask=own)

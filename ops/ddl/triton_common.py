@@ -117,14 +117,14 @@ def _tc_read_out_start(BLOCK_D: tl.constexpr, KW: tl.constexpr, CT: tl.constexpr
 
 
 @triton.jit
-def _tc_read_out_keeps(s, DS, T, N, offs_d, KW: tl.constexpr, DOC: tl.constexpr):
-    # DOC: whether token s is in the documents of the outputs s .. s+KW-1 that read it (vector masks like
-    # offs_d; tokens past the end: True, as the sequence's start resets their sums); else ()
+def _tc_read_out_keeps(s, DS, T, N, KW: tl.constexpr, DOC: tl.constexpr):
+    # DOC: whether token s is in the documents of the outputs s .. s+KW-1 that read it (scalars, not masks
+    # over the tile: fewer registers; tokens past the end: True, as the sequence's start resets their sums)
     keeps = ()
     if DOC:
         for i in tl.static_range(KW):
             dst = s + i
-            keeps = keeps + (_vec_mask(_in_doc(s, dst, (dst >= 0) & (dst < N), DS, T), offs_d),)
+            keeps = keeps + (_in_doc(s, dst, (dst >= 0) & (dst < N), DS, T),)
     return keeps
 
 

@@ -197,7 +197,7 @@ def _update_tc_fwd_kernel(
             X, Kd, V, BETA, XOUT, RS, R, SEED, s, ok, own, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE,
             SR, CT,
         )  # fmt: skip
-        keeps = _tc_read_out_keeps(s, DS, T, N, offs_d, KW, DOC)
+        keeps = _tc_read_out_keeps(s, DS, T, N, KW, DOC)
         h, acc = _tc_read_out_step(taps, acc, xn.to(CT), _vec_mask(s % T == 0, offs_d), keeps, DOC)
         tl.store(H + s * D + offs_d, h.to(H.dtype.element_ty), mask=md & ownd)
 
