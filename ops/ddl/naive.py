@@ -171,17 +171,38 @@ def compress_cc_ref(x, weight):
     return torch.einsum("btiv,iv->bti", x.to(ct), weight.to(ct)).to(x.dtype)
 
 
-def _causal_shift(x, s):
-    """x shifted s >= 0 steps later along dim 1 with zeros in front: out[:, t] = x[:, t - s]."""
+def _check_doc_start(fn, doc_start, x):
+    """doc_start: None, or an int32/int64 tensor [B, T] on x's device (x [B, T, ...]): token t's document
+    starts at doc_start[b, t] (the same frame as t)."""
+    if doc_start is None:
+        return
+    want = f"an int32/int64 tensor {tuple(x.shape[:2])} on {x.device}"
+    if not isinstance(doc_start, torch.Tensor):
+        raise ValueError(f"{fn}: doc_start must be None or {want}, got {type(doc_start).__name__}")
+    if doc_start.dtype not in (torch.int32, torch.int64) or tuple(doc_start.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"{fn}: doc_start must be {want}, got {doc_start.dtype} {tuple(doc_start.shape)}")
+    if doc_start.device != x.device:
+        raise ValueError(f"{fn}: doc_start must be {want}, got it on {doc_start.device}")
+
+
+def _causal_shift(x, s, doc_start=None):
+    """x shifted s >= 0 steps later along dim 1 with zeros in front: out[:, t] = x[:, t - s]; given doc_start
+    [B, T], also zeros where t - s < doc_start[:, t] (a token before t's document)."""
+    if doc_start is not None:
+        t = torch.arange(x.shape[1], device=x.device)
+        keep = t - s >= doc_start
+        return torch.where(keep.view(keep.shape + (1,) * (x.dim() - 2)), _causal_shift(x, s), 0.0)
     if s == 0:
         return x
     pad = torch.zeros_like(x[:, :s])
     return torch.cat([pad, x[:, : x.shape[1] - s]], dim=1) if s < x.shape[1] else torch.zeros_like(x)
 
 
-def compress_tc_ref(x, conv_weight, read):
-    """h[b,t,i] = sum_v read[v] * sum_j conv_weight[i,v,j] * x[b, t-(K-1)+j, i, v] (zeros before t=0)."""
+def compress_tc_ref(x, conv_weight, read, doc_start=None):
+    """h[b,t,i] = sum_v read[v] * sum_j conv_weight[i,v,j] * x[b, t-(K-1)+j, i, v] (zeros before t=0, and
+    given doc_start [B, T], before doc_start[b, t])."""
     _check_state("compress_tc", x)
+    _check_doc_start("compress_tc", doc_start, x)
     d, dv = x.shape[-2:]
     _check_conv("compress_tc", "conv_weight", conv_weight, d, dv)
     _check_float("read", read)
@@ -189,20 +210,22 @@ def compress_tc_ref(x, conv_weight, read):
     ct = acc_dtype(x, conv_weight, read)
     xf, wf = x.to(ct), conv_weight.to(ct)
     K = conv_weight.shape[-1]
-    y = sum(wf[:, :, j] * _causal_shift(xf, K - 1 - j) for j in range(K))  # [B, T, d, d_v]
+    y = sum(wf[:, :, j] * _causal_shift(xf, K - 1 - j, doc_start) for j in range(K))  # [B, T, d, d_v]
     return torch.einsum("btiv,v->bti", y, read.to(ct)).to(x.dtype)
 
 
-def expand_ec_ref(emb, conv_weight):
-    """X0[b,t,i,v] = sum_j conv_weight[i,v,j] * emb[b, t-(K-1)+j, i] (zeros before t=0)."""
+def expand_ec_ref(emb, conv_weight, doc_start=None):
+    """X0[b,t,i,v] = sum_j conv_weight[i,v,j] * emb[b, t-(K-1)+j, i] (zeros before t=0, and given doc_start
+    [B, T], before doc_start[b, t])."""
     _check_float("emb", emb)
     if emb.dim() != 3:
         raise ValueError(f"expand_ec: emb must be [B, T, d], got shape {tuple(emb.shape)}")
     _check_conv("expand_ec", "conv_weight", conv_weight, emb.shape[-1])
+    _check_doc_start("expand_ec", doc_start, emb)
     ct = acc_dtype(emb, conv_weight)
     ef, wf = emb.to(ct), conv_weight.to(ct)
     K = conv_weight.shape[-1]
-    out = sum(wf[:, :, j] * _causal_shift(ef, K - 1 - j)[..., None] for j in range(K))
+    out = sum(wf[:, :, j] * _causal_shift(ef, K - 1 - j, doc_start)[..., None] for j in range(K))
     return out.to(emb.dtype)
 
 
@@ -211,6 +234,10 @@ def ddl_update_compress_cc_ref(x, k, v, beta, weight, eps=1e-5, erase=True, seed
     return x_new, compress_cc_ref(x_new, weight)
 
 
-def ddl_update_compress_tc_ref(x, k, v, beta, conv_weight, read, eps=1e-5, erase=True, seed=None):
+def ddl_update_compress_tc_ref(
+    x, k, v, beta, conv_weight, read, eps=1e-5, erase=True, seed=None, doc_start=None
+):
+    _check_state("ddl_update_compress_tc", x)
+    _check_doc_start("ddl_update_compress_tc", doc_start, x)
     x_new = ddl_update_ref(x, k, v, beta, eps=eps, erase=erase, seed=seed)
-    return x_new, compress_tc_ref(x_new, conv_weight, read)
+    return x_new, compress_tc_ref(x_new, conv_weight, read, doc_start)

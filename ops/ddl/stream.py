@@ -12,6 +12,8 @@ What exists only for speed and memory happens behind those two calls, so that a 
   in its backward, so one state per N blocks stays alive rather than one per sublayer;
 - decoding (a cache, sample.py): TC's causal conv reads through the states of the earlier tokens, kept per
   read (cache.history).
+doc_start [B, T] (packed documents, ops/ddl's docstring): every TC read stays within each token's document.
+With a cache it is the new tokens' (in their own frame) and history_doc_start carries it to the read's frame.
 stochastic=True (a bf16 X): every update rounds its X stochastically, with a seed of its own drawn from
 torch's generator on X's device.
 """
@@ -21,6 +23,7 @@ import torch.nn as nn
 
 from ..common import autocast_dtype, resolve_backend
 from . import (
+    _check_doc_start,
     cc_read_weight,
     compress_cc,
     compress_tc,
@@ -48,12 +51,13 @@ class Compressor(nn.Module):
     def cc_weight(self):  # DDL-CC's conv and read as the one linear map [d, d_v] they are
         return cc_read_weight(self.conv, self.read)
 
-    def forward(self, X):
+    def forward(self, X, doc_start=None):
+        """x_in [B, T, d]; doc_start [B, T] (or None): TC's conv within each token's document."""
         if self.kind is None:
             return X[..., 0]
         if self.kind == "cc":
             return compress_cc(X, self.cc_weight(), backend=self.backend)
-        return compress_tc(X, self.conv, self.read, backend=self.backend)
+        return compress_tc(X, self.conv, self.read, backend=self.backend, doc_start=doc_start)
 
 
 def identity_conv(*shape, tap=None):
@@ -61,11 +65,35 @@ def identity_conv(*shape, tap=None):
     return torch.zeros(shape).index_fill_(-1, torch.tensor([shape[-1] - 1 if tap is None else tap]), 1.0)
 
 
+def history_doc_start(doc_start, n):
+    """doc_start [B, T] of T new tokens carried to the frame of a causal conv's input with n cached steps in
+    front ([B, n + T], cache.history), or None: a document that starts at t > 0 starts at n + t there; one at
+    0, which may have begun before these tokens, reaches back through the whole history, so the cache must
+    hold zeros for the steps of an earlier document. The history's own steps get 0 (their outputs are
+    dropped)."""
+    if doc_start is None or n == 0:
+        return doc_start
+    moved = torch.where(doc_start > 0, doc_start + n, 0)
+    return torch.cat([moved.new_zeros(moved.shape[0], n), moved], dim=1)
+
+
 class DDLStream:
     """X [B, T, d, d_v] with read() and write(h, v, beta) for the sublayers (the module docstring)."""
 
-    def __init__(self, X, eps=1e-5, erase=True, backend="auto", keep_every=0, cache=None, stochastic=False):
+    def __init__(
+        self,
+        X,
+        eps=1e-5,
+        erase=True,
+        backend="auto",
+        keep_every=0,
+        cache=None,
+        stochastic=False,
+        doc_start=None,
+    ):
+        _check_doc_start("DDLStream", doc_start, X)
         self.X, self.cache, self.kw = X, cache, dict(eps=eps, erase=erase, backend=backend)
+        self.doc_start = doc_start
         self.stochastic = stochastic
         self.every = keep_every if torch.is_grad_enabled() else 0
         self.blocks, self.keep, self.chain = 0, False, None  # chain: (the kept state, the updates' steps)
@@ -95,7 +123,7 @@ class DDLStream:
         if read.kind == "cc":
             out = ddl_update_compress_cc(X, h, v, beta, read.cc_weight(), **kw)
         elif read.kind == "tc" and self.cache is None:  # decoding reads through the history instead
-            out = ddl_update_compress_tc(X, h, v, beta, read.conv, read.read, **kw)
+            out = ddl_update_compress_tc(X, h, v, beta, read.conv, read.read, doc_start=self.doc_start, **kw)
         else:  # d_v = 1 (x_in = X[..., 0]) or TC decoding: the update, then the read
             out = ddl_update(X, h, v, beta, **kw)
             out = (out[0], None, out[1]) if steps else (out, None)
@@ -126,7 +154,7 @@ class DDLStream:
 
     def _compress(self, slot):
         if self.cache is None or self.reader.kind != "tc":
-            return self.reader(self.X)
+            return self.reader(self.X, self.doc_start)
         T, K = self.X.shape[1], self.reader.conv.shape[-1]  # the conv needs the K-1 states before the new
         X = self.cache.history((self.reader, slot), self.X, K - 1)
-        return self.reader(X)[:, X.shape[1] - T :]
+        return self.reader(X, history_doc_start(self.doc_start, X.shape[1] - T))[:, X.shape[1] - T :]
