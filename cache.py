@@ -42,6 +42,14 @@ class Cache:
     def _keep(self, key, last):
         self.store[key] = last
 
+    def doc_start(self, start):
+        """doc_start [B, T] of the new tokens (ops/common.doc_starts: 0 where no document began among them)
+        continued from the cached tokens': the document of the last cached token goes on until one begins."""
+        last = self.store.get("doc_start")
+        start = start if last is None else torch.maximum(start, last)
+        self._keep("doc_start", start[:, -1:])
+        return start
+
 
 class StaticCache(Cache):
     """A Cache in buffers allocated for block_size tokens and written in place, `pos` a tensor: each decoding

@@ -22,9 +22,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ops.common import BACKENDS, fp32_linear
+from ops.attn import softmax_attention
+from ops.common import BACKENDS, doc_starts, fp32_linear, left_padding
 from ops.ddl import expand_ec
-from ops.ddl.stream import Compressor, DDLStream, identity_conv
+from ops.ddl.stream import Compressor, DDLStream, history_doc_start, identity_conv
 from ops.deltaformer import deltaformer_attention
 
 RESIDUALS = {}  # residual name -> its rule, a module class per sublayer (filled below, after the rules)
@@ -35,6 +36,7 @@ CHOICES = {  # GPTConfig fields with a fixed set of values
     "ddl_v": ("sigmoid", "linear"), "ddl_state_dtype": ("float32", "bfloat16"),
     "ddl_state_rounding": ("nearest", "stochastic"),
 }  # fmt: skip
+EOT = 50256  # GPT-2's <|endoftext|>, before every document of the corpora (data/tokenizer.py)
 DDL_EPS = 1e-5  # khat = h / sqrt(|h|^2 + eps^2)
 DDL_V_SCALE = 4.0  # v = 4 sigmoid(.) in (0, 4)
 INIT_STD_FACTOR = 0.5  # init="scaled": std = 0.5 / sqrt(d)
@@ -59,6 +61,8 @@ class GPTConfig:
     norm_eps: float = 1e-5  # epsilon of every RMSNorm
     init: str = "scaled"  # "scaled" (the DDL code's, every row) | "nanogpt"
     dropout: float = 0.0  # in training: on the embeddings, attention weights and sublayer outputs
+    doc_mask: bool = False  # a document begins at each EOT token: no token sees (attends to, erases
+    # against, convolves over) an earlier document of its row. False: the papers' recipe
     residual: str = "additive"  # a name in RESIDUALS: "additive" | DDL: "ddl" (d_v = 1), "ddl-tc", "ddl-cc"
     ddl_dv: int | None = None  # None -> the rule's d_v (1 for "ddl") or 4; None for a vector-stream rule
     ddl_ec: bool = True  # EC expansion of the embedding (rules whose spec has ec: "ddl-tc", "ddl-cc")
@@ -93,7 +97,7 @@ class GPTConfig:
         for name in ("n_layer", "n_head", "n_embd", "head_dim", "block_size", "vocab_size", "ddl_conv_size"):
             check(name, positive_int, "a positive int")
         check("mlp_hidden", lambda x: x is None or positive_int(x), "a positive int or None")
-        for name in ("ddl_ec", "ddl_erase"):
+        for name in ("ddl_ec", "ddl_erase", "doc_mask"):
             check(name, lambda x: isinstance(x, bool), "True or False")
         check("head_dim", lambda x: x % 2 == 0, "even (RoPE rotates pairs)")
         check("dropout", number(lambda x: 0 <= x < 1), "a number in [0, 1)")
@@ -209,7 +213,7 @@ class Attention(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, c, pos=0, cache=None):
+    def forward(self, c, pos=0, cache=None, doc_start=None):
         B, T, _ = c.shape
         heads = self.c_attn(c).view(B, T, -1, self.n_head, self.head_dim)
         heads = heads.permute(2, 0, 3, 1, 4)  # [n, B, H, T, D], n = q, k, v (, w)
@@ -218,20 +222,18 @@ class Attention(nn.Module):
         q = self.q_norm(apply_rope(heads[0], cos, sin))
         k = self.k_norm(apply_rope(heads[1], cos, sin))
         w = self.w_norm(apply_rope(heads[3], cos, sin)) if heads.shape[0] == 4 else None  # own w: as k
-        y = self.attend(c, q, k, heads[2], w, cache)
+        y = self.attend(c, q, k, heads[2], w, cache, doc_start)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class SoftmaxAttention(Attention):
-    """softmax(q k^T / sqrt(D) + causal mask) v (SDPA); a cache keeps the keys and values."""
+    """softmax(q k^T / sqrt(D) + causal mask) v (ops/attn); a cache keeps the keys and values."""
 
-    def attend(self, c, q, k, v, w, cache):
+    def attend(self, c, q, k, v, w, cache, doc_start=None):
         if cache is not None:  # the cached keys/values with the T new ones (static: the whole buffer)
             k, v = cache.extend(self, k, v)
-        T, S, ar = q.shape[2], k.shape[2], lambda n: torch.arange(n, device=q.device)
-        dropout = self.cfg.dropout if self.training else 0.0
-        mask = None if S == T else ar(S) <= cache.pos + ar(T)[:, None]  # new token t at cache.pos + t
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=S == T)
+        dropout, pos = self.cfg.dropout if self.training else 0.0, 0 if cache is None else cache.pos
+        return softmax_attention(q, k, v, pos, doc_start, dropout)
 
 
 class DeltaformerAttention(Attention):
@@ -250,7 +252,7 @@ class DeltaformerAttention(Attention):
         beta = self.cfg.deltaformer_beta_max * torch.sigmoid(fp32_linear(c, self.beta.weight, self.beta.bias))
         return beta.transpose(1, 2)
 
-    def attend(self, c, q, k, v, w, cache):
+    def attend(self, c, q, k, v, w, cache, doc_start=None):
         cfg, kernel = self.cfg, self.cfg.deltaformer_kernel
         w, beta = {"q": q, "k": k}.get(cfg.deltaformer_w, w), self.gate(c)
         if cache is None:
@@ -360,8 +362,8 @@ class Block(nn.Module):
         self.res_attn, self.attn = rule(cfg, shared), ATTENTIONS[cfg.attention](cfg, shared)
         self.res_mlp, self.mlp = rule(cfg, shared), MLP(cfg)
 
-    def forward(self, x, pos=0, cache=None):
-        x = self.res_attn(x, lambda c: self.attn(c, pos, cache))
+    def forward(self, x, pos=0, cache=None, doc_start=None):
+        x = self.res_attn(x, lambda c: self.attn(c, pos, cache, doc_start))
         return self.res_mlp(x, self.mlp)
 
 
@@ -408,7 +410,7 @@ class GPT(nn.Module):
             for m in (block.attn, block.res_attn, block.res_mlp):  # each one's own init, if it has one
                 getattr(m, "init_weights", lambda scaled: None)(scaled)
 
-    def embed(self, idx, cache=None):
+    def embed(self, idx, cache=None, doc_start=None):
         """The initial stream: emb [B, T, d] (additive) or X0 [B, T, d, d_v] (DDL)."""
         cfg = self.config
         emb = self.drop(self.wte(idx))
@@ -417,35 +419,40 @@ class GPT(nn.Module):
         emb = emb.to(torch.bfloat16 if cfg.ddl_state_dtype == "bfloat16" else emb.dtype)  # X's dtype
         if not hasattr(self, "ec_conv"):
             return emb[..., None].expand(*emb.shape, cfg.ddl_dv).contiguous()
-        T = emb.shape[1]
+        T, n = emb.shape[1], cfg.ddl_conv_size - 1
         if cache is not None:
-            emb = cache.history(self, emb, cfg.ddl_conv_size - 1)
-        return expand_ec(emb, self.ec_conv, backend=cfg.backend)[:, emb.shape[1] - T :]
+            emb, doc_start = cache.history(self, emb, n), history_doc_start(doc_start, cache.pos, n)
+        return expand_ec(emb, self.ec_conv, backend=cfg.backend, doc_start=doc_start)[:, emb.shape[1] - T :]
 
-    def hidden_states(self, idx, cache=None):
+    def hidden_states(self, idx, cache=None, attention_mask=None):
         """Final-normed features [B, T, d] of tokens idx; with a cache (sample.py), idx continues the cached
-        sequence (a StaticCache's pos is a tensor, checked by its owner: no sync in a compiled step)."""
+        sequence (a StaticCache's pos is a tensor, checked by its owner: no sync in a compiled step).
+        attention_mask [B, T] (1: a token, 0: left padding, a document of its own): padded prompts."""
         cfg = self.config
         T, pos = idx.shape[1], 0 if cache is None else cache.pos
         if isinstance(pos, int) and pos + T > cfg.block_size:
             raise ValueError(f"sequence of {pos + T} tokens exceeds block_size {cfg.block_size}")
-        x = self.embed(idx, cache)  # [B, T, d], or X0 [B, T, d, d_v] for the stream that runs the DDL ops
+        doc = None  # doc_start [B, T] (ops/common.py) where documents or padding split a row
+        if cfg.doc_mask or attention_mask is not None:
+            doc = doc_starts(idx, EOT if cfg.doc_mask else None, pos, left_padding(attention_mask, idx))
+            doc = doc if cache is None else cache.doc_start(doc)
+        x = self.embed(idx, cache, doc)  # [B, T, d], or X0 [B, T, d, d_v] for the stream of the DDL ops
         if cfg.is_ddl:
             sr = cfg.ddl_state_rounding == "stochastic"
-            x = DDLStream(x, DDL_EPS, cfg.ddl_erase, cfg.backend, cfg.ddl_keep_state_every, cache, sr)
+            x = DDLStream(x, DDL_EPS, cfg.ddl_erase, cfg.backend, cfg.ddl_keep_state_every, cache, sr, doc)
         for block in self.blocks:  # a DDLStream reads through each block's compressor, then the readout
-            x = block(x.enter(block.compress) if isinstance(x, DDLStream) else x, pos, cache)
+            x = block(x.enter(block.compress) if isinstance(x, DDLStream) else x, pos, cache, doc)
         x = (x.enter(self.readout).read() if isinstance(x, DDLStream) else x).to(self.ln_f.weight.dtype)
         if cache is not None:
             cache.pos += T
         return self.ln_f(x)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, attention_mask=None):
         if idx.dim() != 2 or idx.dtype != torch.long:
             raise ValueError(f"idx must be int64 [B, T], got {idx.dtype} {tuple(idx.shape)}")
         if targets is not None and (targets.shape != idx.shape or targets.dtype != torch.long):
             raise ValueError(f"targets must be int64 {tuple(idx.shape)}, got {targets.dtype} {targets.shape}")
-        x = self.hidden_states(idx)
+        x = self.hidden_states(idx, attention_mask=attention_mask)
         if targets is None:  # inference: only the last position (nanoGPT convention)
             return self.lm_head(x[:, -1:]), None
         return self.logits_and_loss(x, targets)

@@ -1432,7 +1432,7 @@ def test_stream_doc_start_rebuild_keeps_the_gradients(triton_small):
 
 
 def test_stream_doc_start_decoding_in_chunks():
-    """With a cache, doc_start is the new tokens' own (history_doc_start moves it past the cached steps):
+    """With a cache, doc_start is in the whole sequence's frame (history_doc_start moves it to the window):
     a prompt of 6 tokens then 4 more give the full sequence's reads. Each row's token 6 continues a
     document that began K-1 = 3 or more tokens before it (the cached steps are in it); both chunks hold a
     boundary of their own."""
@@ -1446,11 +1446,12 @@ def test_stream_doc_start_decoding_in_chunks():
         full = run_stream(X0, comps, mix, doc_start_rows(rows))
         cache = Cache()
         first = run_stream(X0[:, :6], comps, mix, doc_start_rows(rows)[:, :6], cache=cache)
-        ds_new = doc_start_rows([[0, 2], [0, 1]], T=4)  # tokens 6..9 in their own frame
+        cache.pos += 6  # as GPT.hidden_states advances it
+        ds_new = doc_start_rows(rows)[:, 6:]  # tokens 6..9
         second = run_stream(X0[:, 6:], comps, mix, ds_new, cache=cache)
     torch.testing.assert_close(first, full[:, :6], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(second, full[:, 6:], rtol=1e-12, atol=1e-12)
-    assert history_doc_start(ds_new, 3).tolist() == [[0, 0, 0, 0, 0, 5, 5], [0, 0, 0, 0, 4, 4, 4]]
+    assert history_doc_start(ds_new, 6, 3).tolist() == [[0, 0, 0, 0, 0, 5, 5], [0, 0, 0, 0, 4, 4, 4]]
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

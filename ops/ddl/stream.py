@@ -13,7 +13,7 @@ What exists only for speed and memory happens behind those two calls, so that a 
 - decoding (a cache, sample.py): TC's causal conv reads through the states of the earlier tokens, kept per
   read (cache.history).
 doc_start [B, T] (packed documents, ops/ddl's docstring): every TC read stays within each token's document.
-With a cache it is the new tokens' (in their own frame) and history_doc_start carries it to the read's frame.
+With a cache it is in the whole sequence's frame; history_doc_start carries it to a read's window.
 stochastic=True (a bf16 X): every update rounds its X stochastically, with a seed of its own drawn from
 torch's generator on X's device.
 """
@@ -65,15 +65,14 @@ def identity_conv(*shape, tap=None):
     return torch.zeros(shape).index_fill_(-1, torch.tensor([shape[-1] - 1 if tap is None else tap]), 1.0)
 
 
-def history_doc_start(doc_start, n):
-    """doc_start [B, T] of T new tokens carried to the frame of a causal conv's input with n cached steps in
-    front ([B, n + T], cache.history), or None: a document that starts at t > 0 starts at n + t there; one at
-    0, which may have begun before these tokens, reaches back through the whole history, so the cache must
-    hold zeros for the steps of an earlier document. The history's own steps get 0 (their outputs are
-    dropped)."""
-    if doc_start is None or n == 0:
-        return doc_start
-    moved = torch.where(doc_start > 0, doc_start + n, 0)
+def history_doc_start(doc_start, pos, n):
+    """doc_start [B, T] of T new tokens at positions pos.. (the sequence's frame) in the frame of a causal
+    conv's input with the n cached steps before them in front ([B, n + T], cache.history), or None. The
+    history's own steps get 0 (their outputs are dropped); a document that began before the history reaches
+    back through all of it (where the sequence began, the history holds the conv's zero padding)."""
+    if doc_start is None:
+        return None
+    moved = (doc_start - pos + n).clamp(min=0)
     return torch.cat([moved.new_zeros(moved.shape[0], n), moved], dim=1)
 
 
@@ -157,4 +156,4 @@ class DDLStream:
             return self.reader(self.X, self.doc_start)
         T, K = self.X.shape[1], self.reader.conv.shape[-1]  # the conv needs the K-1 states before the new
         X = self.cache.history((self.reader, slot), self.X, K - 1)
-        return self.reader(X, history_doc_start(self.doc_start, X.shape[1] - T))[:, X.shape[1] - T :]
+        return self.reader(X, history_doc_start(self.doc_start, self.cache.pos, K - 1))[:, X.shape[1] - T :]
