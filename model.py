@@ -1,8 +1,9 @@
 """GPT with switchable residual (additive | Deep Delta Learning) and attention (softmax | Deltaformer).
 The defaults build the model of the DDL authors' released code (arXiv 2601.00417); where the paper's text
-differs, the text is a named option. Read top to bottom: config, small pieces, the residual rules (the only
-variant-specific code: a module per sublayer, rule(stream, F) -> stream, and its RuleSpec), Block, GPT. The
-stream is a vector x [B, T, d] (additive) or, for DDL, a state X [B, T, d, d_v] per token in a DDLStream:
+differs, the text is a named option. Read top to bottom: config, small pieces, the attentions and the
+residual rules (the variant-specific code, each a registered class: an attention's attend(q, k, v, ...), a
+rule per sublayer, rule(stream, F) -> stream, with its RuleSpec), Block, GPT. The stream is a vector
+x [B, T, d] (additive) or, for DDL, a state X [B, T, d, d_v] per token in a DDLStream:
 
     additive:  x <- x + F(RMSNorm(x))
     DDL:       x_in = compress(X);  c = RMSNorm(x_in);  h = F(c);  khat = h / sqrt(|h|^2 + eps^2)
@@ -27,7 +28,7 @@ from ops.ddl.stream import Compressor, DDLStream, identity_conv
 from ops.deltaformer import deltaformer_attention
 
 RESIDUALS = {}  # residual name -> its rule, a module class per sublayer (filled below, after the rules)
-ATTENTIONS = ("softmax", "deltaformer")
+ATTENTIONS = {}  # attention name -> its module class (filled below, after the attentions)
 CHOICES = {  # GPTConfig fields with a fixed set of values
     "residual": RESIDUALS, "attention": ATTENTIONS, "deltaformer_w": ("q", "k", "proj"),
     "deltaformer_kernel": ("softmax", "relu", "linear"), "backend": BACKENDS, "init": ("scaled", "nanogpt"),
@@ -70,7 +71,7 @@ class GPTConfig:
     # autograd keeps the state entering every Nth block, the backward rebuilds the others from it (less
     # memory, more backward work). 0: every sublayer's. None: 0 at d_v = 1 (kept anyway as input), else 4
     ddl_keep_state_every: int | None = None  # DDL state kept every Nth block, rebuilt between (0: all)
-    attention: str = "softmax"  # "softmax" (causal attention) | "deltaformer"
+    attention: str = "softmax"  # a name in ATTENTIONS: "softmax" (causal attention) | "deltaformer"
     deltaformer_w: str = "k"  # w of kappa(w_i, k_j): "k" | "q" | "proj" (its own projection)
     deltaformer_kernel: str = "softmax"  # kappa: "softmax" | "relu" | "linear" (of unit w, k)
     # beta = beta_max sigmoid(.) in (0, beta_max). <= 1 bounds stage 1 for every softmax kappa (rows sum to 1,
@@ -186,21 +187,22 @@ class MLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal self-attention: softmax (SDPA) or Deltaformer; RoPE, then a learnable QK-RMSNorm per head."""
+    """Causal self-attention's shared part: c_attn projects c to q, k, v (and w, with own_w) per head, RoPE
+    then a learnable RMSNorm per head on q and k (and w), c_proj mixes the heads. A subclass is how the heads
+    attend, attend(c, q, k, v, w, cache) -> y [B, H, T, D], with what cache; its init_weights(scaled), if
+    any, runs after GPT drew every matrix. `shared`: GPT's module of the parameters every block shares."""
 
-    def __init__(self, cfg):
+    stages = 1  # its T x T products, in units of softmax attention's (GPT.flops_per_token)
+
+    def __init__(self, cfg, shared, own_w=False):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.__dict__["shared"] = cfg, shared  # not a submodule: GPT saves shared.<name> once
         self.n_head, self.head_dim, width = cfg.n_head, cfg.head_dim, cfg.n_head * cfg.head_dim
-        self.deltaformer = cfg.attention == "deltaformer"
-        n_proj = 4 if (self.deltaformer and cfg.deltaformer_w == "proj") else 3  # q, k, v (, w)
-        self.c_attn = nn.Linear(cfg.n_embd, n_proj * width, bias=False)
+        self.c_attn = nn.Linear(cfg.n_embd, (4 if own_w else 3) * width, bias=False)  # q, k, v (, w)
         self.c_proj = nn.Linear(width, cfg.n_embd, bias=False)
         self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps), RMSNorm(cfg.head_dim, cfg.norm_eps)
-        if n_proj == 4:
+        if own_w:
             self.w_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-        if self.deltaformer:
-            self.beta = nn.Linear(cfg.n_embd, cfg.n_head, bias=True)  # per-head gate
         # RoPE angles of positions < block_size, once (recomputed in the compiled q/k kernels they cost 12% of
         # a GPT-2 small training step, measured). Not saved in checkpoints.
         cos, sin = rope_tables(cfg.block_size, cfg.head_dim, cfg.rope_base)
@@ -215,16 +217,15 @@ class Attention(nn.Module):
         cos, sin = self.rope_cos[at], self.rope_sin[at]  # pos + T <= block_size (a tensor: StaticCache)
         q = self.q_norm(apply_rope(heads[0], cos, sin))
         k = self.k_norm(apply_rope(heads[1], cos, sin))
-        if self.deltaformer:
-            w = {"q": q, "k": k}.get(self.cfg.deltaformer_w)
-            if w is None:  # "proj": its own projection, roped and normed like k
-                w = self.w_norm(apply_rope(heads[3], cos, sin))
-            y = self._deltaformer(c, q, k, heads[2], w, cache)
-        else:
-            y = self._softmax(q, k, heads[2], cache)
+        w = self.w_norm(apply_rope(heads[3], cos, sin)) if heads.shape[0] == 4 else None  # own w: as k
+        y = self.attend(c, q, k, heads[2], w, cache)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
-    def _softmax(self, q, k, v, cache):
+
+class SoftmaxAttention(Attention):
+    """softmax(q k^T / sqrt(D) + causal mask) v (SDPA); a cache keeps the keys and values."""
+
+    def attend(self, c, q, k, v, w, cache):
         if cache is not None:  # the cached keys/values with the T new ones (static: the whole buffer)
             k, v = cache.extend(self, k, v)
         T, S, ar = q.shape[2], k.shape[2], lambda n: torch.arange(n, device=q.device)
@@ -232,13 +233,36 @@ class Attention(nn.Module):
         mask = None if S == T else ar(S) <= cache.pos + ar(T)[:, None]  # new token t at cache.pos + t
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=S == T)
 
-    def _deltaformer(self, c, q, k, v, w, cache):
+
+class DeltaformerAttention(Attention):
+    """u_i = v_i - beta_i sum_{j<i} kappa(w_i, k_j) u_j, then softmax attention over the u's; w = k, q or its
+    own (deltaformer_w), beta = deltaformer_beta_max sigmoid(W_beta c + b_beta) per head; cached: k, u."""
+
+    stages = 2  # stage 1 (the u's) and stage 2
+    beta_logit = True  # False: no W_beta, b_beta (a subclass whose gate() gives beta without them)
+
+    def __init__(self, cfg, shared):
+        super().__init__(cfg, shared, own_w=cfg.deltaformer_w == "proj")
+        if self.beta_logit:
+            self.beta = nn.Linear(cfg.n_embd, cfg.n_head, bias=True)  # per-head gate
+
+    def gate(self, c):  # beta [B, H, T] in fp32
+        beta = self.cfg.deltaformer_beta_max * torch.sigmoid(fp32_linear(c, self.beta.weight, self.beta.bias))
+        return beta.transpose(1, 2)
+
+    def attend(self, c, q, k, v, w, cache):
         cfg, kernel = self.cfg, self.cfg.deltaformer_kernel
-        beta = cfg.deltaformer_beta_max * torch.sigmoid(fp32_linear(c, self.beta.weight, self.beta.bias))
-        beta = beta.transpose(1, 2)  # [B, H, T], fp32
+        w, beta = {"q": q, "k": k}.get(cfg.deltaformer_w, w), self.gate(c)
         if cache is None:
             return deltaformer_attention(q, k, v, w, beta, kernel=kernel, backend=cfg.backend)
         return cache.deltaformer(self, q, k, v, w, beta, kernel)
+
+    def init_weights(self, scaled):  # b_beta = 0: beta starts near beta_max / 2
+        if self.beta_logit:
+            nn.init.zeros_(self.beta.bias)
+
+
+ATTENTIONS.update({"softmax": SoftmaxAttention, "deltaformer": DeltaformerAttention})
 
 
 # ---- The residual rules: a module per sublayer, rule(stream, F) -> the stream after F read and wrote it.
@@ -255,12 +279,13 @@ class RuleSpec:  # what a rule needs around it, its `spec` (RuleSpec() if none):
 
 
 class Additive(nn.Module):
-    """x <- x + F(RMSNorm(x))."""
+    """x <- x + F(RMSNorm(x)). `shared`: GPT's module of parameters every block shares."""
 
     spec = RuleSpec()
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, shared):
         super().__init__()
+        self.__dict__["shared"] = shared  # not a submodule: GPT saves shared.<name> once
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -272,12 +297,14 @@ class Residual(Additive):
     """DDL: x_in = compress(X); c = RMSNorm(x_in); h = F(c); X <- X + beta khat (v^T - khat^T X); d_v = 1."""
 
     spec = RuleSpec(stream="ddl", dv=1, gate="2sigmoid")
+    beta_logit = True  # False: no W_beta, b_beta (a rule whose value_and_gate gives beta without them)
 
-    def __init__(self, cfg):
-        super().__init__(cfg)  # the norm and the dropout
+    def __init__(self, cfg, shared):
+        super().__init__(cfg, shared)  # the norm and the dropout
         self.cfg = cfg
         self.v_proj = nn.Linear(cfg.n_embd, cfg.ddl_dv, bias=cfg.ddl_v == "sigmoid")  # W_v (, b_v)
-        self.beta = nn.Linear(cfg.n_embd, 1, bias=True)  # W_beta, b_beta
+        if self.beta_logit:
+            self.beta = nn.Linear(cfg.n_embd, 1, bias=True)  # W_beta, b_beta
 
     def forward(self, stream, sublayer):
         W, norm = self.logit_weight(), self.norm  # c = RMSNorm(x_in); z = W x_in: v's and beta's logits
@@ -290,21 +317,25 @@ class Residual(Additive):
         x_in = x_in.to(self.norm.weight.dtype)  # a bf16 state's read joins the parameter dtype
         return self.norm(x_in), fp32_linear(x_in, W), self.norm.inv_rms(x_in)
 
-    def logit_weight(self):  # both logits from one product of x_in: W c = (W g) x_in / rms(x_in), g c's norm
-        g, linear = self.norm.weight, self.cfg.ddl_v == "linear"
-        return torch.cat([self.v_proj.weight * (g if linear else 1), self.beta.weight * g])
+    def logit_weight(self):  # v's rows, then beta's if the rule has W_beta: all from one product of x_in
+        g, linear = self.norm.weight, self.cfg.ddl_v == "linear"  # W c = (W g) x_in / rms(x_in), g c's norm
+        v = self.v_proj.weight * (g if linear else 1)
+        return torch.cat([v, self.beta.weight * g]) if self.beta_logit else v
 
     def value_and_gate(self, z, inv_rms):  # (v [B, T, d_v], beta [B, T]) in fp32 from z and 1 / rms(x_in)
         beta = 2.0 * torch.sigmoid(z[..., -1] * inv_rms[..., 0] + self.beta.bias)
+        return self.value(z[..., :-1], inv_rms), beta
+
+    def value(self, z, inv_rms):  # v [B, T, d_v] in fp32 from its logits z [B, T, d_v]
         linear = self.cfg.ddl_v == "linear"
-        v = z[..., :-1] * inv_rms if linear else DDL_V_SCALE * torch.sigmoid(z[..., :-1] + self.v_proj.bias)
-        return v, beta
+        return z * inv_rms if linear else DDL_V_SCALE * torch.sigmoid(z + self.v_proj.bias)
 
     def init_weights(self, scaled):  # by GPT._init_weights, after it drew every matrix: b_beta, W_beta, b_v
         beta0, bound = self.cfg.ddl_beta_init, 1 / math.sqrt(self.cfg.n_embd) if scaled else 0.0
-        self.beta.bias.fill_(math.log(beta0 / (2 - beta0)))  # logit(beta0 / 2)
-        if not scaled:
-            nn.init.zeros_(self.beta.weight)
+        if self.beta_logit:
+            self.beta.bias.fill_(math.log(beta0 / (2 - beta0)))  # logit(beta0 / 2)
+            if not scaled:
+                nn.init.zeros_(self.beta.weight)
         if self.v_proj.bias is not None:
             nn.init.uniform_(self.v_proj.bias, -bound, bound)
 
@@ -321,12 +352,13 @@ RESIDUALS.update({"additive": Additive, "ddl": Residual, "ddl-tc": ResidualTC, "
 
 
 class Block(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, shared):
         super().__init__()
         if cfg.is_ddl:  # one compressor per block: it reads the stream before attention and before the MLP
             self.compress = Compressor(cfg)
-        self.res_attn, self.attn = RESIDUALS[cfg.residual](cfg), Attention(cfg)
-        self.res_mlp, self.mlp = RESIDUALS[cfg.residual](cfg), MLP(cfg)
+        rule = RESIDUALS[cfg.residual]
+        self.res_attn, self.attn = rule(cfg, shared), ATTENTIONS[cfg.attention](cfg, shared)
+        self.res_mlp, self.mlp = rule(cfg, shared), MLP(cfg)
 
     def forward(self, x, pos=0, cache=None):
         x = self.res_attn(x, lambda c: self.attn(c, pos, cache))
@@ -343,7 +375,8 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         if cfg.ddl_ec and cfg.spec.ec:  # EC
             self.ec_conv = nn.Parameter(identity_conv(cfg.n_embd, cfg.ddl_dv, cfg.ddl_conv_size))
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.shared = nn.Module()  # the parameters every block shares: a rule or attention sets each once
+        self.blocks = nn.ModuleList(Block(cfg, self.shared) for _ in range(cfg.n_layer))
         if cfg.is_ddl:
             self.readout = Compressor(cfg)
         self.ln_f = RMSNorm(cfg.n_embd, cfg.norm_eps)
@@ -372,10 +405,8 @@ class GPT(nn.Module):
         for block in self.blocks:
             for proj in (block.attn.c_proj, block.mlp.c_proj):
                 nn.init.normal_(proj.weight, mean=0.0, std=out_std)
-            if block.attn.deltaformer:
-                nn.init.zeros_(block.attn.beta.bias)
-            for res in (block.res_attn, block.res_mlp):  # each rule's own init, if it has one
-                getattr(res, "init_weights", lambda scaled: None)(scaled)
+            for m in (block.attn, block.res_attn, block.res_mlp):  # each one's own init, if it has one
+                getattr(m, "init_weights", lambda scaled: None)(scaled)
 
     def embed(self, idx, cache=None):
         """The initial stream: emb [B, T, d] (additive) or X0 [B, T, d, d_v] (DDL)."""
@@ -435,7 +466,7 @@ class GPT(nn.Module):
         the weights + 12 L H D T for attention (Deltaformer's stage 1 doubles it) + the DDL updates,
         ~4 d d_v + 3 d per sublayer forward, x3 with the backward."""
         cfg = self.config
-        stages = 2 if cfg.attention == "deltaformer" else 1
+        stages = ATTENTIONS[cfg.attention].stages
         flops = 6 * self.num_params() + stages * 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
         if cfg.is_ddl:
             flops += 3 * 2 * cfg.n_layer * (4 * cfg.n_embd * cfg.ddl_dv + 3 * cfg.n_embd)

@@ -61,25 +61,27 @@ def test_update_ref_matches_naive_loops(erase):
 
 
 def naive_norm_read(x_new, norm_weight, logit_weight, norm_eps):
-    """(c, z, inv_rms) of x_in = x_new[..., 0] by per-token loops in float64: RMSNorm and two dot products."""
+    """(c, z, inv_rms) of x_in = x_new[..., 0] by per-token loops in float64: RMSNorm and a dot product per
+    logit row."""
     x_in = x_new[..., 0].double().reshape(-1, x_new.shape[-2])
-    N, d = x_in.shape
-    c, z, inv = torch.empty(N, d, dtype=F64), torch.empty(N, 2, dtype=F64), torch.empty(N, 1, dtype=F64)
+    (N, d), M = x_in.shape, logit_weight.shape[0]
+    c, z, inv = torch.empty(N, d, dtype=F64), torch.empty(N, M, dtype=F64), torch.empty(N, 1, dtype=F64)
     for n in range(N):
         row = [float(x_in[n, i]) for i in range(d)]
         inv[n, 0] = 1.0 / math.sqrt(sum(a * a for a in row) / d + norm_eps)
         for i in range(d):
             c[n, i] = row[i] * float(inv[n, 0]) * float(norm_weight[i])
-        for m in range(2):
+        for m in range(M):
             z[n, m] = sum(row[i] * float(logit_weight[m, i]) for i in range(d))
     lead = x_new.shape[:-2]
-    return c.reshape(*lead, d), z.reshape(*lead, 2), inv.reshape(*lead, 1)
+    return c.reshape(*lead, d), z.reshape(*lead, M), inv.reshape(*lead, 1)
 
 
+@pytest.mark.parametrize("logits", [2, 1])  # v's and beta's logit; v's alone (a rule without W_beta)
 @pytest.mark.parametrize("erase", [True, False])
-def test_update_norm_ref_matches_naive_loops(erase):
+def test_update_norm_ref_matches_naive_loops(erase, logits):
     x, k, v, beta = rand_update_args(lead=(2, 3), d=7, dv=1)
-    nw, lw = torch.randn(7, dtype=F64), torch.randn(2, 7, dtype=F64)
+    nw, lw = torch.randn(7, dtype=F64), torch.randn(logits, 7, dtype=F64)
     x_new, c, z, inv = ddl.ddl_update_norm_ref(x, k, v, beta, nw, lw, eps=1e-3, norm_eps=1e-4, erase=erase)
     want_x = naive_update(x, k, v, beta, 1e-3, erase)
     torch.testing.assert_close(x_new, want_x, rtol=1e-12, atol=1e-12)
@@ -406,6 +408,22 @@ def test_triton_update_norm_matches_reference(triton_small, monkeypatch, rows, s
     )
 
 
+@pytest.mark.parametrize("erase", [True, False])
+def test_triton_update_norm_of_v_logit_alone(triton_small, monkeypatch, erase):
+    """logit_weight [1, d]: the read of a rule without beta's logit; a ragged last tile and program."""
+    monkeypatch.setitem(ddl_triton.LAUNCH, "update_norm", dict(ROWS=4, num_warps=4))
+    monkeypatch.setitem(ddl_triton.LAUNCH, "update_norm_bwd", dict(ROWS=2, STEPS=3, num_warps=4))
+    x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=1))
+    nw, lw = torch.randn(20, dtype=F64, requires_grad=True), torch.randn(1, 20, dtype=F64, requires_grad=True)
+    out = ddl.ddl_update_norm(x, k, v, beta, nw, lw, backend="triton")
+    assert out[2].shape == (2, 5, 1)
+    compare(
+        lambda *a: ddl.ddl_update_norm(*a, eps=1e-3, norm_eps=1e-4, erase=erase, backend="triton"),
+        lambda *a: ddl.ddl_update_norm_ref(*a, eps=1e-3, norm_eps=1e-4, erase=erase),
+        (x, k, v, beta, nw, lw),
+    )
+
+
 def test_triton_update_norm_gradcheck(triton_small):
     x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(1, 3), d=5, dv=1))
     nw, lw = torch.randn(5, dtype=F64, requires_grad=True), torch.randn(2, 5, dtype=F64, requires_grad=True)
@@ -434,19 +452,21 @@ def test_triton_update_norm_low_precision(triton_small, state):
     torch.testing.assert_close(inv.double(), want_inv, rtol=1e-6, atol=1e-6)
 
 
-def test_update_norm_ops_pass_opcheck(triton_small):
+@pytest.mark.parametrize("logits", [2, 1])
+def test_update_norm_ops_pass_opcheck(triton_small, logits):
     """torch.library's own checks of ddl::update_norm and its backward: the fakes match the kernels' outputs
     (shapes, dtypes, no aliasing), and the autograd registration under AOT dispatch."""
     from ops.ddl.triton_norm import _update_norm_bwd_op, _update_norm_op
 
     x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(7,), d=20, dv=1))
-    nw, lw = torch.randn(20, dtype=F64, requires_grad=True), torch.randn(2, 20, dtype=F64, requires_grad=True)
+    nw = torch.randn(20, dtype=F64, requires_grad=True)
+    lw = torch.randn(logits, 20, dtype=F64, requires_grad=True)
     args = (x[..., 0], k, v[..., 0], beta, nw, lw, 1e-3, 1e-4, True, torch.float32, None)
     checks = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(_update_norm_op, args, test_utils=checks)
     _, _, _, inv, rs, r = (t.detach() for t in _update_norm_op(*args))
     plain = [t.detach() for t in args[:6]]
-    grads = (torch.randn(7, 20, dtype=F64), torch.randn(7, 20, dtype=F64), torch.randn(7, 2, dtype=F64),
+    grads = (torch.randn(7, 20, dtype=F64), torch.randn(7, 20, dtype=F64), torch.randn(7, logits, dtype=F64),
              torch.randn(7, dtype=F64))  # fmt: skip
     torch.library.opcheck(
         _update_norm_bwd_op, (*plain[:4], rs, r, *plain[4:], inv, *grads, True, None), test_utils=checks[:2]
@@ -467,8 +487,9 @@ def test_update_norm_bad_inputs():
         ddl.ddl_update_norm(*rand_update_args(lead=(2,), d=6, dv=2), nw, lw)
     with pytest.raises(ValueError, match="norm_weight must be"):
         ddl.ddl_update_norm(x, k, v, beta, nw[:-1], lw)
-    with pytest.raises(ValueError, match="logit_weight"):
-        ddl.ddl_update_norm(x, k, v, beta, nw, lw[:1])
+    for bad in (lw[:0], torch.randn(3, 6, dtype=F64), lw[:, :-1]):  # 1 or 2 rows of d
+        with pytest.raises(ValueError, match="logit_weight"):
+            ddl.ddl_update_norm(x, k, v, beta, nw, bad)
     with pytest.raises(TypeError, match="norm_weight"):
         ddl.ddl_update_norm(x, k, v, beta, [1.0] * 6, lw)
 

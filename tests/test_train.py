@@ -17,6 +17,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from readme_code import pasted, readme_blocks
 
 from data.shards import write_shard
 from model import GPT, GPTConfig
@@ -76,8 +77,16 @@ def script(dump):
     return ["train.py"] if dump is None else ["tests/rank_dump.py", str(dump)]
 
 
-def train(out_dir, data_dir, *args, nproc=1, check=True, extra_env=None, file_size_limit=None, dump=None):
-    launcher = [sys.executable]
+# train.py with code pasted at the end of model.py (argv: the code, then train.py's)
+PASTED = (
+    "import runpy, sys, model; exec(sys.argv[1], vars(model)); sys.argv = sys.argv[2:]; "
+    "runpy.run_path(sys.argv[0])"
+)
+
+
+def train(out_dir, data_dir, *args, nproc=1, check=True, extra_env=None, file_size_limit=None, dump=None,
+          paste=None):  # fmt: skip
+    launcher = [sys.executable] if paste is None else [sys.executable, "-c", PASTED, paste]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd = launcher + [*script(dump), *TINY, f"--data_dir={data_dir}", f"--out_dir={out_dir}", *args]
@@ -167,6 +176,29 @@ def test_resume_is_bit_exact(tmp_path, data_dir, state):
     a = torch.load(os.path.join(straight, "ckpt.pt"), weights_only=True)
     b = torch.load(os.path.join(split, "ckpt.pt"), weights_only=True)
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_a_parameter_shared_by_every_block_trains_and_resumes_bit_exactly(tmp_path, data_dir):
+    """The README's DDL-CC with one beta for the whole model, pasted into model.py: train.py saves its beta
+    once (shared.beta), moved by training, resumes the run bit-exactly, and hands it to AdamW once, without
+    weight decay (a scalar, as the vectors)."""
+    code = readme_blocks("Add your own residual")[-1]
+    with pasted(code) as (name,):
+        args = ["--eval_interval=4", f"--residual={name}", "--weight_decay=0.3"]
+        straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+        train(straight, data_dir, "--max_iters=8", *args, paste=code)
+        train(split, data_dir, "--max_iters=4", *args, paste=code)
+        train(split, data_dir, "--max_iters=8", "--init_from=resume", *args, paste=code)
+        a, b = (torch.load(os.path.join(out, "ckpt.pt"), weights_only=True) for out in (straight, split))
+        n_params = len(list(GPT(GPTConfig(**a["model_args"])).parameters()))
+    assert read_log(straight)[1] == read_log(split)[1]  # every iteration's loss, exactly
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert [k for k in a["model"] if "beta" in k] == ["shared.beta"] and a["model"]["shared.beta"].item() != 0
+    state, groups = a["optimizer"]["state"], a["optimizer"]["param_groups"]
+    assert len(state) == n_params  # each parameter once, the shared one too
+    (scalar,) = [i for i, s in state.items() if s["exp_avg"].dim() == 0]
+    assert [g["weight_decay"] for g in groups if scalar in g["params"]] == [0.0]
 
 
 @pytest.mark.parametrize("nproc", [2, 4])

@@ -231,8 +231,9 @@ def ddl_update_norm(
 ):
     """d_v = 1: (x_new, c, z, inv_rms), the update fused with the next sublayer's read of x_in = x_new[..., 0]
     (x [..., d, 1]): its RMSNorm c = x_in inv_rms norm_weight in c_dtype (default: the compute dtype),
-    inv_rms = 1 / sqrt(mean(x_in^2) + norm_eps) [..., 1], and the logits z = x_in logit_weight^T [..., 2]
-    (logit_weight [2, d]) in the compute dtype. The read takes no pass over the state of its own."""
+    inv_rms = 1 / sqrt(mean(x_in^2) + norm_eps) [..., 1], and the logits z = x_in logit_weight^T [..., m]
+    (logit_weight [m, d], m = 1 or 2: v's logit, and beta's where the rule has one) in the compute dtype.
+    The read takes no pass over the state of its own."""
     _check_update_args(x, k, v, beta)
     _check_norm_args(x, norm_weight, logit_weight)
     _check_seed("ddl_update_norm", x, seed)

@@ -65,9 +65,9 @@ def _check_norm_args(x, norm_weight, logit_weight):
     if x.dim() < 2 or x.shape[-1] != 1:
         raise ValueError(f"ddl_update_norm: x must be [..., d, 1] (d_v = 1), got shape {tuple(x.shape)}")
     d = x.shape[-2]
-    if tuple(norm_weight.shape) != (d,) or tuple(logit_weight.shape) != (2, d):
+    if tuple(norm_weight.shape) != (d,) or tuple(logit_weight.shape) not in ((1, d), (2, d)):
         raise ValueError(
-            f"ddl_update_norm: norm_weight must be [{d}] and logit_weight [2, {d}], got "
+            f"ddl_update_norm: norm_weight must be [{d}] and logit_weight [1 or 2, {d}], got "
             f"{tuple(norm_weight.shape)} and {tuple(logit_weight.shape)}"
         )
 
@@ -141,7 +141,7 @@ def ddl_update_norm_ref(
 ):
     """d_v = 1: (x_new, c, z, inv_rms), the update and the read of x_in = x_new[..., 0] by the next sublayer:
     inv_rms = 1 / sqrt(mean(x_in^2) + norm_eps) [..., 1], c = x_in inv_rms norm_weight (in c_dtype, default
-    the compute dtype) and z = x_in logit_weight^T [..., 2], computed as x_new is stored."""
+    the compute dtype) and z = x_in logit_weight^T [..., m], computed as x_new is stored."""
     _check_norm_args(x, norm_weight, logit_weight)
     x_new = ddl_update_ref(x, k, v, beta, eps=eps, erase=erase, seed=seed)
     ct = acc_dtype(x, k, v, beta, norm_weight, logit_weight)

@@ -342,12 +342,12 @@ def _row_tile(X, Kd, BETA, N, D, start, ROWS: tl.constexpr, BLOCK_D: tl.constexp
 def _update_row_fwd_kernel(
     X, Kd, V, BETA, XOUT, RS, R, NW, A, C, Z, INV, SEED, N, D, eps, norm_eps,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, NORM: tl.constexpr, SR: tl.constexpr,
-    CT: tl.constexpr,
+    CT: tl.constexpr, M: tl.constexpr = 2,
 ):  # fmt: skip
     # d_v = 1: the state is a d-vector per token, so a program takes ROWS tokens as a [ROWS, d] tile
     # (like a layer norm) instead of one [d, 1] tile per token; rs and r stored as _update_fwd_kernel's.
     # NORM: also the next sublayer's read of x' (as stored): INV = 1 / rms(x') [N], C = x' INV NW [N, d] in
-    # C's dtype, Z = x' A^T [N, 2] for A [2, d].
+    # C's dtype, Z = x' A^T [N, M] for A [M, d], M = 1 or 2 (v's logit, and beta's where the rule has one).
     rows, mr, m2, off, k, x, b = _row_tile(X, Kd, BETA, N, D, tl.program_id(0).to(tl.int64) * ROWS, ROWS,
                                            BLOCK_D, CT)  # fmt: skip
     rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + eps * eps)
@@ -366,29 +366,30 @@ def _update_row_fwd_kernel(
         w = tl.load(NW + cols, mask=cols < D, other=0.0).to(CT)
         tl.store(C + off, (xn * inv[:, None] * w[None, :]).to(C.dtype.element_ty), mask=m2)
         tl.store(INV + rows, inv, mask=mr)
-        for m in tl.static_range(2):
+        for m in tl.static_range(M):
             a = tl.load(A + m * D + cols, mask=cols < D, other=0.0).to(CT)
-            tl.store(Z + rows * 2 + m, tl.sum(xn * a[None, :], axis=1), mask=mr)
+            tl.store(Z + rows * M + m, tl.sum(xn * a[None, :], axis=1), mask=mr)
 
 
 @triton.jit
 def _update_row_bwd_kernel(
     X, Kd, V, BETA, RS, R, G, DX, DK, DVo, DBETA, NW, A, INV, DC, DZ, DINV, DWP, SEED, N, D,
     ROWS: tl.constexpr, STEPS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, NORM: tl.constexpr,
-    SR: tl.constexpr, CT: tl.constexpr,
+    SR: tl.constexpr, CT: tl.constexpr, M: tl.constexpr = 2,
 ):  # fmt: skip
     # _update_bwd_token with d_v = 1 (r, gk scalars per token), STEPS tiles of ROWS tokens per program.
     # NORM: G also gets the gradient of the forward's read (DC, DZ, DINV of C, Z, INV), and DWP [programs,
-    # 3, d] the program's partial sums of NW's and A's gradients.
+    # 1 + M, d] the program's partial sums of NW's and A's gradients (A [M, d], M = 1 or 2).
     cols = tl.arange(0, BLOCK_D)
     mc = cols < D
     if NORM:
         w = tl.load(NW + cols, mask=mc, other=0.0).to(CT)
         a0 = tl.load(A + cols, mask=mc, other=0.0).to(CT)
-        a1 = tl.load(A + D + cols, mask=mc, other=0.0).to(CT)
         dw = tl.zeros([BLOCK_D], dtype=CT)
         da0 = tl.zeros([BLOCK_D], dtype=CT)
-        da1 = tl.zeros([BLOCK_D], dtype=CT)
+        if M == 2:
+            a1 = tl.load(A + D + cols, mask=mc, other=0.0).to(CT)
+            da1 = tl.zeros([BLOCK_D], dtype=CT)
     for step in range(STEPS):
         start = (tl.program_id(0).to(tl.int64) * STEPS + step) * ROWS
         rows, mr, m2, off, k, x, b = _row_tile(X, Kd, BETA, N, D, start, ROWS, BLOCK_D, CT)
@@ -400,15 +401,18 @@ def _update_row_bwd_kernel(
             xn = _stored(x + (b * r)[:, None] * kh, SEED, off, X.dtype.element_ty, SR).to(CT)  # x' as stored
             inv = tl.load(INV + rows, mask=mr, other=0.0).to(CT)
             dc = tl.load(DC + off, mask=m2, other=0.0).to(CT)
-            dz0 = tl.load(DZ + rows * 2, mask=mr, other=0.0).to(CT)
-            dz1 = tl.load(DZ + rows * 2 + 1, mask=mr, other=0.0).to(CT)
+            dz0 = tl.load(DZ + rows * M, mask=mr, other=0.0).to(CT)
             dinv = tl.load(DINV + rows, mask=mr, other=0.0).to(CT)
             s = tl.sum(dc * w[None, :] * xn, axis=1) + dinv  # d/dinv of everything
-            g += inv[:, None] * w[None, :] * dc + dz0[:, None] * a0[None, :] + dz1[:, None] * a1[None, :]
+            if M == 2:
+                dz1 = tl.load(DZ + rows * 2 + 1, mask=mr, other=0.0).to(CT)
+                g += inv[:, None] * w[None, :] * dc + dz0[:, None] * a0[None, :] + dz1[:, None] * a1[None, :]
+                da1 += tl.sum(dz1[:, None] * xn, axis=0)
+            else:
+                g += inv[:, None] * w[None, :] * dc + dz0[:, None] * a0[None, :]
             g -= (inv * inv * inv * s / D)[:, None] * xn
             dw += tl.sum(dc * xn * inv[:, None], axis=0)
             da0 += tl.sum(dz0[:, None] * xn, axis=0)
-            da1 += tl.sum(dz1[:, None] * xn, axis=0)
         gk = tl.sum(kh * g, axis=1)
         if ERASE:  # khat . dkhat from gk as in _update_grads
             v = tl.load(V + rows, mask=mr, other=0.0).to(CT)
@@ -425,7 +429,8 @@ def _update_row_bwd_kernel(
         tl.store(DVo + rows, (b * gk).to(DVo.dtype.element_ty), mask=mr)
         tl.store(DBETA + rows, (gk * r).to(DBETA.dtype.element_ty), mask=mr)
     if NORM:
-        base = DWP + tl.program_id(0).to(tl.int64) * 3 * D + cols
+        base = DWP + tl.program_id(0).to(tl.int64) * (1 + M) * D + cols
         tl.store(base, dw, mask=mc)
         tl.store(base + D, da0, mask=mc)
-        tl.store(base + 2 * D, da1, mask=mc)
+        if M == 2:
+            tl.store(base + 2 * D, da1, mask=mc)
