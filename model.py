@@ -218,6 +218,8 @@ class Attention(nn.Module):
         heads = self.c_attn(c).view(B, T, -1, self.n_head, self.head_dim)
         heads = heads.permute(2, 0, 3, 1, 4)  # [n, B, H, T, D], n = q, k, v (, w)
         at = slice(pos, pos + T) if isinstance(pos, int) else pos + torch.arange(T, device=c.device)
+        if doc_start is not None:  # positions restart at each document: QK-norm after RoPE is not relative
+            at = (pos + torch.arange(T, device=c.device) - doc_start)[:, None]  # [B, 1, T]
         cos, sin = self.rope_cos[at], self.rope_sin[at]  # pos + T <= block_size (a tensor: StaticCache)
         q = self.q_norm(apply_rope(heads[0], cos, sin))
         k = self.k_norm(apply_rope(heads[1], cos, sin))
