@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy import stats
 
-from model import DDL_EPS, GPT, Attention, DDLStream, GPTConfig, Residual
+from model import DDL_EPS, GPT, DDLStream, GPTConfig, Residual, SoftmaxAttention
 from ops.ddl.stream import identity_conv
 
 ALPHA = 1e-6  # per matrix: the chance that a correct init fails a bound below
@@ -202,7 +202,7 @@ def test_dropout_on_the_attention_weights():
     # one weight, 1), later rows take values in between; dropping the output instead would differ per feature
     cfg = small("additive")
     H, D = cfg.n_head, cfg.head_dim
-    attn = Attention(dataclasses.replace(cfg, n_embd=H * D))
+    attn = SoftmaxAttention(dataclasses.replace(cfg, n_embd=H * D), torch.nn.Module())
     with torch.no_grad():
         v = attn.c_attn.weight[2 * H * D :]
         v.zero_()

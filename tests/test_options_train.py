@@ -15,13 +15,14 @@ from option_coverage import missing, parameters
 from train_inline import REPO, TINY, run_train, write_shards
 
 import model as model_module
-from model import GPT, Attention, GPTConfig, RMSNorm
+from model import GPT, GPTConfig, RMSNorm, SoftmaxAttention
 
 T = "test_train.py::"
 M = "test_model.py::"
 O = "test_options_train.py::"
 N = "test_train_numbers.py::"
 I = "test_init_dropout.py::"
+D = "test_doc_mask.py::"
 
 # train.py's own keys (the GPTConfig fields, keys too, are in MODEL_FIELDS)
 TRAIN_KEYS = {
@@ -155,12 +156,18 @@ MODEL_FIELDS = {
     "deltaformer_kernel": O + "test_deltaformer_fields_reach_its_op",
     "deltaformer_beta_max": [O + "test_deltaformer_fields_reach_its_op", BOUNDS],
     "backend": [O + "test_backend_reaches_every_op", M + "test_triton_backend_matches_torch_backend"],
+    "doc_mask": [
+        D + "test_packed_document_equals_it_alone",
+        D + "test_one_document_is_unchanged_by_the_flag",
+        D + "test_cached_decoding_across_documents_equals_the_full_forward",
+    ],
 }
 MODEL_FIELDS = {k: [PASSED, *([v] if isinstance(v, str) else v)] for k, v in MODEL_FIELDS.items()}
 
 FORWARD_ARGS = {
     "idx": [M + "test_forward_loss_shapes_and_ignore_index", M + "test_causal", O + "test_forward_refuses"],
     "targets": [M + "test_forward_loss_shapes_and_ignore_index", O + "test_forward_refuses"],
+    "attention_mask": [D + "test_left_padded_rows_equal_each_row_alone", D + "test_attention_mask_refusals"],
 }
 
 SMALL = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--head_dim=16", "--vocab_size=64", "--block_size=16"]
@@ -269,7 +276,7 @@ def test_run_checks_refuse_bad_values():
 NON_DEFAULT = dict(
     n_layer=3, n_head=3, n_embd=48, head_dim=8, block_size=40, vocab_size=72, mlp_hidden=50, rope_base=500.0,
     norm_eps=1e-3, init="nanogpt", dropout=0.25, residual="ddl-tc", ddl_dv=3, ddl_ec=False, ddl_erase=False,
-    ddl_beta_init=0.5, ddl_v="linear", ddl_conv_size=3, ddl_state_dtype="bfloat16",
+    ddl_beta_init=0.5, doc_mask=True, ddl_v="linear", ddl_conv_size=3, ddl_state_dtype="bfloat16",
     ddl_state_rounding="stochastic", ddl_keep_state_every=2, attention="deltaformer", deltaformer_w="proj",
     deltaformer_kernel="relu", deltaformer_beta_max=1.5, backend="torch",
 )  # fmt: skip
@@ -331,8 +338,9 @@ def test_rope_base_and_norm_eps_in_attention():
 
     cfg = GPTConfig(n_layer=1, n_head=2, head_dim=8, n_embd=16, block_size=32, vocab_size=64)
     c = torch.randn(2, 12, 16, dtype=torch.float64)
-    attn = Attention(dataclasses.replace(cfg, rope_base=37.0, norm_eps=0.3)).double()
-    default = Attention(cfg).double()
+    other = dataclasses.replace(cfg, rope_base=37.0, norm_eps=0.3)
+    attn = SoftmaxAttention(other, torch.nn.Module()).double()
+    default = SoftmaxAttention(cfg, torch.nn.Module()).double()
     default.load_state_dict(attn.state_dict())
     torch.testing.assert_close(attn(c, pos=3), reference(attn, c, 3), rtol=1e-10, atol=1e-12)
     assert (attn(c, pos=3) - default(c, pos=3)).abs().max() > 1e-3  # the two fields change the output
