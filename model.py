@@ -256,8 +256,8 @@ class DeltaformerAttention(Attention):
         cfg, kernel = self.cfg, self.cfg.deltaformer_kernel
         w, beta = {"q": q, "k": k}.get(cfg.deltaformer_w, w), self.gate(c)
         if cache is None:
-            return deltaformer_attention(q, k, v, w, beta, kernel=kernel, backend=cfg.backend)
-        return cache.deltaformer(self, q, k, v, w, beta, kernel)
+            return deltaformer_attention(q, k, v, w, beta, kernel, backend=cfg.backend, doc_start=doc_start)
+        return cache.deltaformer(self, q, k, v, w, beta, kernel, doc_start)
 
     def init_weights(self, scaled):  # b_beta = 0: beta starts near beta_max / 2
         if self.beta_logit:
