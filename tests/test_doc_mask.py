@@ -26,7 +26,7 @@ def row_id(row):
 
 def make(row, backend="torch", doc_mask=True):
     torch.manual_seed(0)
-    shape = dict(n_layer=1 if backend == "triton" else 2, n_head=2, n_embd=32, head_dim=8, block_size=32)
+    shape = dict(n_layer=1 if backend == "triton" else 2, n_head=2, n_embd=32, head_dim=16, block_size=32)
     cfg = GPTConfig(**shape, vocab_size=EOT + 1, backend=backend, doc_mask=doc_mask, **row)
     model = GPT(cfg).double()
     with torch.no_grad():  # off the identity-like init, so that the convs and gates mix tokens
