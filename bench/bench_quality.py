@@ -302,6 +302,8 @@ def main(argv=None):
     if argv[:1] == ["--probe-run"]:  # one run under the probe (--probe's jobs): --probe-run N -- train args
         return probe_run(int(argv[1]), argv[3:])
     args = p.parse_args(argv)
+    if args.parallel is not None and args.parallel < 1:
+        p.error(f"--parallel {args.parallel}: expected a positive number of runs at a time")
     dirs = args.table if args.table is not None else [args.out]
     header = f"command: `{command(__file__, argv)}`"
 

@@ -188,7 +188,7 @@ def worker(job, row):
 
 
 def main():
-    p = common.row_parser(__doc__, VARIANTS)
+    p = common.row_parser(__doc__, [v for v in VARIANTS if v != "nanogpt"])  # its row: --nanogpt
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient "
                    "accumulation, as train.py: the GPU waits for the host at a step's start)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="after timing each row, profile --profile-steps")
@@ -196,8 +196,8 @@ def main():
     p.add_argument("--profile-top", type=int, default=30, help="kernels listed by the profile")
     p.add_argument("--nanogpt", default="", help="nanoGPT's model.py: adds the row 'nanogpt', its GPT at the "
                    "same depth and width (64-wide heads), timed like the others")  # fmt: skip
-    p.add_argument("--against", default="", help="another checkout: every variant but additive also runs on "
-                   "its model.py and ops/, just before this one's (rows VARIANT@against)")  # fmt: skip
+    p.add_argument("--against", default="", help="another checkout: every variant but additive and nanogpt "
+                   "also runs on its model.py and ops/, just before this one's: VARIANT@against")  # fmt: skip
     if common.job_main(worker):  # one row, in its own process
         return
     args = common.parse_row_flags(p, __file__, VARIANTS)
@@ -211,10 +211,10 @@ def main():
     if args.accum < 1:
         raise SystemExit(f"--accum {args.accum}: expected a positive number of micro-batches")
     # every (model, variant) in a fresh process, one after another, additive first; --against: the other
-    # checkout's row just before this one's
+    # checkout's row just before this one's (nanoGPT's model is the same in both)
+    sides = lambda v: (True, False) if args.against and v not in ("additive", "nanogpt") else (False,)
     specs = [dict(row=dict(model=m, variant=v + ("@against" if a else "")), variant=v, against=a)
-             for m in args.models for v in args.variants
-             for a in ((True, False) if args.against and v != "additive" else (False,))]  # fmt: skip
+             for m in args.models for v in args.variants for a in sides(v)]  # fmt: skip
     tables = lambda rows: [common.throughput_table(rows)]
     compiled = "torch.compile (whole model, static shapes)" if args.compile else "eager"
     fused = "fused " if args.device == "cuda" else ""

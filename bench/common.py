@@ -3,6 +3,7 @@ writes, running commands a few at a time, and a table of rows each measured in i
 first, it puts the repository root on sys.path (model.py, ops/, data/)."""
 
 import argparse
+import ast
 import contextlib
 import fcntl
 import json
@@ -242,7 +243,7 @@ def row_parser(doc, variants):
                    help="what backend='auto' means for the DDL and Deltaformer ops")  # fmt: skip
     p.add_argument("--time-limit", type=float, default=540, help="seconds for the whole table")
     p.add_argument("--device", default="cuda", help="cpu: a smoke test (tiny --model-overrides)")
-    p.add_argument("--model-overrides", default="", help="GPTConfig overrides, e.g. n_layer=2,n_embd=64")
+    p.add_argument("--model-overrides", default="", help="GPTConfig overrides, e.g. n_layer=2,ddl_ec=False")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for the run's .json and .md")
     return p
 
@@ -258,14 +259,25 @@ def parse_row_flags(p, script, variants):
     args.variants = [v for v in args.variants.split(",") if v]
     if unknown := [v for v in args.variants if v not in variants]:
         raise SystemExit(f"--variants: unknown variant {unknown[0]!r}; allowed: {', '.join(variants)}")
-    if "additive" not in args.variants:
-        args.variants.insert(0, "additive")
+    args.variants = ["additive"] + [v for v in args.variants if v != "additive"]  # the baseline runs first
     args.batches = positive_ints(args.batches, "--batches", "64,32")
-    pairs = (kv.split("=", 1) for kv in args.model_overrides.split(",") if kv)
-    args.model_overrides = {key: (int(val) if val.isdigit() else val) for key, val in pairs}
+    if args.steps < 1:
+        raise SystemExit(f"--steps {args.steps}: expected at least one timed step")
+    pairs = [kv.split("=", 1) for kv in args.model_overrides.split(",") if kv]
+    if bad := [kv for kv in pairs if len(kv) != 2]:
+        raise SystemExit(f"--model-overrides: expected KEY=VALUE pairs like n_layer=2, got {bad[0][0]!r}")
+    args.model_overrides = {key: literal(val) for key, val in pairs}
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"{os.path.basename(script)} needs a CUDA GPU (or --device cpu for a smoke test)")
     return args
+
+
+def literal(text):
+    """A --model-overrides value: a Python literal (2, False, 0.1), else the text itself (ddl-cc)."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
 
 
 def positive_ints(text, flag, example):
