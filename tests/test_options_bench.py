@@ -241,6 +241,7 @@ QUALITY = {
         Q + "test_main_flags_build_the_runs",
         Q + "test_main_refusals",
         Q + "test_rerunning_a_command_keeps_the_runs_that_ended",
+        Q + "test_doc_mask_rows_are_their_rows_with_the_mask_and_in_no_default",
     ],
     "--seeds": [
         Q + "test_main_flags_build_the_runs",
