@@ -110,6 +110,15 @@ TRAIN = {
         R + "test_train_flags_refusals",
         "test_bench_train.py::test_against_runs_each_variant_on_the_other_checkout_first",
     ],
+    "--doc-mask": [
+        R + "test_doc_mask_adds_each_variants_masked_row_right_after_it",
+        R + "test_doc_mask_reaches_the_models_config",
+        R + "test_train_flags_refusals",
+        R + "test_measure_tokens_per_second_mfu_and_steps",
+        R + "test_throughput_table_unmasked_ratio_is_against_the_same_variant_and_model",
+        "test_bench_train.py::test_doc_mask_batches_are_documents_of_the_documented_length",
+        "test_bench_train.py::test_every_row_trains_on_the_same_documents",
+    ],
 }
 INFER = {
     "--sections": [
