@@ -421,22 +421,32 @@ def largest_batch(batches, row, measure, reset=lambda: None):
     raise RuntimeError(f"no micro-batch of {batches} fits")
 
 
+MASKED = "+doc_mask"  # in a row's variant label: that variant trained with GPTConfig.doc_mask (bench_train)
+
+
 def throughput_table(rows, ms="step ms"):
-    """Markdown of rows with tok_s, step_ms, peak_GB, mfu: ratios against additive + softmax of the same
-    model size (peak memory only where both ran at the same micro-batch)."""
-    base = {r["model"]: r for r in rows if r["variant"] == "additive" and "tok_s" in r}
-    head = ["model", "variant", "micro-batch", "tokens/s", "×additive", ms, "peak GB", "×additive"]
+    """Markdown of rows with tok_s, step_ms, peak_GB, mfu: ratios against additive + softmax of the same model
+    size and the same mask (peak memory only where both ran at the same micro-batch). With masked rows
+    (MASKED in the label) a column ×unmasked: tokens/s over the same variant's unmasked row."""
+    got = {(r["model"], r["variant"]): r for r in rows if "tok_s" in r}
+    with_masked = any(MASKED in r["variant"] for r in rows)
+    head = ["model", "variant", "micro-batch", "tokens/s", "×additive", *["×unmasked"] * with_masked, ms,
+            "peak GB", "×additive", "MFU", "compile s"]  # fmt: skip
     cells = []
     for r in rows:
         if "tok_s" not in r:
-            cells.append([r["model"], r["variant"], f"not measured: {r.get('error', '?')}"] + [""] * 7)
+            cells.append(
+                [r["model"], r["variant"], f"not measured: {r.get('error', '?')}"] + [""] * (len(head) - 3)
+            )
             continue
-        b = base.get(r["model"])
+        masked = MASKED in r["variant"]
+        b = got.get((r["model"], "additive" + MASKED * masked))
         ratio = f"{r['tok_s'] / b['tok_s']:.3f}" if b else "-"
         mem_ratio = f"{r['peak_GB'] / b['peak_GB']:.3f}" if b and b["batch"] == r["batch"] else "-"
-        cells.append(
-            [r["model"], r["variant"], r["batch"], f"{r['tok_s']:,.0f}", ratio, f"{r['step_ms']:.1f}"]
-        )
-        cells[-1] += [f"{r['peak_GB']:.1f}", mem_ratio, f"{100 * r['mfu']:.1f}%", r.get("compile_s", "-")]
-    align = ["---"] * 2 + ["---:"] * 8
-    return "\n".join(markdown(head + ["MFU", "compile s"], cells, align))
+        cells.append([r["model"], r["variant"], r["batch"], f"{r['tok_s']:,.0f}", ratio])
+        if with_masked:  # empty on an unmasked row; "-": its unmasked row was not measured
+            u = got.get((r["model"], r["variant"].replace(MASKED, ""))) if masked else None
+            cells[-1].append(f"{r['tok_s'] / u['tok_s']:.3f}" if u else "-" if masked else "")
+        cells[-1] += [f"{r['step_ms']:.1f}", f"{r['peak_GB']:.1f}", mem_ratio, f"{100 * r['mfu']:.1f}%"]
+        cells[-1].append(r.get("compile_s", "-"))
+    return "\n".join(markdown(head, cells, ["---"] * 2 + ["---:"] * (len(head) - 2)))

@@ -60,7 +60,8 @@ def test_table_of_a_setting_folder_and_of_nothing(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "setting,row", [("shakespeare", "ddl-cc-write-only"), ("corpus", "ddl-cc-bf16-state")]
+    "setting,row",
+    [("shakespeare", "ddl-cc-write-only"), ("corpus", "ddl-cc-bf16-state"), ("corpus", "ddl-cc-doc-mask")],
 )
 def test_run_args_are_train_config_keys(setting, row, tmp_path):
     """train.py accepts every key a run passes (its --dry_run resolves the config and exits)."""
@@ -90,6 +91,67 @@ def test_package_corpus_is_deterministic_deduplicated_and_capped(tmp_path):
     assert total == sum(len(t.encode()) for t in texts)
     n_capped, _ = package_corpus.build([str(root)], out, max_mb=1e-6)  # stops after the first file
     assert n_capped == 1
+
+
+def test_package_corpus_shards_start_each_file_with_eot(tmp_path):
+    """The corpus setting's data, made as the docstring says (package_corpus.py, then fineweb_edu.py
+    --input): one document a file, each after an EOT, and no other EOT (a file's literal "<|endoftext|>" is
+    text), so GPTConfig.doc_mask splits its rows at the files' boundaries."""
+    from data.fineweb_edu import prepare
+    from data.shards import read_shard
+    from data.tokenizer import EOT, get_encoding
+
+    root = tmp_path / "site"
+    root.mkdir()
+    texts = [
+        "def f():\n    return 1\n" * 12,
+        "# Notes\n<|endoftext|> is text here. " * 8,
+        "x = [1, 2]\n" * 30,
+    ]
+    for i, text in enumerate(texts):
+        (root / f"m{i}.py").write_text(text)
+    corpus = str(tmp_path / "c.jsonl")
+    assert package_corpus.build([str(root)], corpus, max_mb=1)[0] == 3
+    out = str(tmp_path / "shards")
+    paths = prepare(out, inputs=[corpus], shard_tokens=40, workers=1, progress=False)
+    stream = np.concatenate([read_shard(p) for p in paths])
+    lengths = [1 + len(get_encoding().encode_ordinary(t)) for t in texts]  # EOT + the file's tokens
+    assert len(stream) == sum(lengths)
+    assert np.flatnonzero(stream == EOT).tolist() == np.cumsum([0] + lengths[:-1]).tolist()
+
+
+def test_doc_mask_rows_are_their_rows_with_the_mask_and_in_no_default(monkeypatch, tmp_path, capsys):
+    """additive-doc-mask and ddl-cc-doc-mask: additive's and ddl-cc's overrides with doc_mask=True, the only
+    rows with it, in no setting's default rows; the corpus command with them and their rows, 2 seeds, runs
+    each with --doc_mask=True exactly where its name says, and tables them in ROWS' order."""
+    for row, base in (("additive-doc-mask", "additive"), ("ddl-cc-doc-mask", "ddl-cc")):
+        assert bq.ROWS[row] == {**bq.ROWS[base], "doc_mask": True}
+    assert [r for r in bq.ROWS if "doc_mask" in bq.ROWS[r]] == ["additive-doc-mask", "ddl-cc-doc-mask"]
+    assert not any("doc-mask" in r for rows in bq.DEFAULT_ROWS.values() for r in rows)
+    launched = []
+
+    def launch_all(jobs, parallel, on_finish):
+        launched.extend(jobs)
+        for i, (_, out_dir) in enumerate(jobs):
+            write_run(os.path.dirname(os.path.dirname(out_dir)), "corpus", os.path.basename(out_dir),
+                      [(0, 5.0), (1, 4.0 - i / 100)])  # fmt: skip
+
+    monkeypatch.setattr(bq, "launch_all", launch_all)
+    rows = ["ddl-cc-doc-mask", "additive", "ddl-cc", "additive-doc-mask"]
+    bq.main(["--setting", "corpus", "--rows", *rows, "--seeds", "1", "2", "--out", str(tmp_path)])
+    assert len(launched) == 8
+    for cmd, out_dir in launched:
+        keys = dict(a[2:].split("=", 1) for a in cmd if a.startswith("--") and "=" in a)
+        row = os.path.basename(out_dir).rpartition("-s")[0]
+        assert keys.get("doc_mask") == ("True" if row.endswith("-doc-mask") else None), cmd
+        assert keys["residual"] == bq.ROWS[row]["residual"] and keys["dataset"] == "fineweb_edu"
+    table = [line.split(" | ")[0].strip("| ") for line in capsys.readouterr().out.splitlines()]
+    assert [r for r in table if r in bq.ROWS] == [
+        "additive",
+        "additive-doc-mask",
+        "ddl-cc",
+        "ddl-cc-doc-mask",
+    ]
 
 
 def test_launch_all_reports_each_finished_run(tmp_path):

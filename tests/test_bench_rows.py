@@ -273,6 +273,62 @@ def test_train_flags_select_rows(monkeypatch, tmp_path):
     assert default == [v for v in bench_train.VARIANTS if v != "nanogpt"] and default[0] == "additive"
 
 
+def test_doc_mask_adds_each_variants_masked_row_right_after_it(monkeypatch, tmp_path):
+    """--doc-mask: each variant's row VARIANT+doc_mask (doc_mask in its spec) right after its own, with
+    --against's row just before each; none for nanoGPT's GPT (no such switch); the settings say the batches
+    are documents of mean length DOC_LEN. Without the flag no row is masked and the batches are plain."""
+    (tmp_path / "nano.py").write_text("")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "model.py").write_text("")
+    flags = ["--models", "gpt2-small", "--nanogpt", str(tmp_path / "nano.py"), "--doc-mask"]
+    flags += ["--against", str(tmp_path / "other")]
+    run = planned(monkeypatch, bench_train, "--variants", "ddl,additive+deltaformer", *flags)
+    got = [(s["row"]["variant"], s["variant"], s["against"], s["doc_mask"]) for s in run.specs]
+    assert got == [
+        ("additive", "additive", False, False), ("additive+doc_mask", "additive", False, True),
+        ("ddl@against", "ddl", True, False), ("ddl", "ddl", False, False),
+        ("ddl+doc_mask@against", "ddl", True, True), ("ddl+doc_mask", "ddl", False, True),
+        ("additive+deltaformer@against", "additive+deltaformer", True, False),
+        ("additive+deltaformer", "additive+deltaformer", False, False),
+        ("additive+deltaformer+doc_mask@against", "additive+deltaformer", True, True),
+        ("additive+deltaformer+doc_mask", "additive+deltaformer", False, True),
+        ("nanogpt", "nanogpt", False, False),
+    ]  # fmt: skip
+    assert run.args.doc_mask and f"lengths geometric, mean {bench_train.DOC_LEN}" in run.settings
+    assert "×unmasked" in run.settings
+    plain = planned(monkeypatch, bench_train, "--variants", "ddl")
+    assert not plain.args.doc_mask and not any(s["doc_mask"] for s in plain.specs)
+    assert "documents" not in plain.settings and "×unmasked" not in plain.settings
+    assert all("+doc_mask" not in s["row"]["variant"] for s in plain.specs)
+
+
+def test_doc_mask_reaches_the_models_config(monkeypatch, dynamo):
+    """The worker builds a masked row's model with GPTConfig.doc_mask on top of its variant's overrides, an
+    unmasked row's without it (so a checkout of --against that lacks the field still runs those)."""
+    dynamo.config = types.SimpleNamespace()
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # the worker sets both
+    built, passed = [], []
+    monkeypatch.setattr(bench_train, "measure", lambda model, cfg, B, args, row: built.append((cfg, B)))
+    monkeypatch.setattr(common, "largest_batch", lambda batches, row, measure, reset: measure(batches[0]))
+    real_gpt = common.gpt
+    monkeypatch.setattr(
+        common, "gpt", lambda args, size, o: passed.append(dict(o)) or real_gpt(args, size, o)
+    )
+    args = argparse.Namespace(ddl_backend="auto", seq=16, device="cpu", model_overrides=dict(TINY, n_layer=1),
+                              batches=[3], nanogpt="", against="")  # fmt: skip
+    try:
+        for doc_mask in (True, False):
+            row = dict(model="gpt2-small", variant="ddl-cc" + "+doc_mask" * doc_mask)
+            bench_train.worker(dict(args=args, variant="ddl-cc", against=False, doc_mask=doc_mask), row)
+            cfg, B = built[-1]
+            assert (cfg.doc_mask, cfg.residual, cfg.block_size, B) == (doc_mask, "ddl-cc", 16, 3)
+            assert row["params_M"] > 0
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    assert passed == [dict(residual="ddl-cc", doc_mask=True), dict(residual="ddl-cc")]
+    assert bench_train.VARIANTS["ddl-cc"] == dict(residual="ddl-cc")  # the table itself untouched
+
+
 def test_train_flags_refusals(monkeypatch, capsys, tmp_path):
     msg = refused(monkeypatch, capsys, bench_train, "--accum", "0")
     assert "--accum 0: expected a positive number of micro-batches" in msg
@@ -282,6 +338,11 @@ def test_train_flags_refusals(monkeypatch, capsys, tmp_path):
     assert "--nanogpt: the row 'nanogpt' needs" in msg
     msg = refused(monkeypatch, capsys, bench_train, "--against", str(tmp_path))  # no model.py there
     assert "--against: expected a checkout of this repo" in msg
+    msg = refused(monkeypatch, capsys, bench_train, "--doc-mask", "--model-overrides", "vocab_size=50256")
+    assert "--doc-mask: documents start with EOT (50256), which needs vocab_size > 50256, got 50256" in msg
+    assert planned(monkeypatch, bench_train, "--doc-mask", "--model-overrides", "vocab_size=50257").specs
+    msg = refused(monkeypatch, capsys, bench_train, "--doc-mask", "--model-overrides", "doc_mask=False")
+    assert "--doc-mask: leave doc_mask out of --model-overrides" in msg
 
 
 def fake_steps(times):
@@ -289,9 +350,10 @@ def fake_steps(times):
     the host's four parts of step i last i, 2 i, 3 i, 4 i ms."""
     calls, left = [], list(times)
 
-    def train_steps(model, opt, B, T, steps, vocab, device, host=None, accum=1):
+    def train_steps(model, opt, B, T, steps, vocab, device, host=None, accum=1, doc_len=0, gen=None):
         timed = host is not None
-        calls.append(dict(B=B, T=T, steps=steps, vocab=vocab, device=device, accum=accum, timed=timed))
+        calls.append(dict(B=B, T=T, steps=steps, vocab=vocab, device=device, accum=accum, timed=timed,
+                          doc_len=doc_len, gen=gen))  # fmt: skip
         if host is not None:
             host += [[i * k / 1e3 for k in (1, 2, 3, 4)] for i in range(1, steps + 1)]
         return [left.pop(0) for _ in range(steps)] if host is not None else [0.0] * steps
@@ -312,13 +374,17 @@ def test_measure_tokens_per_second_mfu_and_steps(monkeypatch):
     monkeypatch.setattr(bench_train, "profile_step", lambda run, B, args, row: profiled.append((B, args)))
     opts = []  # (the optimizer's settings; AdamW itself would import torch._dynamo: seconds)
     monkeypatch.setattr(torch.optim, "AdamW", lambda params, **kw: opts.append(kw))
-    args = argparse.Namespace(compile=1, device="cpu", warmup=3, steps=5, seq=16, accum=2, profile=False)
+    args = argparse.Namespace(compile=1, device="cpu", warmup=3, steps=5, seq=16, accum=2, profile=False,
+                              doc_mask=True)  # fmt: skip
     row = dict(model="gpt2-small", variant="additive")
     bench_train.measure(model, cfg, 4, args, row)
     assert compiled == [(model, dict(dynamic=False))] and profiled == []
     assert opts == [dict(lr=1e-4, weight_decay=0.1, fused=False)]  # fused on CUDA only
     assert [(c["steps"], c["timed"]) for c in calls] == [(1, False), (2, False), (5, True)]
     assert all((c["B"], c["T"], c["accum"], c["vocab"]) == (4, 16, 2, 64) for c in calls)
+    # --doc-mask: documents in every step's batches, from one generator that the three calls go on drawing
+    assert all(c["doc_len"] == bench_train.DOC_LEN and c["gen"] is calls[0]["gen"] for c in calls)
+    assert isinstance(calls[0]["gen"], torch.Generator)
     step = 0.30  # the median of times
     assert row["batch"] == 4 and math.isclose(row["step_ms"], 1e3 * step)
     assert (row["step_ms_min"], row["step_ms_max"]) == pytest.approx((100.0, 500.0))
@@ -328,11 +394,14 @@ def test_measure_tokens_per_second_mfu_and_steps(monkeypatch):
     assert row["host_ms"] == [3.0, 6.0, 9.0, 12.0]  # each part's median over the 5 timed steps, ms
     assert math.isnan(row["peak_GB"])  # no CUDA: no peak memory
     calls.clear()
-    args = argparse.Namespace(compile=0, device="cpu", warmup=1, steps=1, seq=8, accum=1, profile=True)
+    args = argparse.Namespace(compile=0, device="cpu", warmup=1, steps=1, seq=8, accum=1, profile=True,
+                              doc_mask=False)  # fmt: skip
     steps_left = fake_steps([0.25])[1]
-    monkeypatch.setattr(bench_train, "train_steps", lambda *a, **k: calls.append(a[4]) or steps_left(*a, **k))
+    # (steps, doc_len) of each call: no documents without --doc-mask
+    record = lambda *a, **k: calls.append((a[4], a[9])) or steps_left(*a, **k)  # noqa: E731
+    monkeypatch.setattr(bench_train, "train_steps", record)
     bench_train.measure(model, cfg, 2, args, row)
-    assert len(compiled) == 1 and calls == [1, 0, 1] and profiled == [(2, args)]
+    assert len(compiled) == 1 and calls == [(1, 0), (0, 0), (1, 0)] and profiled == [(2, args)]
     assert math.isclose(row["tok_s"], 2 * 8 / 0.25)
 
 
@@ -511,6 +580,38 @@ def test_throughput_table_ratios_against_the_same_models_additive():
     assert [s[h] for h in heads] == ["32", "800", "25.0", "12.5", "33.0%", "12.5"]
     assert got["m", "ddl-cc"]["micro-batch"] == "not measured: RuntimeError: no micro-batch of [8] fits"
     assert got["m", "ddl"]["compile s"] == "-" and len(cells) == len(rows)
+
+
+def test_throughput_table_unmasked_ratio_is_against_the_same_variant_and_model():
+    """×unmasked: a +doc_mask row's tokens/s over its own variant's unmasked row of the same model (also
+    @against's); "-" where that row is missing, empty on unmasked rows; ×additive of a masked row against
+    additive+doc_mask. A table without masked rows has no such column."""
+
+    def r(model, variant, tok_s, peak_GB=10.0):
+        return dict(model=model, variant=variant, batch=8, tok_s=tok_s, step_ms=1.0, peak_GB=peak_GB, mfu=0.1)
+
+    rows = [
+        r("s", "additive", 1000.0), r("s", "additive+doc_mask", 960.0, 10.5), r("s", "ddl", 800.0),
+        r("s", "ddl+doc_mask", 780.0, 12.0), r("s", "ddl-cc", 600.0), r("s", "ddl-cc+doc_mask", 570.0),
+        r("s", "ddl-cc@against", 500.0), r("s", "ddl-cc+doc_mask@against", 450.0),
+        r("m", "additive", 400.0), r("m", "ddl", 300.0), r("m", "ddl+doc_mask", 270.0),
+        r("m", "ddl-tc+doc_mask", 100.0),  # its unmasked row not measured
+        dict(model="m", variant="ddl-cc+doc_mask", error="RuntimeError: boom"),
+    ]  # fmt: skip
+    got = {(c["model"], c["variant"]): c for c in table_cells(common.throughput_table(rows))}
+    unmasked = {k: c["×unmasked"] for k, c in got.items() if "+doc_mask" in k[1] and c["tokens/s"]}
+    assert unmasked == {
+        ("s", "additive+doc_mask"): "0.960", ("s", "ddl+doc_mask"): f"{780 / 800:.3f}",
+        ("s", "ddl-cc+doc_mask"): "0.950", ("s", "ddl-cc+doc_mask@against"): "0.900",
+        ("m", "ddl+doc_mask"): "0.900", ("m", "ddl-tc+doc_mask"): "-",
+    }  # fmt: skip
+    assert all(got[k]["×unmasked"] == "" for k in got if "+doc_mask" not in k[1])
+    assert got["s", "ddl+doc_mask"]["×additive"] == f"{780 / 960:.3f}"  # against additive+doc_mask
+    assert got["s", "ddl+doc_mask"]["×additive 2"] == f"{12.0 / 10.5:.3f}"
+    assert got["s", "ddl"]["×additive"] == "0.800" and got["m", "ddl+doc_mask"]["×additive"] == "-"
+    assert got["m", "ddl-cc+doc_mask"]["micro-batch"] == "not measured: RuntimeError: boom"
+    assert len(got["m", "ddl-cc+doc_mask"]) == len(got["s", "ddl"]) == 11
+    assert "×unmasked" not in common.throughput_table([r("s", "additive", 1.0), r("s", "ddl", 1.0)])
 
 
 def test_decode_table_ratios_against_additive_cache_and_none():

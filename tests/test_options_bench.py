@@ -110,6 +110,15 @@ TRAIN = {
         R + "test_train_flags_refusals",
         "test_bench_train.py::test_against_runs_each_variant_on_the_other_checkout_first",
     ],
+    "--doc-mask": [
+        R + "test_doc_mask_adds_each_variants_masked_row_right_after_it",
+        R + "test_doc_mask_reaches_the_models_config",
+        R + "test_train_flags_refusals",
+        R + "test_measure_tokens_per_second_mfu_and_steps",
+        R + "test_throughput_table_unmasked_ratio_is_against_the_same_variant_and_model",
+        "test_bench_train.py::test_doc_mask_batches_are_documents_of_the_documented_length",
+        "test_bench_train.py::test_every_row_trains_on_the_same_documents",
+    ],
 }
 INFER = {
     "--sections": [
@@ -241,6 +250,7 @@ QUALITY = {
         Q + "test_main_flags_build_the_runs",
         Q + "test_main_refusals",
         Q + "test_rerunning_a_command_keeps_the_runs_that_ended",
+        Q + "test_doc_mask_rows_are_their_rows_with_the_mask_and_in_no_default",
     ],
     "--seeds": [
         Q + "test_main_flags_build_the_runs",

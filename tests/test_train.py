@@ -342,6 +342,7 @@ def test_gpt2_configs_follow_the_paper_recipe(name, preset):
     )
     assert (c["warmup_iters"], c["lr_decay_iters"], c["max_iters"]) == (2000, 100_000, 100_000)
     assert c["dataset"] == "fineweb_edu"
+    assert c["doc_mask"] is False  # the papers' recipe, the switch shown (medium's from gpt2_small.py)
 
 
 @pytest.mark.parametrize(
