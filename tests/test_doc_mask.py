@@ -28,11 +28,23 @@ def make(row, backend="torch", doc_mask=True):
     torch.manual_seed(0)
     shape = dict(n_layer=1 if backend == "triton" else 2, n_head=2, n_embd=32, head_dim=16, block_size=32)
     cfg = GPTConfig(**shape, vocab_size=EOT + 1, backend=backend, doc_mask=doc_mask, **row)
-    model = GPT(cfg).double()
+    model = GPT(cfg).to(dtype(row, backend))
     with torch.no_grad():  # off the identity-like init, so that the convs and gates mix tokens
         for name, p in model.named_parameters():
             p.add_((0.05 if name == "wte.weight" else 0.3) * torch.randn_like(p))
     return model
+
+
+def dtype(row, backend):  # the Triton Deltaformer computes in fp32 (its tests: tests/test_deltaformer.py)
+    return torch.float32 if backend == "triton" and row.get("attention") == "deltaformer" else torch.float64
+
+
+def close(a, b, row, backend, msg=""):
+    if dtype(row, backend) == torch.float64:
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-9, msg=msg)
+    else:  # fp32 sums over 50K-row gradients: the error relative to the tensor's norm (a leak gives ~1)
+        error = ((a - b).norm() / b.norm()).item()
+        assert error < 1e-5, f"{msg}: relative error {error:.2e}"
 
 
 def packed(docs=DOCS, T=T, B=2):
@@ -56,11 +68,11 @@ def mixes_on_triton(row):  # a Triton kernel mixes its tokens: TC, EC or Deltafo
 def test_packed_document_equals_it_alone(row, backend):
     model = make(row, backend)
     idx, grads = packed(), backend == "torch" or mixes_on_triton(row)
-    weights = torch.randn(2, T, model.config.vocab_size, dtype=torch.float64)
+    weights = torch.randn(2, T, model.config.vocab_size, dtype=dtype(row, backend))
     with torch.set_grad_enabled(grads):
         logits = model(idx, torch.zeros_like(idx))[0]
         alone = [model(idx[:, a:b], torch.zeros_like(idx[:, a:b]))[0] for a, b in spans()]
-    torch.testing.assert_close(logits, torch.cat(alone, dim=1), rtol=1e-9, atol=1e-9)
+    close(logits, torch.cat(alone, dim=1), row, backend)
     if not grads:
         return
     (logits * weights).sum().backward()
@@ -69,7 +81,7 @@ def test_packed_document_equals_it_alone(row, backend):
     for (a, b), part in zip(spans(), alone):
         (part * weights[:, a:b]).sum().backward()
     for n, p in model.named_parameters():
-        torch.testing.assert_close(together[n], p.grad, rtol=1e-8, atol=1e-9, msg=n)
+        close(together[n], p.grad, row, backend, msg=n)
 
 
 @pytest.mark.parametrize("row", ROWS, ids=row_id)
@@ -108,7 +120,7 @@ def test_left_padded_rows_equal_each_row_alone(row, backend):
         batch = model.lm_head(model.hidden_states(idx, attention_mask=mask))
         for b, r in enumerate(rows):
             alone = model.lm_head(model.hidden_states(r))
-            torch.testing.assert_close(batch[b, -r.shape[1] :], alone[0], rtol=1e-9, atol=1e-9)
+            close(batch[b, -r.shape[1] :], alone[0], row, backend)
 
 
 def test_doc_starts_from_eot_and_padding():
