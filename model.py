@@ -71,8 +71,8 @@ class GPTConfig:
     ddl_state_dtype: str = "float32"  # dtype X is stored in: "float32" (= parameter dtype) | "bfloat16"
     ddl_state_rounding: str = "nearest"  # a bf16 X's: "nearest" | "stochastic" (unbiased, ops/ddl)
     # autograd keeps the state entering every Nth block, the backward rebuilds the others from it (less
-    # memory, more backward work). 0: every sublayer's. None: 0 at d_v = 1 (kept anyway as input), else 4
-    ddl_keep_state_every: int | None = None
+    # memory, more backward work). None: 0 at d_v = 1 (kept anyway as input), else 4
+    ddl_keep_state_every: int | None = None  # N: keep the state entering every Nth block; 0: every sublayer's
     attention: str = "softmax"  # a name in ATTENTIONS: "softmax" (causal attention) | "deltaformer"
     deltaformer_w: str = "k"  # w of kappa(w_i, k_j): "k" | "q" | "proj" (its own projection)
     deltaformer_kernel: str = "softmax"  # kappa: "softmax" | "relu" | "linear" (of unit w, k)

@@ -163,16 +163,17 @@ def test_mix_takes_the_bf16_u_stage_shapes(monkeypatch):
 
     seen = []
 
-    def u(k, v, w, beta, kernel, lowp):
-        seen.append((k.shape[-1], k.dtype, kernel, lowp, w is k))
+    def u(k, v, w, beta, kernel, lowp, doc_start=None):
+        seen.append((k.shape[-1], k.dtype, kernel, lowp, w is k, doc_start is None))
         return v * 1.0
 
     monkeypatch.setattr(df, "deltaformer_u_triton", u)
-    every = [(D, dt, kernel, lowp, dt == torch.float16) for D, dt in
+    every = [(D, dt, kernel, lowp, dt == torch.float16, unmasked) for D, dt in
              ((64, torch.bfloat16), (128, torch.bfloat16), (64, torch.float32), (64, torch.float16),
-              (128, torch.float32)) for kernel in df.KERNELS for lowp in (True, False)]  # fmt: skip
+              (128, torch.float32)) for kernel in df.KERNELS for lowp in (True, False)
+             for unmasked in ((True, False) if dt == torch.bfloat16 else (True,))]  # fmt: skip
     compile_check.run_deltaformer_variants(mix=True)
-    assert seen == every[: 4 * len(df.KERNELS)]
+    assert seen == every[: 8 * len(df.KERNELS)]  # bf16 at both head dims, with and without documents
     seen.clear()
     compile_check.run_deltaformer_variants()
     assert seen == every

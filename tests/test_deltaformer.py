@@ -829,9 +829,9 @@ def test_model_at_init_length_1024_finite(kernel, w, monkeypatch):
     seen = []
     attention = model_module.deltaformer_attention
 
-    def spy(q, k, v, w_, beta, **kwargs):
+    def spy(q, k, v, w_, beta, *args, **kwargs):
         seen.append([x.detach() for x in (k, v, w_, beta)])
-        return attention(q, k, v, w_, beta, **kwargs)
+        return attention(q, k, v, w_, beta, *args, **kwargs)
 
     monkeypatch.setattr(model_module, "deltaformer_attention", spy)
     idx, targets = model_inputs(1)

@@ -607,7 +607,7 @@ def test_preset_param_counts():
     assert 123e6 < small < 124e6 and 353e6 < medium < 354e6  # the paper's 123-124M / 353-354M
 
 
-def dense_deltaformer(q, k, v, w, beta, kernel="softmax", scale=None, backend="auto"):
+def dense_deltaformer(q, k, v, w, beta, kernel="softmax", scale=None, backend="auto", doc_start=None):
     """Deltaformer attention with stage 1 as two full [T, D] x [D, T]-sized products, the work that
     flops_per_token counts (like SDPA, the whole T x T block, not the causal half): the scores W K^T and
     A @ U in u = v - diag(beta) A u. U itself comes from a triangular solve (FlopCounterMode does not
@@ -616,6 +616,8 @@ def dense_deltaformer(q, k, v, w, beta, kernel="softmax", scale=None, backend="a
     fifth for the matrix: its values are right, its gradients are not (only counted here)."""
     from ops.deltaformer import stage1_keys
     from ops.deltaformer.chunk import _kappa_rows
+
+    assert doc_start is None  # counted on one document
 
     T, D = q.shape[-2], q.shape[-1]
     s = D**-0.5 if scale is None else scale

@@ -396,9 +396,9 @@ def test_deltaformer_fields_reach_its_op(monkeypatch):
     seen, inputs = [], []
     op = model_module.deltaformer_attention
 
-    def spy(q, k, v, w, beta, kernel="softmax", scale=None, backend="auto"):
+    def spy(q, k, v, w, beta, kernel="softmax", scale=None, backend="auto", doc_start=None):
         seen.append(dict(q=q, k=k, w=w, beta=beta, kernel=kernel))
-        return op(q, k, v, w, beta, kernel=kernel, scale=scale, backend=backend)
+        return op(q, k, v, w, beta, kernel=kernel, scale=scale, backend=backend, doc_start=doc_start)
 
     monkeypatch.setattr(model_module, "deltaformer_attention", spy)
     base = GPTConfig(n_layer=1, n_head=2, head_dim=8, n_embd=16, block_size=8, vocab_size=64)
