@@ -170,7 +170,7 @@ def rope_tables(length, D, base):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate pairs (x[..., i], x[..., i + D/2]) of x [B, H, T, D] by the angles of cos, sin [T, D/2]."""
+    """Rotate pairs (x[..., i], x[..., i + D/2]) of x [B, H, T, D] by the angles of cos, sin [.., T, D/2]."""
     dt = torch.promote_types(x.dtype, torch.float32)
     cos, sin = cos.to(dt), sin.to(dt)
     x1, x2 = x.to(dt).chunk(2, dim=-1)
@@ -218,9 +218,10 @@ class Attention(nn.Module):
         heads = self.c_attn(c).view(B, T, -1, self.n_head, self.head_dim)
         heads = heads.permute(2, 0, 3, 1, 4)  # [n, B, H, T, D], n = q, k, v (, w)
         at = slice(pos, pos + T) if isinstance(pos, int) else pos + torch.arange(T, device=c.device)
+        if doc_start is not None:  # positions restart in each document: q.k after the norms' weights is not
+            at = pos + torch.arange(T, device=c.device) - doc_start[:, None]  # a function of i - j alone
         cos, sin = self.rope_cos[at], self.rope_sin[at]  # pos + T <= block_size (a tensor: StaticCache)
-        q = self.q_norm(apply_rope(heads[0], cos, sin))
-        k = self.k_norm(apply_rope(heads[1], cos, sin))
+        q, k = self.q_norm(apply_rope(heads[0], cos, sin)), self.k_norm(apply_rope(heads[1], cos, sin))
         w = self.w_norm(apply_rope(heads[3], cos, sin)) if heads.shape[0] == 4 else None  # own w: as k
         y = self.attend(c, q, k, heads[2], w, cache, doc_start)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -427,13 +428,13 @@ class GPT(nn.Module):
     def hidden_states(self, idx, cache=None, attention_mask=None):
         """Final-normed features [B, T, d] of tokens idx; with a cache (sample.py), idx continues the cached
         sequence (a StaticCache's pos is a tensor, checked by its owner: no sync in a compiled step).
-        attention_mask [B, T] (1: a token, 0: left padding, a document of its own): padded prompts."""
+        attention_mask [B, T] (1: token, 0: left padding, its own document): with a cache, the prompt's."""
         cfg = self.config
         T, pos = idx.shape[1], 0 if cache is None else cache.pos
         if isinstance(pos, int) and pos + T > cfg.block_size:
             raise ValueError(f"sequence of {pos + T} tokens exceeds block_size {cfg.block_size}")
         doc = None  # doc_start [B, T] (ops/common.py) where documents or padding split a row
-        if cfg.doc_mask or attention_mask is not None:
+        if cfg.doc_mask or attention_mask is not None or getattr(cache, "documents", False):
             doc = doc_starts(idx, EOT if cfg.doc_mask else None, pos, left_padding(attention_mask, idx))
             doc = doc if cache is None else cache.doc_start(doc)
         x = self.embed(idx, cache, doc)  # [B, T, d], or X0 [B, T, d, d_v] for the stream of the DDL ops
@@ -465,8 +466,7 @@ class GPT(nn.Module):
 
     def num_params(self, non_embedding=False):
         """Parameter count (the tied embedding / LM head once); non_embedding=True leaves it out."""
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.wte.weight.numel() if non_embedding else n
+        return sum(p.numel() for p in self.parameters()) - (self.wte.weight.numel() if non_embedding else 0)
 
     def flops_per_token(self, T):
         """Forward + backward FLOPs per token at sequence length T (PaLM-style, as nanoGPT's MFU): 6 N for

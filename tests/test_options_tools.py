@@ -99,6 +99,10 @@ GENERATE = {  # sample.generate's arguments
         "test_generate.py::test_static_cache_is_reused_in_place",
         "test_generate.py::test_generate_compiled_equals_cache",
     ],
+    "attention_mask": [
+        "test_generate.py::test_generate_left_padded_rows_equal_each_alone",
+        "test_generate.py::test_generate_refuses_a_row_without_tokens",
+    ],
 }
 
 EVAL = {
@@ -383,6 +387,9 @@ def refusals(path):
 REFUSALS = {
     "sample.py": {
         "generate: decode must be one of {}, got {}": ["test_generate.py::test_generate_none_and_bad_decode"],
+        "generate: attention_mask must end every row with a token": [
+            "test_generate.py::test_generate_refuses_a_row_without_tokens"
+        ],
         "--num_samples must be >= 1, got {}": [f"{FX}test_sample_refusals"],
         "--max_new_tokens must be in 0..{}, got {}": [
             "test_sample.py::test_absurd_lengths_are_refused_and_long_ones_report_progress",
