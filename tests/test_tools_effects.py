@@ -296,6 +296,7 @@ def test_eval_include_path_adds_task_folders(ev, out_dir, tmp_path, monkeypatch,
         yaml.read_text().replace("task: shakespeare_cloze", "task: my_cloze")
     )
     yaml.unlink()
+    (folder / "shakespeare_cloze_gen.yaml").unlink()  # my_cloze alone: no second copy of a local task
     fake = FakeEvaluate([0.0], 1.0)
     monkeypatch.setattr(ev.lm_eval, "simple_evaluate", fake)
     monkeypatch.setattr(lm_eval.utils, "make_table", lambda *a, **k: "")
@@ -306,9 +307,9 @@ def test_eval_include_path_adds_task_folders(ev, out_dir, tmp_path, monkeypatch,
     ev.main([*args, f"--include_path={tmp_path / 'nowhere'},{tmp_path / 'more'}"])
     assert fake.kwargs["tasks"] == ["my_cloze"] and fake.kwargs["task_manager"].match_tasks(["my_cloze"])
     with pytest.raises(
-        ValueError, match=re.escape("unknown task(s) my_cloze: not among the task folders (1)")
+        ValueError, match=re.escape("unknown task(s) my_cloze: not among the task folders (2)")
     ):
-        ev.task_manager(["my_cloze"], ev.include_paths(), builtin=False)  # named in a file, not a task here
+        ev.task_manager(["my_cloze"], ev.include_paths(), builtin=False)  # in a file, not data/tasks' 2 tasks
 
 
 @pytest.mark.parametrize(
@@ -388,7 +389,9 @@ def test_max_gen_toks_is_the_default_length_of_a_generation(ev, monkeypatch):
 
     asked = []
 
-    def fake_generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, stop=None):
+    def fake_generate(
+        model, idx, max_new_tokens, temperature=1.0, top_k=None, stop=None, attention_mask=None
+    ):
         asked.append((max_new_tokens, idx.shape[0]))
         return torch.cat([idx, torch.zeros(idx.shape[0], max_new_tokens, dtype=idx.dtype)], 1)
 
