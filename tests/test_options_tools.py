@@ -198,7 +198,10 @@ HF_FORWARD = {  # hf_model.DDLGPTForCausalLM.forward
         f"{FX}test_hf_forward_arguments",
         "test_export_hf.py::test_logits_and_greedy_generate_equal_the_repo",
     ],
-    "attention_mask": f"{FX}test_hf_forward_arguments",
+    "attention_mask": [
+        f"{FX}test_hf_forward_arguments",
+        "test_export_hf.py::test_left_padded_rows_equal_each_alone",
+    ],
     "labels": f"{FX}test_hf_forward_arguments",
     "use_cache": f"{FX}test_hf_forward_arguments",
     "return_dict": f"{FX}test_hf_forward_arguments",
@@ -210,7 +213,10 @@ HF_PREPARE = {  # hf_model.DDLGPTForCausalLM.prepare_inputs_for_generation: gene
         f"{FX}test_hf_prepare_inputs_for_generation",
         "test_export_hf.py::test_logits_and_greedy_generate_equal_the_repo",
     ],
-    "attention_mask": f"{FX}test_hf_prepare_inputs_for_generation",
+    "attention_mask": [
+        f"{FX}test_hf_prepare_inputs_for_generation",
+        "test_export_hf.py::test_left_padded_rows_equal_each_alone",
+    ],
     "kwargs": f"{FX}test_hf_prepare_inputs_for_generation",
 }
 
@@ -484,7 +490,8 @@ REFUSALS = {
         "-o {}: cannot write it ({})": [f"{FX}test_plot_refusals"],
     },
     "hf_model.py": {
-        "DDLGPTForCausalLM has no padding mask: attention_mask": [f"{FX}test_hf_forward_arguments"],
+        "DDLGPTForCausalLM: attention_mask has right padding": [f"{FX}test_hf_forward_arguments"],
+        "DDLGPTForCausalLM: attention_mask has a row of padding": [f"{FX}test_hf_forward_arguments"],
         "DDLGPTForCausalLM's cache does not support beam search": [
             f"{FX}test_hf_generate_is_sample_generate"
         ],

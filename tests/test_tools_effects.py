@@ -579,9 +579,11 @@ def test_hf_forward_arguments(hf):
         assert torch.equal(out.logits, ref) and out.loss is None and getattr(out, hf_model.CACHE) is None
         assert torch.equal(model(input_ids=idx, attention_mask=torch.ones_like(idx)).logits, ref)
         mask = torch.ones_like(idx)
-        mask[1, 0] = 0  # a left-padded row: no padding mask to honour it
-        with pytest.raises(ValueError, match="attention_mask must be all ones"):
-            model(idx, attention_mask=mask)
+        mask[1, :3] = 0  # a left-padded row is taken (its logits: test_export_hf.py's padded rows)
+        assert model(idx, attention_mask=mask).logits.shape == ref.shape
+        for bad, what in (([1, 1, 0] + [1] * 7, "right padding"), ([0] * 10, "a row of padding alone")):
+            with pytest.raises(ValueError, match=f"DDLGPTForCausalLM: attention_mask has {what}"):
+                model(idx, attention_mask=torch.tensor([[1] * 10, bad]))
         # labels: HF's convention, position t predicts labels[t + 1]; -100 is left out of the mean
         labels = idx.clone()
         labels[0, 3], labels[1, 7] = -100, -100
@@ -614,6 +616,10 @@ def test_hf_prepare_inputs_for_generation(hf):
     assert torch.equal(nxt["input_ids"], idx[:, 5:6]) and nxt[hf_model.CACHE] is first[hf_model.CACHE]
     window = model.prepare_inputs_for_generation(idx[:, :17], **{hf_model.CACHE: first[hf_model.CACHE]})
     assert torch.equal(window["input_ids"], idx[:, 1:17]) and window[hf_model.CACHE] is None  # block_size 16
+    grown = torch.ones(2, 17, dtype=torch.long)
+    grown[1, :2] = 0  # generate()'s mask of a left-padded prompt, grown by a one each step: cropped alike
+    window = model.prepare_inputs_for_generation(idx[:, :17], attention_mask=grown)
+    assert torch.equal(window["attention_mask"], grown[:, 1:])
 
 
 def test_hf_generate_is_sample_generate(hf):
