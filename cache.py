@@ -23,9 +23,10 @@ class Cache:
         self.store[key] = (k, v)
         return k, v
 
-    def deltaformer(self, key, q, k, v, w, beta, kernel):
-        """Deltaformer attention [B, H, T, D] of T new tokens after key's cached keys and u's."""
-        y, self.store[key] = deltaformer_decode(q, k, v, w, beta, self.store.get(key), kernel)
+    def deltaformer(self, key, q, k, v, w, beta, kernel, doc_start=None):
+        """Deltaformer attention [B, H, T, D] of T new tokens after key's cached keys and u's (doc_start: the
+        new tokens', in the whole sequence's frame)."""
+        y, self.store[key] = deltaformer_decode(q, k, v, w, beta, self.store.get(key), kernel, doc_start)
         return y
 
     def history(self, key, x, n):
@@ -84,14 +85,15 @@ class StaticCache(Cache):
             buf.index_copy_(2, at, new)
         return self.store[key]
 
-    def deltaformer(self, key, q, k, v, w, beta, kernel):
+    def deltaformer(self, key, q, k, v, w, beta, kernel, doc_start=None):
         if self.prompt:
-            y, (k, u) = deltaformer_decode(q, k, v, w, beta, None, kernel)
+            y, (k, u) = deltaformer_decode(q, k, v, w, beta, None, kernel, doc_start)
             self._fill(key, k, u)
             return y
+        docs = [None] * q.shape[2] if doc_start is None else doc_start.split(1, dim=1)
         outs = [  # one token at a time, as deltaformer_decode after a prompt
             deltaformer_step(*(x[:, :, t : t + 1] for x in (q, k, v, w, beta)), *self.store[key], kernel,
-                             pos=self.pos + t)[0]
+                             pos=self.pos + t, doc_start=docs[t])[0]
             for t in range(q.shape[2])
         ]  # fmt: skip
         return torch.cat(outs, dim=2)

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ops.attn import softmax_attention
-from ops.common import BACKENDS, doc_starts, fp32_linear, left_padding
+from ops.common import BACKENDS, EOT, doc_starts, fp32_linear, left_padding
 from ops.ddl import expand_ec
 from ops.ddl.stream import Compressor, DDLStream, history_doc_start, identity_conv
 from ops.deltaformer import deltaformer_attention
@@ -36,7 +36,6 @@ CHOICES = {  # GPTConfig fields with a fixed set of values
     "ddl_v": ("sigmoid", "linear"), "ddl_state_dtype": ("float32", "bfloat16"),
     "ddl_state_rounding": ("nearest", "stochastic"),
 }  # fmt: skip
-EOT = 50256  # GPT-2's <|endoftext|>, before every document of the corpora (data/tokenizer.py)
 DDL_EPS = 1e-5  # khat = h / sqrt(|h|^2 + eps^2)
 DDL_V_SCALE = 4.0  # v = 4 sigmoid(.) in (0, 4)
 INIT_STD_FACTOR = 0.5  # init="scaled": std = 0.5 / sqrt(d)
@@ -61,8 +60,7 @@ class GPTConfig:
     norm_eps: float = 1e-5  # epsilon of every RMSNorm
     init: str = "scaled"  # "scaled" (the DDL code's, every row) | "nanogpt"
     dropout: float = 0.0  # in training: on the embeddings, attention weights and sublayer outputs
-    doc_mask: bool = False  # a document begins at each EOT token: no token sees (attends to, erases
-    # against, convolves over) an earlier document of its row. False: the papers' recipe
+    doc_mask: bool = False  # True: a document begins at each EOT; no token sees an earlier one (README)
     residual: str = "additive"  # a name in RESIDUALS: "additive" | DDL: "ddl" (d_v = 1), "ddl-tc", "ddl-cc"
     ddl_dv: int | None = None  # None -> the rule's d_v (1 for "ddl") or 4; None for a vector-stream rule
     ddl_ec: bool = True  # EC expansion of the embedding (rules whose spec has ec: "ddl-tc", "ddl-cc")
@@ -74,7 +72,7 @@ class GPTConfig:
     ddl_state_rounding: str = "nearest"  # a bf16 X's: "nearest" | "stochastic" (unbiased, ops/ddl)
     # autograd keeps the state entering every Nth block, the backward rebuilds the others from it (less
     # memory, more backward work). 0: every sublayer's. None: 0 at d_v = 1 (kept anyway as input), else 4
-    ddl_keep_state_every: int | None = None  # DDL state kept every Nth block, rebuilt between (0: all)
+    ddl_keep_state_every: int | None = None
     attention: str = "softmax"  # a name in ATTENTIONS: "softmax" (causal attention) | "deltaformer"
     deltaformer_w: str = "k"  # w of kappa(w_i, k_j): "k" | "q" | "proj" (its own projection)
     deltaformer_kernel: str = "softmax"  # kappa: "softmax" | "relu" | "linear" (of unit w, k)
@@ -218,10 +216,11 @@ class Attention(nn.Module):
         heads = self.c_attn(c).view(B, T, -1, self.n_head, self.head_dim)
         heads = heads.permute(2, 0, 3, 1, 4)  # [n, B, H, T, D], n = q, k, v (, w)
         at = slice(pos, pos + T) if isinstance(pos, int) else pos + torch.arange(T, device=c.device)
-        if doc_start is not None:  # positions restart in each document: q.k after the norms' weights is not
-            at = pos + torch.arange(T, device=c.device) - doc_start[:, None]  # a function of i - j alone
+        if doc_start is not None:  # positions restart at each document: QK-norm after RoPE is not relative
+            at = (pos + torch.arange(T, device=c.device) - doc_start)[:, None]  # [B, 1, T]
         cos, sin = self.rope_cos[at], self.rope_sin[at]  # pos + T <= block_size (a tensor: StaticCache)
-        q, k = self.q_norm(apply_rope(heads[0], cos, sin)), self.k_norm(apply_rope(heads[1], cos, sin))
+        q = self.q_norm(apply_rope(heads[0], cos, sin))
+        k = self.k_norm(apply_rope(heads[1], cos, sin))
         w = self.w_norm(apply_rope(heads[3], cos, sin)) if heads.shape[0] == 4 else None  # own w: as k
         y = self.attend(c, q, k, heads[2], w, cache, doc_start)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -257,8 +256,8 @@ class DeltaformerAttention(Attention):
         cfg, kernel = self.cfg, self.cfg.deltaformer_kernel
         w, beta = {"q": q, "k": k}.get(cfg.deltaformer_w, w), self.gate(c)
         if cache is None:
-            return deltaformer_attention(q, k, v, w, beta, kernel=kernel, backend=cfg.backend)
-        return cache.deltaformer(self, q, k, v, w, beta, kernel)
+            return deltaformer_attention(q, k, v, w, beta, kernel, backend=cfg.backend, doc_start=doc_start)
+        return cache.deltaformer(self, q, k, v, w, beta, kernel, doc_start)
 
     def init_weights(self, scaled):  # b_beta = 0: beta starts near beta_max / 2
         if self.beta_logit:
@@ -466,7 +465,8 @@ class GPT(nn.Module):
 
     def num_params(self, non_embedding=False):
         """Parameter count (the tied embedding / LM head once); non_embedding=True leaves it out."""
-        return sum(p.numel() for p in self.parameters()) - (self.wte.weight.numel() if non_embedding else 0)
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wte.weight.numel() if non_embedding else n
 
     def flops_per_token(self, T):
         """Forward + backward FLOPs per token at sequence length T (PaLM-style, as nanoGPT's MFU): 6 N for

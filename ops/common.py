@@ -89,6 +89,9 @@ class _Logits(torch.autograd.Function):
         return dx, dw.to(weight.dtype), None
 
 
+EOT = 50256  # GPT-2's <|endoftext|>, before every document of the corpora (data/tokenizer.py)
+
+
 def doc_starts(idx, eot=None, pos=0, real=None):
     """doc_start [B, T] of tokens idx [B, T] at positions pos.. of their sequence: for each token, the
     position of the first token of its document, the representation every op's doc_start takes. A document

@@ -308,18 +308,7 @@ def test_generate_until_keeps_the_last_block_size_tokens_of_a_long_prompt():
     assert lm.generate_until(reqs, disable_tqdm=True) == wanted
 
 
-ROWS = [
-    pytest.param(
-        r,
-        a,
-        id=f"{r}-{a}",
-        marks=[pytest.mark.xfail(strict=True, reason="Deltaformer's doc_start not yet wired")]
-        if a == "deltaformer"
-        else [],
-    )
-    for r in ("additive", "ddl", "ddl-tc", "ddl-cc")
-    for a in ("softmax", "deltaformer")
-]
+ROWS = [(r, a) for r in ("additive", "ddl", "ddl-tc", "ddl-cc") for a in ("softmax", "deltaformer")]
 
 
 @pytest.mark.parametrize("residual,attention", ROWS)

@@ -206,19 +206,7 @@ def equal_the_repo(hf, ref):
     assert hf["seen"] == [PROMPT] + [1] * (BLOCK - PROMPT) + [BLOCK] * (NEW - 1 - (BLOCK - PROMPT))
 
 
-@pytest.mark.parametrize(
-    "variant",
-    [
-        pytest.param(
-            v,
-            id=name(v),
-            marks=[pytest.mark.xfail(strict=True, reason="Deltaformer's doc_start not yet wired")]
-            if v["attention"] == "deltaformer"
-            else [],
-        )
-        for v in PADDED
-    ],
-)
+@pytest.mark.parametrize("variant", PADDED, ids=name)
 def test_left_padded_rows_equal_each_alone(exported, variant):
     """A left-padded batch (attention_mask) in transformers: each row's logits are those of the row alone
     in model.py (float32, the same bound as above: the rounding of another order of operations), and

@@ -220,14 +220,7 @@ def test_generate_compiled_on_cuda_replays_cuda_graphs():
 
 
 # ---- left-padded batches ----
-DELTAFORMER_XFAIL = pytest.mark.xfail(strict=True, reason="Deltaformer's doc_start not yet wired")
-ROWS = [
-    pytest.param(
-        dict(residual=r, attention=a), id=f"{r}-{a}", marks=DELTAFORMER_XFAIL if a == "deltaformer" else ()
-    )
-    for r in RESIDUALS
-    for a in ATTENTIONS
-]
+ROWS = [pytest.param(dict(residual=r, attention=a), id=f"{r}-{a}") for r in RESIDUALS for a in ATTENTIONS]
 
 
 def left_padded(prompts, gen):

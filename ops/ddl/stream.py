@@ -2,7 +2,8 @@
 
 A sublayer reads x_in = compress(X) (`read`) and writes X <- X + beta khat (v^T - khat^T X) (`write`). The
 reads go through the compressor that `enter` names: a Compressor, whose `kind` (the residual rule's
-spec.compressor: None | "cc" | "tc") picks the fused kernels below, called as reader(X) -> [B, T, d].
+spec.compressor: None | "cc" | "tc") picks the fused kernels below, called as reader(X, doc_start) ->
+[B, T, d].
 What exists only for speed and memory happens behind those two calls, so that a model need not see it:
 - a write waits for the next read and runs with it as one op, the update fused with that read-out
   (ddl_update_compress_cc / _tc: fewer passes over the state than the update and then the read; at
