@@ -10,10 +10,11 @@ from ops.deltaformer import deltaformer_decode, deltaformer_step
 class Cache:
     """Decoding state for GPT.hidden_states: `pos` tokens seen so far, and in `store`, per module (or
     (module, slot)), what it keeps of them: keys and values (Deltaformer: keys and u's) [B, H, S, D], grown by
-    concatenation, and the last n inputs of a causal conv (DDL's TC read-outs and EC)."""
+    concatenation, and the last n inputs of a causal conv (DDL's TC read-outs and EC). `documents`: whether
+    the cached tokens are split into documents (doc_start), which every later call then continues."""
 
     def __init__(self):
-        self.pos, self.store = 0, {}
+        self.pos, self.store, self.documents = 0, {}, False
 
     def extend(self, key, k, v):
         """key's cached keys and values [B, H, S, D] followed by the T new ones k, v [B, H, T, D]."""
@@ -46,9 +47,10 @@ class Cache:
     def doc_start(self, start):
         """doc_start [B, T] of the new tokens (ops/common.doc_starts: 0 where no document began among them)
         continued from the cached tokens': the document of the last cached token goes on until one begins."""
-        last = self.store.get("doc_start")
+        last = self.store.get(Cache.doc_start)  # (a str key: torch.compile fails comparing it with a module)
         start = start if last is None else torch.maximum(start, last)
-        self._keep("doc_start", start[:, -1:])
+        self._keep(Cache.doc_start, start[:, -1:])
+        self.documents = True
         return start
 
 
@@ -67,7 +69,7 @@ class StaticCache(Cache):
 
     def reset(self):
         """Ready for a new prompt; the buffers, zeroed, stay (and so their addresses)."""
-        self.prompt = True
+        self.prompt, self.documents = True, False
         self.pos.zero_()
         for bufs in self.store.values():
             for buf in bufs if isinstance(bufs, tuple) else (bufs,):

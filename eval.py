@@ -242,8 +242,10 @@ class CheckpointLM(TemplateLM):
         tokens, each cut before its first stop string (gen_kwargs["until"] and EOT's text); a batch stops
         generating once every row holds a stop string.
 
-        Requests with equal prompt length and settings share a sample.generate call (no padding). A prompt
-        is cut to its last block_size tokens: sample.generate never looks further back."""
+        Requests with the same settings share sample.generate calls, batch_size at a time, longest prompt
+        first: a batch's shorter prompts are left-padded (attention_mask), each row's tokens those of its
+        prompt alone. A prompt is cut to its last block_size tokens: sample.generate never looks further
+        back."""
         eos = self.tok_decode([self.eot_token_id])
         groups = defaultdict(list)
         for k, req in enumerate(requests):
@@ -255,15 +257,22 @@ class CheckpointLM(TemplateLM):
                 )
             until = tuple(handle_stop_sequences(list(kw["until"]), eos=eos))
             ids = self.tok_encode(context)[-self.block_size :] or [self.prefix_token_id]
-            groups[(len(ids), kw["max_gen_toks"], until)].append((k, ids))
+            groups[(kw["max_gen_toks"], until)].append((k, ids))
         results = [None] * len(requests)
         bar = tqdm(total=len(requests), desc="generate_until", disable=disable_tqdm or not requests)
-        for (T, max_gen_toks, until), items in sorted(groups.items(), key=lambda g: -g[0][0]):
+        for (max_gen_toks, until), items in groups.items():
+            items.sort(key=lambda item: -len(item[1]))
             for i in range(0, len(items), self.batch_size):
                 chunk = items[i : i + self.batch_size]
-                x = torch.tensor([ids for _, ids in chunk], dtype=torch.long, device=self._device)
+                T = len(chunk[0][1])  # the longest prompt's length: the others are left-padded to it
+                x = torch.full((len(chunk), T), EOT, dtype=torch.long)  # (the padding's ids are never seen)
+                mask = torch.zeros_like(x)
+                for b, (_, ids) in enumerate(chunk):
+                    x[b, T - len(ids) :], mask[b, T - len(ids) :] = torch.tensor(ids), 1
+                mask = None if bool(mask.all()) else mask.to(self._device)  # no padding: the unmasked path
+                x, stopped = x.to(self._device), partial(self._all_stopped, until)
                 with self._autocast():
-                    y = generate(self.model, x, max_gen_toks, top_k=1, stop=partial(self._all_stopped, until))
+                    y = generate(self.model, x, max_gen_toks, top_k=1, stop=stopped, attention_mask=mask)
                 for (k, _), row in zip(chunk, y[:, T:].tolist()):
                     text = self.tok_decode(row)
                     for stop in until:

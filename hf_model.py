@@ -8,8 +8,9 @@ the PyTorch path elsewhere) and the same decoding cache as sample.generate.
 
 generate() decodes through cache.Cache: the prompt once, then one token a step (its keys/values,
 Deltaformer's u's, DDL's TC and EC histories); past block_size the window slides and each step reruns the
-last block_size tokens without a cache, as sample.generate does. The model has no padding mask: a batch
-whose attention_mask holds a 0 (left-padded prompts) is refused rather than scored wrongly.
+last block_size tokens without a cache, as sample.generate does. attention_mask may left-pad a batch (0s
+before a row's tokens): the padding is a document of its own that no token sees (GPT.hidden_states), so each
+row's logits and tokens are those of the row alone; right padding is refused.
 
 It runs as the folder's modeling file (export_hf.py copies it there with the modules it imports).
 """
@@ -90,16 +91,13 @@ class DDLGPTForCausalLM(PreTrainedModel, GenerationMixin):
         self, input_ids, attention_mask=None, labels=None, use_cache=None, return_dict=None, **kwargs
     ):
         """Logits [B, T, vocab] of input_ids [B, T]; with a cache.Cache (as `cache` or `past_key_values`),
-        input_ids continue the cached sequence. labels: HF's convention (shifted here, -100 ignored)."""
+        input_ids continue the cached sequence. attention_mask: 1 a token, 0 left padding (continuing a cache:
+        of the whole sequence, as generate() grows it). labels: HF's convention (shifted, -100 ignored)."""
         cache = kwargs.pop("cache", None) or kwargs.pop("past_key_values", None)
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError(
-                "DDLGPTForCausalLM has no padding mask: attention_mask must be all ones (batch prompts of "
-                "equal length, or right-pad and ignore the padded positions)"
-            )
         if not isinstance(cache, Cache):
             cache = Cache() if use_cache else None
-        logits = self.gpt.lm_head(self.gpt.hidden_states(input_ids, cache))
+        mask = padding(attention_mask, cache)
+        logits = self.gpt.lm_head(self.gpt.hidden_states(input_ids, cache, mask))
         loss = None
         if labels is not None:
             loss = F.cross_entropy(
@@ -112,8 +110,9 @@ class DDLGPTForCausalLM(PreTrainedModel, GenerationMixin):
         without a cache (sample.generate's sliding window)."""
         cache = kwargs.get("cache") or kwargs.get("past_key_values")
         block_size = self.gpt.config.block_size
-        if input_ids.shape[1] > block_size:
+        if input_ids.shape[1] > block_size:  # (the mask, cropped alike, goes with them: forward's `padding`)
             cache, input_ids = None, input_ids[:, -block_size:]
+            attention_mask = None if attention_mask is None else attention_mask[:, -block_size:]
         elif isinstance(cache, Cache) and cache.pos > 0:
             input_ids = input_ids[:, cache.pos :]
         else:
@@ -122,3 +121,20 @@ class DDLGPTForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _reorder_cache(self, *args, **kwargs):
         raise NotImplementedError("DDLGPTForCausalLM's cache does not support beam search (num_beams=1)")
+
+
+def padding(attention_mask, cache):
+    """The attention_mask GPT.hidden_states takes: None where no row is padded, or where the tokens continue
+    a cache (whose last document they continue: cache.Cache.doc_start); else attention_mask itself, whose
+    left padding is a document of its own. Right padding, and a row of padding alone, are refused."""
+    if attention_mask is None:
+        return None
+    real = attention_mask.bool()
+    if bool((real[:, :-1] & ~real[:, 1:]).any()):
+        raise ValueError(
+            "DDLGPTForCausalLM: attention_mask has right padding (a 0 after a 1); only left padding is "
+            "supported (tokenizer.padding_side = 'left')"
+        )
+    if not bool(real[:, -1].all()):
+        raise ValueError("DDLGPTForCausalLM: attention_mask has a row of padding alone (no token to go on)")
+    return None if bool(real.all()) or (cache is not None and cache.pos > 0) else attention_mask

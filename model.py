@@ -168,7 +168,7 @@ def rope_tables(length, D, base):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate pairs (x[..., i], x[..., i + D/2]) of x [B, H, T, D] by the angles of cos, sin [T, D/2]."""
+    """Rotate pairs (x[..., i], x[..., i + D/2]) of x [B, H, T, D] by the angles of cos, sin [.., T, D/2]."""
     dt = torch.promote_types(x.dtype, torch.float32)
     cos, sin = cos.to(dt), sin.to(dt)
     x1, x2 = x.to(dt).chunk(2, dim=-1)
@@ -427,13 +427,13 @@ class GPT(nn.Module):
     def hidden_states(self, idx, cache=None, attention_mask=None):
         """Final-normed features [B, T, d] of tokens idx; with a cache (sample.py), idx continues the cached
         sequence (a StaticCache's pos is a tensor, checked by its owner: no sync in a compiled step).
-        attention_mask [B, T] (1: a token, 0: left padding, a document of its own): padded prompts."""
+        attention_mask [B, T] (1: token, 0: left padding, its own document): with a cache, the prompt's."""
         cfg = self.config
         T, pos = idx.shape[1], 0 if cache is None else cache.pos
         if isinstance(pos, int) and pos + T > cfg.block_size:
             raise ValueError(f"sequence of {pos + T} tokens exceeds block_size {cfg.block_size}")
         doc = None  # doc_start [B, T] (ops/common.py) where documents or padding split a row
-        if cfg.doc_mask or attention_mask is not None:
+        if cfg.doc_mask or attention_mask is not None or getattr(cache, "documents", False):
             doc = doc_starts(idx, EOT if cfg.doc_mask else None, pos, left_padding(attention_mask, idx))
             doc = doc if cache is None else cache.doc_start(doc)
         x = self.embed(idx, cache, doc)  # [B, T, d], or X0 [B, T, d, d_v] for the stream of the DDL ops

@@ -48,9 +48,9 @@ def static_cache(model, idx):
     return cache.reset()
 
 
-def next_logits(model, cache, idx):
+def next_logits(model, cache, idx, attention_mask=None):
     """Logits [B, V] of the token after idx [B, T], continuing cache's sequence (None: idx is all of it)."""
-    return model.lm_head(model.hidden_states(idx, cache)[:, -1])
+    return model.lm_head(model.hidden_states(idx, cache, attention_mask)[:, -1])
 
 
 @functools.cache
@@ -61,26 +61,34 @@ def compiled_next_logits():
 
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, stop=None, decode="cache"):
+def generate(
+    model, idx, max_new_tokens, temperature=1.0, top_k=None, stop=None, decode="cache", attention_mask=None
+):
     """Append max_new_tokens sampled tokens to idx [B, T] (top_k=1: greedy), through the model's cache
     while the sequence fits in block_size, then cropped like nanoGPT (the window slides: no cache applies).
     stop: called with the new tokens [B, t] after each step; generation ends early once it returns True.
     decode: how a token's logits are computed, the same in every way up to the rounding of another order of
     operations: "cache", a Cache; "static", a StaticCache; "compiled", a StaticCache with each step after the
     prompt compiled (torch.compile, CUDA graphs on a GPU; one compile per model, batch size and dtype);
-    "none", no cache: a forward pass over the whole sequence for every token (nanoGPT's loop)."""
+    "none", no cache: a forward pass over the whole sequence for every token (nanoGPT's loop).
+    attention_mask [B, T] (1: a token, 0: left padding): prompts of different lengths, each row's tokens
+    those of its prompt alone; passed to the prompt's pass, and to each window's (the new tokens as ones)."""
     if decode not in DECODES:
         raise ValueError(f"generate: decode must be one of {DECODES}, got {decode!r}")
+    mask = attention_mask  # (the model refuses right padding; a row of padding alone has nothing to go on)
+    if mask is not None and not bool(mask[..., -1].all()):
+        raise ValueError("generate: attention_mask must end every row with a token (left padding only)")
     block_size, T = model.config.block_size, idx.size(1)
     cache, token, step = None, None, compiled_next_logits() if decode == "compiled" else next_logits
     for _ in range(max_new_tokens):
         if stop is not None and idx.size(1) > T and stop(idx[:, T:]):
             break
         if decode == "none" or idx.size(1) > block_size:
-            cache, logits = None, next_logits(model, None, idx[:, -block_size:])
+            window = None if mask is None else F.pad(mask, (0, idx.size(1) - T), value=1)[:, -block_size:]
+            cache, logits = None, next_logits(model, None, idx[:, -block_size:], window)
         elif cache is None:  # the prompt
             cache = Cache() if decode == "cache" else static_cache(model, idx)
-            logits = next_logits(model, cache, idx)
+            logits = next_logits(model, cache, idx, mask)
             if decode != "cache":
                 cache.prompt = False  # a StaticCache's steps from here on
         else:  # the last token, [B, 1] of its own (a view of idx would change strides: a recompile each)

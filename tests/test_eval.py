@@ -251,7 +251,9 @@ def test_generate_until_cuts_at_eot(monkeypatch):
     model = tiny(seed=4)
     made = enc.encode_ordinary(" Good night, sweet prince") + [EOT] + enc.encode_ordinary(" And flights")
 
-    def fake_generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, stop=None):
+    def fake_generate(
+        model, idx, max_new_tokens, temperature=1.0, top_k=None, stop=None, attention_mask=None
+    ):
         assert top_k == 1 and max_new_tokens == len(made)
         return torch.cat([idx, torch.tensor([made] * idx.shape[0])], dim=1)
 
@@ -304,6 +306,44 @@ def test_generate_until_keeps_the_last_block_size_tokens_of_a_long_prompt():
     gen = {"until": ["@@never@@"], "max_gen_toks": 6}
     reqs = [Instance("generate_until", {}, (p, gen), k) for k, p in enumerate(prompts)]
     assert lm.generate_until(reqs, disable_tqdm=True) == wanted
+
+
+ROWS = [(r, a) for r in ("additive", "ddl", "ddl-tc", "ddl-cc") for a in ("softmax", "deltaformer")]
+
+
+@pytest.mark.parametrize("residual,attention", ROWS)
+def test_generate_until_batches_prompts_of_different_lengths(residual, attention, monkeypatch):
+    """Prompts of different lengths share a batch, the shorter left-padded: each request's text is its
+    unbatched one (batch_size 1) and greedy decoding of its prompt alone (float64, every parameter off its
+    init). The longest prompt is cut to block_size, so the batch's window slides over the padding."""
+    model = tiny(residual, attention, seed=3).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    enc = get_encoding()
+    rng = random.Random(4)
+    prompts = [random_text(rng, n) for n in (3, 40, 9, 1, 5, 14)]
+    gen = {"until": ["@@never@@"], "max_gen_toks": 6}
+    reqs = [Instance("generate_until", {}, (p, gen), k) for k, p in enumerate(prompts)]
+    calls = []
+
+    def spy(model, idx, *args, attention_mask=None, **kwargs):
+        calls.append((tuple(idx.shape), None if attention_mask is None else attention_mask.sum(1).tolist()))
+        return generate(model, idx, *args, attention_mask=attention_mask, **kwargs)
+
+    monkeypatch.setattr(ev, "generate", spy)
+    batched = ev.CheckpointLM(model=model, device="cpu", batch_size=4).generate_until(reqs, disable_tqdm=True)
+    lengths = sorted((min(len(enc.encode_ordinary(p)), BLOCK) for p in prompts), reverse=True)
+    assert calls == [((4, BLOCK), lengths[:4]), ((2, lengths[4]), lengths[4:])]  # longest first, padded
+    lm = ev.CheckpointLM(model=model, device="cpu", batch_size=1)
+    one = lm.generate_until(reqs, disable_tqdm=True)
+    assert all(mask is None for _, mask in calls[2:])  # one prompt a batch: no padding
+    alone = []
+    for p in prompts:
+        x = torch.tensor([enc.encode_ordinary(p)[-BLOCK:]])
+        text = lm.tok_decode(generate(model, x, 6, top_k=1)[0, x.shape[1] :].tolist())
+        alone.append(text.split(lm.tok_decode([EOT]))[0])
+    assert batched == one == alone
 
 
 # ---- checkpoints ----
@@ -382,7 +422,7 @@ def test_cloze_files_are_what_the_generator_writes(tmp_path):
 
     shakespeare_cloze.main(["--out", str(tmp_path)])
     here = os.path.join(ev.LOCAL_TASKS, "shakespeare_cloze")
-    for name in ("test.jsonl", "fewshot.jsonl", "shakespeare_cloze.yaml"):
+    for name in ("test.jsonl", "fewshot.jsonl", "shakespeare_cloze.yaml", "shakespeare_cloze_gen.yaml"):
         with (
             open(os.path.join(here, name), encoding="utf-8") as a,
             open(tmp_path / name, encoding="utf-8") as b,

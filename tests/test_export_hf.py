@@ -38,6 +38,13 @@ VARIANTS = [{**r, "attention": "softmax"} for r in RESIDUALS] + [
     {**r, "attention": "deltaformer", "deltaformer_kernel": k, "deltaformer_w": w}
     for r, (k, w) in zip(RESIDUALS, KAPPA_W + KAPPA_W)
 ]
+# the left-padded batches: one variant of each residual x attention row
+PADDED = [
+    next(v for v in VARIANTS if v["residual"] == r and v["attention"] == a)
+    for r in ("additive", "ddl", "ddl-cc", "ddl-tc")
+    for a in ("softmax", "deltaformer")
+]
+ROW_LENGTHS, PROMPT_LENGTHS = (BLOCK, 9, 12), (PROMPT, 2, 4)
 TEXTS = [
     "Hello world<|endoftext|>ROMEO:\n  But soft, what light through yonder window breaks?\n\n\n",
     "<|endoftext|><|endoftext|>x  y\t\tz 1234567 don't I'll ‘quotes’ café 日本語 🤖  \n",
@@ -73,6 +80,13 @@ for name, job in jobs.items():
         new = job["new"]
         ids = model.generate(job["prompt"], max_new_tokens=new, do_sample=False) if new else None
     out[name] = dict(logits=logits, ids=ids, seen=seen[1:], triton_calls=len(calls))
+    if "padded" in job and new:  # left-padded batches: a forward, and greedy generate() from the prompts
+        pad = job["padded"]
+        with torch.no_grad():
+            logits = model(input_ids=pad["tokens"], attention_mask=pad["tokens_mask"]).logits
+            ids = model.generate(pad["prompt"], attention_mask=pad["prompt_mask"], max_new_tokens=new,
+                                 do_sample=False)
+        out[name]["padded"] = dict(logits=logits, ids=ids)
 torch.save(out, sys.argv[2])
 """
 
@@ -135,6 +149,10 @@ def exported(tmp_path_factory):
     refs, jobs = {}, {}
     for k, v in enumerate(VARIANTS):
         model = tiny(seed=k, **v)
+        with torch.no_grad():  # the norms off their init (ones): RoPE before q_norm, k_norm is not relative
+            for n, p in model.named_parameters():
+                if n.endswith("norm.weight"):
+                    p.add_(0.5 * torch.randn(p.shape, generator=gen))
         write_checkpoint(tmp / f"ckpt{k}", model)
         folder = export_hf.export(str(tmp / f"ckpt{k}"), str(tmp / f"hf{k}"))
         tokens = torch.randint(0, 512, (2, BLOCK), generator=gen)
@@ -143,8 +161,34 @@ def exported(tmp_path_factory):
             logits = model(tokens, targets=tokens)[0]  # targets: the logits at every position
         refs[name(v)] = dict(logits=logits, ids=generate(model, prompt, NEW, top_k=1))
         jobs[name(v)] = dict(folder=folder, tokens=tokens, prompt=prompt, new=NEW)
+        if v in PADDED:
+            jobs[name(v)]["padded"], refs[name(v)]["padded"] = padded_job(model, gen)
     jobs["tokenizer"] = dict(folder=jobs[name(VARIANTS[0])]["folder"], texts=TEXTS)
     return tmp, jobs, refs, run_child(tmp, jobs)
+
+
+def left_padded(rows, gen):
+    """The rows (1-D) left-padded with random tokens to the longest's length, and their attention_mask."""
+    T = max(map(len, rows))
+    idx, mask = (
+        torch.randint(0, 512, (len(rows), T), generator=gen),
+        torch.zeros(len(rows), T, dtype=torch.long),
+    )
+    for b, row in enumerate(rows):
+        idx[b, T - len(row) :], mask[b, T - len(row) :] = row, 1
+    return idx, mask
+
+
+def padded_job(model, gen):
+    """(a job of left-padded batches, the reference: each row alone in model.py and sample.generate)."""
+    rows = [torch.randint(0, 512, (n,), generator=gen) for n in ROW_LENGTHS]
+    prompts = [torch.randint(0, 512, (n,), generator=gen) for n in PROMPT_LENGTHS]
+    (tokens, tokens_mask), (prompt, prompt_mask) = left_padded(rows, gen), left_padded(prompts, gen)
+    with torch.no_grad():
+        logits = [model(r[None], targets=r[None])[0][0] for r in rows]
+    ids = [generate(model, p[None], NEW, top_k=1)[0, len(p) :] for p in prompts]
+    job = dict(tokens=tokens, tokens_mask=tokens_mask, prompt=prompt, prompt_mask=prompt_mask)
+    return job, dict(logits=logits, ids=ids)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=name)
@@ -160,6 +204,20 @@ def equal_the_repo(hf, ref):
     assert torch.equal(hf["ids"], ref["ids"])
     # the cache: the prompt once, then one token a step; past block_size the last block_size tokens
     assert hf["seen"] == [PROMPT] + [1] * (BLOCK - PROMPT) + [BLOCK] * (NEW - 1 - (BLOCK - PROMPT))
+
+
+@pytest.mark.parametrize("variant", PADDED, ids=name)
+def test_left_padded_rows_equal_each_alone(exported, variant):
+    """A left-padded batch (attention_mask) in transformers: each row's logits are those of the row alone
+    in model.py (float32, the same bound as above: the rounding of another order of operations), and
+    batched greedy generate() gives each prompt's tokens alone (sample.generate), its window sliding over
+    the padding past block_size (the prompts of 6, 2 and 4 tokens, 14 new: the batch crosses 16)."""
+    _, _, refs, got = exported
+    hf, ref = got[name(variant)]["padded"], refs[name(variant)]["padded"]
+    for b, n in enumerate(ROW_LENGTHS):
+        assert (hf["logits"][b, BLOCK - n :] - ref["logits"][b]).abs().max().item() <= 1e-5, b
+    for b in range(len(PROMPT_LENGTHS)):
+        assert torch.equal(hf["ids"][b, PROMPT:], ref["ids"][b]), b
 
 
 def test_readme_recipes_export(tmp_path, monkeypatch):
@@ -223,6 +281,49 @@ def test_triton_kernels_run_when_available(exported):
         assert (got[n]["logits"] - refs[n]["logits"]).abs().max().item() <= 1e-5
 
 
+def run_lm_eval(tmp_path, folder, task, num_fewshot, limit, batch_size):
+    """`lm_eval --model hf` on the folder's model, in a process outside the repo: {doc_id: logged sample}."""
+    import eval as ev
+
+    out = tmp_path / f"lm-{task}-{batch_size}"
+    cmd = [sys.executable, "-P", "-m", "lm_eval", "--model", "hf", "--model_args",
+           f"pretrained={folder},trust_remote_code=True", "--tasks", task, "--include_path", ev.LOCAL_TASKS,
+           "--num_fewshot", str(num_fewshot), "--limit", str(limit), "--device", "cpu", "--batch_size",
+           str(batch_size), "--seed", "1234", "--log_samples", "--output_path", str(out)]  # fmt: skip
+    r = subprocess.run(
+        cmd, cwd=tmp_path, env=child_env(tmp_path), capture_output=True, text=True, timeout=1800
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    (samples,) = glob.glob(str(out / "*" / f"samples_{task}_*.jsonl"))
+    with open(samples, encoding="utf-8") as f:
+        return {d["doc_id"]: d for d in map(json.loads, f)}
+
+
+def test_lm_eval_hf_generates_in_left_padded_batches(tmp_path):
+    """`lm_eval --model hf` runs the local generation task (shakespeare_cloze_gen) at --batch_size 4, its
+    prompts of different lengths left-padded together: each output is the one of --batch_size 1."""
+    pytest.importorskip("lm_eval")
+    import eval as ev
+
+    model = tiny(seed=6, vocab_size=50304, block_size=96, residual="ddl-tc", attention="softmax")
+    with torch.no_grad():  # off the init: outputs that depend on the context (and would on the padding)
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    write_checkpoint(tmp_path / "ckpt", model)
+    folder = export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    limit, enc = 8, get_encoding()
+    with open(os.path.join(ev.LOCAL_TASKS, "shakespeare_cloze", "test.jsonl"), encoding="utf-8") as f:
+        items = [json.loads(line) for line in f][:limit]
+    lengths = [len(enc.encode_ordinary(item["context"])) for item in items]  # all fit: 96 - max_gen_toks (8)
+    assert len(set(lengths)) == limit and max(lengths) <= 88  # every batch of 4 is padded
+    batched, single = (run_lm_eval(tmp_path, folder, "shakespeare_cloze_gen", 0, limit, n) for n in (4, 1))
+    assert sorted(batched) == sorted(single) == list(range(limit))
+    outputs = [batched[i]["resps"][0][0] for i in range(limit)]
+    assert outputs == [single[i]["resps"][0][0] for i in range(limit)]
+    assert len(set(outputs)) == limit, outputs  # the outputs differ, none empty
+    assert [batched[i]["target"] for i in range(limit)] == [it["choices"][it["label"]] for it in items]
+
+
 def test_lm_eval_hf_equals_eval_py(tmp_path):
     """`lm_eval --model hf` on the export scores the local task with eval.py's loglikelihoods (1e-4)."""
     pytest.importorskip("lm_eval")
@@ -234,40 +335,7 @@ def test_lm_eval_hf_equals_eval_py(tmp_path):
     write_checkpoint(tmp_path / "ckpt", model)
     folder = export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
     limit = 6
-    cmd = [
-        sys.executable,
-        "-P",
-        "-m",
-        "lm_eval",
-        "--model",
-        "hf",
-        "--model_args",
-        f"pretrained={folder},trust_remote_code=True",
-        "--tasks",
-        "shakespeare_cloze",
-        "--include_path",
-        ev.LOCAL_TASKS,
-        "--num_fewshot",
-        "1",
-        "--limit",
-        str(limit),
-        "--device",
-        "cpu",
-        "--batch_size",
-        "4",
-        "--seed",
-        "1234",
-        "--log_samples",
-        "--output_path",
-        str(tmp_path / "lm"),
-    ]
-    r = subprocess.run(
-        cmd, cwd=tmp_path, env=child_env(tmp_path), capture_output=True, text=True, timeout=1800
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    (samples,) = glob.glob(str(tmp_path / "lm" / "*" / "samples_shakespeare_cloze_*.jsonl"))
-    with open(samples, encoding="utf-8") as f:
-        hf = {d["doc_id"]: d for d in map(json.loads, f)}
+    hf = run_lm_eval(tmp_path, folder, "shakespeare_cloze", num_fewshot=1, limit=limit, batch_size=4)
     lm = ev.CheckpointLM(out_dir=str(tmp_path / "ckpt"), device="cpu", batch_size=4)
     ours = lm_eval.simple_evaluate(
         model=lm,

@@ -9,6 +9,8 @@ convolutions really mix in earlier tokens and the gates differ per token):
 - the same for sampling with the same RNG seed (diverse tokens, unlike greedy decoding of a random model).
 Each with both caches: Cache (grows) and StaticCache (preallocated buffers written in place); generate's
 decode="compiled" (torch.compile of the StaticCache step) on a few variants, "none" (no cache) once.
+Left-padded prompts of different lengths in one batch (attention_mask): each row's greedy tokens are those
+of its prompt alone, on every decode mode, the window crossing block_size.
 """
 
 import re
@@ -215,3 +217,56 @@ def test_generate_compiled_on_cuda_replays_cuda_graphs():
         assert torch.equal(generate(model, prompt, 12, top_k=1, decode="compiled"), want), case
         assert torch.equal(generate(model, prompt, 12, top_k=1, decode="compiled"), want), case  # replayed
     assert counters["inductor"]["cudagraph_skips"] == 0 and counters["stats"]["unique_graphs"] == 3, counters
+
+
+# ---- left-padded batches ----
+ROWS = [pytest.param(dict(residual=r, attention=a), id=f"{r}-{a}") for r in RESIDUALS for a in ATTENTIONS]
+
+
+def left_padded(prompts, gen):
+    """The prompts (1-D) left-padded with random tokens to the longest's length, and their attention_mask."""
+    T = max(len(p) for p in prompts)
+    idx = torch.randint(0, V, (len(prompts), T), generator=gen)
+    mask = torch.zeros_like(idx)
+    for b, p in enumerate(prompts):
+        idx[b, T - len(p) :], mask[b, T - len(p) :] = p, 1
+    return idx, mask
+
+
+def check_padded_generate(case, decode):
+    """Prompts of 7, 2 and 4 tokens, left-padded, and 12 new tokens: the batch crosses block_size (16) while
+    the short rows alone do not, so the window it slides holds padding; each row's tokens are greedy decoding
+    of its prompt alone by full forward passes."""
+    model = make(case)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, V, (n,), generator=gen) for n in (7, 2, 4)]
+    idx, mask = left_padded(prompts, gen)
+    out = generate(model, idx, 12, top_k=1, decode=decode, attention_mask=mask)
+    assert torch.equal(out[:, :7], idx)
+    for b, p in enumerate(prompts):
+        alone = decode_by_full_forward(model, p[None], 12, top_k=1)[0, len(p) :]
+        assert torch.equal(out[b, 7:], alone), (b, out[b, 7:].tolist(), alone.tolist())
+
+
+@pytest.mark.parametrize("decode", ["cache", "static", "none"])
+@pytest.mark.parametrize("case", ROWS)
+def test_generate_left_padded_rows_equal_each_alone(case, decode):
+    check_padded_generate(case, decode)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [dict(residual="ddl-tc", attention="softmax")], ids=case_id)
+def test_generate_compiled_left_padded_rows_equal_each_alone(case):
+    torch._dynamo.reset()
+    check_padded_generate(case, "compiled")
+
+
+def test_generate_refuses_a_row_without_tokens():
+    model = make(dict(residual="additive", attention="softmax"))
+    idx = torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(3))
+    right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    for mask in (right, torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]])):
+        with pytest.raises(ValueError, match="must end every row with a token"):
+            generate(model, idx, 2, top_k=1, attention_mask=mask)
+    with pytest.raises(ValueError, match="only left padding"):  # a 0 after a 1 before the last token
+        generate(model, idx, 2, top_k=1, attention_mask=torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]]))

@@ -99,6 +99,10 @@ GENERATE = {  # sample.generate's arguments
         "test_generate.py::test_static_cache_is_reused_in_place",
         "test_generate.py::test_generate_compiled_equals_cache",
     ],
+    "attention_mask": [
+        "test_generate.py::test_generate_left_padded_rows_equal_each_alone",
+        "test_generate.py::test_generate_refuses_a_row_without_tokens",
+    ],
 }
 
 EVAL = {
@@ -194,7 +198,10 @@ HF_FORWARD = {  # hf_model.DDLGPTForCausalLM.forward
         f"{FX}test_hf_forward_arguments",
         "test_export_hf.py::test_logits_and_greedy_generate_equal_the_repo",
     ],
-    "attention_mask": f"{FX}test_hf_forward_arguments",
+    "attention_mask": [
+        f"{FX}test_hf_forward_arguments",
+        "test_export_hf.py::test_left_padded_rows_equal_each_alone",
+    ],
     "labels": f"{FX}test_hf_forward_arguments",
     "use_cache": f"{FX}test_hf_forward_arguments",
     "return_dict": f"{FX}test_hf_forward_arguments",
@@ -206,7 +213,10 @@ HF_PREPARE = {  # hf_model.DDLGPTForCausalLM.prepare_inputs_for_generation: gene
         f"{FX}test_hf_prepare_inputs_for_generation",
         "test_export_hf.py::test_logits_and_greedy_generate_equal_the_repo",
     ],
-    "attention_mask": f"{FX}test_hf_prepare_inputs_for_generation",
+    "attention_mask": [
+        f"{FX}test_hf_prepare_inputs_for_generation",
+        "test_export_hf.py::test_left_padded_rows_equal_each_alone",
+    ],
     "kwargs": f"{FX}test_hf_prepare_inputs_for_generation",
 }
 
@@ -383,6 +393,9 @@ def refusals(path):
 REFUSALS = {
     "sample.py": {
         "generate: decode must be one of {}, got {}": ["test_generate.py::test_generate_none_and_bad_decode"],
+        "generate: attention_mask must end every row with a token": [
+            "test_generate.py::test_generate_refuses_a_row_without_tokens"
+        ],
         "--num_samples must be >= 1, got {}": [f"{FX}test_sample_refusals"],
         "--max_new_tokens must be in 0..{}, got {}": [
             "test_sample.py::test_absurd_lengths_are_refused_and_long_ones_report_progress",
@@ -477,7 +490,8 @@ REFUSALS = {
         "-o {}: cannot write it ({})": [f"{FX}test_plot_refusals"],
     },
     "hf_model.py": {
-        "DDLGPTForCausalLM has no padding mask: attention_mask": [f"{FX}test_hf_forward_arguments"],
+        "DDLGPTForCausalLM: attention_mask has right padding": [f"{FX}test_hf_forward_arguments"],
+        "DDLGPTForCausalLM: attention_mask has a row of padding": [f"{FX}test_hf_forward_arguments"],
         "DDLGPTForCausalLM's cache does not support beam search": [
             f"{FX}test_hf_generate_is_sample_generate"
         ],

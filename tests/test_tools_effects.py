@@ -296,6 +296,7 @@ def test_eval_include_path_adds_task_folders(ev, out_dir, tmp_path, monkeypatch,
         yaml.read_text().replace("task: shakespeare_cloze", "task: my_cloze")
     )
     yaml.unlink()
+    (folder / "shakespeare_cloze_gen.yaml").unlink()  # my_cloze alone: no second copy of a local task
     fake = FakeEvaluate([0.0], 1.0)
     monkeypatch.setattr(ev.lm_eval, "simple_evaluate", fake)
     monkeypatch.setattr(lm_eval.utils, "make_table", lambda *a, **k: "")
@@ -306,9 +307,9 @@ def test_eval_include_path_adds_task_folders(ev, out_dir, tmp_path, monkeypatch,
     ev.main([*args, f"--include_path={tmp_path / 'nowhere'},{tmp_path / 'more'}"])
     assert fake.kwargs["tasks"] == ["my_cloze"] and fake.kwargs["task_manager"].match_tasks(["my_cloze"])
     with pytest.raises(
-        ValueError, match=re.escape("unknown task(s) my_cloze: not among the task folders (1)")
+        ValueError, match=re.escape("unknown task(s) my_cloze: not among the task folders (2)")
     ):
-        ev.task_manager(["my_cloze"], ev.include_paths(), builtin=False)  # named in a file, not a task here
+        ev.task_manager(["my_cloze"], ev.include_paths(), builtin=False)  # in a file, not data/tasks' 2 tasks
 
 
 @pytest.mark.parametrize(
@@ -388,7 +389,9 @@ def test_max_gen_toks_is_the_default_length_of_a_generation(ev, monkeypatch):
 
     asked = []
 
-    def fake_generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, stop=None):
+    def fake_generate(
+        model, idx, max_new_tokens, temperature=1.0, top_k=None, stop=None, attention_mask=None
+    ):
         asked.append((max_new_tokens, idx.shape[0]))
         return torch.cat([idx, torch.zeros(idx.shape[0], max_new_tokens, dtype=idx.dtype)], 1)
 
@@ -576,9 +579,11 @@ def test_hf_forward_arguments(hf):
         assert torch.equal(out.logits, ref) and out.loss is None and getattr(out, hf_model.CACHE) is None
         assert torch.equal(model(input_ids=idx, attention_mask=torch.ones_like(idx)).logits, ref)
         mask = torch.ones_like(idx)
-        mask[1, 0] = 0  # a left-padded row: no padding mask to honour it
-        with pytest.raises(ValueError, match="attention_mask must be all ones"):
-            model(idx, attention_mask=mask)
+        mask[1, :3] = 0  # a left-padded row is taken (its logits: test_export_hf.py's padded rows)
+        assert model(idx, attention_mask=mask).logits.shape == ref.shape
+        for bad, what in (([1, 1, 0] + [1] * 7, "right padding"), ([0] * 10, "a row of padding alone")):
+            with pytest.raises(ValueError, match=f"DDLGPTForCausalLM: attention_mask has {what}"):
+                model(idx, attention_mask=torch.tensor([[1] * 10, bad]))
         # labels: HF's convention, position t predicts labels[t + 1]; -100 is left out of the mean
         labels = idx.clone()
         labels[0, 3], labels[1, 7] = -100, -100
@@ -611,6 +616,10 @@ def test_hf_prepare_inputs_for_generation(hf):
     assert torch.equal(nxt["input_ids"], idx[:, 5:6]) and nxt[hf_model.CACHE] is first[hf_model.CACHE]
     window = model.prepare_inputs_for_generation(idx[:, :17], **{hf_model.CACHE: first[hf_model.CACHE]})
     assert torch.equal(window["input_ids"], idx[:, 1:17]) and window[hf_model.CACHE] is None  # block_size 16
+    grown = torch.ones(2, 17, dtype=torch.long)
+    grown[1, :2] = 0  # generate()'s mask of a left-padded prompt, grown by a one each step: cropped alike
+    window = model.prepare_inputs_for_generation(idx[:, :17], attention_mask=grown)
+    assert torch.equal(window["attention_mask"], grown[:, 1:])
 
 
 def test_hf_generate_is_sample_generate(hf):
