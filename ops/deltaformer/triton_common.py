@@ -271,12 +271,13 @@ def _wavefront_tile(Ticket, T, NC, BH, D: tl.constexpr, C: tl.constexpr, REVERSE
 
 @triton.jit
 def _doc_starts(DS, bh, H, T, rows, rmask):
-    """doc_start [B, T] of these rows of head bh's sequence (batch bh // H); 0 past T."""
-    return tl.load(DS + (bh // H) * T + rows, mask=rmask, other=0)
+    """doc_start [B, T] of these rows of head bh's sequence (batch bh // H), as int32 (compared with int32
+    positions: int64 would double the registers of every [C, C] mask); 0 past T."""
+    return tl.load(DS + (bh // H) * T + rows, mask=rmask, other=0).to(tl.int32)
 
 
 @triton.jit
 def _first_chunk(DS, bh, H, T, c, C: tl.constexpr):
     """The first chunk of keys a row of chunk c can see: its first row's document's (doc_start is
     non-decreasing along the rows, so no later row sees an earlier key), at least 0."""
-    return tl.maximum(tl.load(DS + (bh // H) * T + c * C) // C, 0)
+    return tl.maximum(tl.load(DS + (bh // H) * T + c * C).to(tl.int32) // C, 0)
