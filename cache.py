@@ -22,6 +22,14 @@ class Cache:
         self.store[key] = (k, v)
         return k, v
 
+    def mask(self, T, device):
+        """The attention mask [T, S] of T new tokens over the S = pos + T keys (new token t, at pos + t, sees
+        the keys up to it); None for one new token, which sees them all."""
+        if T == 1:
+            return None
+        ar = torch.arange(self.pos + T, device=device)
+        return ar <= self.pos + ar[:T, None]
+
     def deltaformer(self, key, q, k, v, w, beta, kernel):
         """Deltaformer attention [B, H, T, D] of T new tokens after key's cached keys and u's."""
         y, self.store[key] = deltaformer_decode(q, k, v, w, beta, self.store.get(key), kernel)
@@ -73,6 +81,10 @@ class StaticCache(Cache):
         for buf, new in zip(self.store[key], (k, v)):
             buf.index_copy_(2, at, new)
         return self.store[key]
+
+    def mask(self, T, device):  # over the whole buffer: the slots after each new token's are masked
+        slots = torch.arange(self.block_size, device=device)
+        return slots <= self.pos + slots[:T, None]
 
     def deltaformer(self, key, q, k, v, w, beta, kernel):
         if self.prompt:

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ops.common import BACKENDS, fp32_linear
+from ops.common import BACKENDS, acc_dtype, fp32_linear
 from ops.ddl import expand_ec
 from ops.ddl.stream import Compressor, DDLStream, identity_conv
 from ops.deltaformer import deltaformer_attention
@@ -150,26 +150,46 @@ class RMSNorm(nn.Module):
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        return (xf * self.inv_rms(xf) * self.weight.to(xf.dtype)).to(x.dtype)
+        dt = acc_dtype(x)
+        return rms_norm(x.to(dt), self.weight.to(dt), self.eps).to(x.dtype)
 
     def inv_rms(self, xf):  # 1 / rms(x) [..., 1]
         return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
+def rms_norm(xf, weight, eps):
+    """xf * rsqrt(mean(xf^2) + eps) * weight (None: no weight) over the last dim of xf in its compute dtype
+    (fp32, float64). On CUDA where nothing is differentiated (decoding), F.rms_norm: one fused op for these
+    six; elsewhere the six, as training has always run them (its autograd, its compiled kernels)."""
+    if xf.is_cuda and not torch.is_grad_enabled():
+        return F.rms_norm(xf, xf.shape[-1:], weight, eps)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight
+
+
 def rope_tables(length, D, base):
-    """cos, sin [length, D/2] of the angles t / base^(2i/D), t < length, in float64."""
+    """cos, sin [length, D] of the angles t / base^(2i/D), t < length, i < D/2, in float64: each angle at
+    columns i and i + D/2 (the pair it rotates), sin's first half negated (apply_rope)."""
     inv_freq = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
     angles = torch.arange(length, dtype=torch.float64)[:, None] * inv_freq
-    return angles.cos(), angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
 
 
 def apply_rope(x, cos, sin):
-    """Rotate pairs (x[..., i], x[..., i + D/2]) of x [B, H, T, D] by the angles of cos, sin [T, D/2]."""
-    dt = torch.promote_types(x.dtype, torch.float32)
-    cos, sin = cos.to(dt), sin.to(dt)
-    x1, x2 = x.to(dt).chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+    """Rotate pairs (x[..., i], x[..., i + D/2]) of x [..., T, D] by the angles of rope_tables' cos, sin
+    [T, D]: x cos + (x, halves swapped) sin, i.e. (x1 cos - x2 sin, x2 cos + x1 sin), rounded as written."""
+    dt = acc_dtype(x)
+    xf = x.to(dt)
+    return (xf * cos.to(dt) + xf.roll(x.shape[-1] // 2, -1) * sin.to(dt)).to(x.dtype)
+
+
+def rope_norm(x, cos, sin, norms):
+    """[norms[i](RoPE(x[i])) for each i] of x [n, ..., T, D] (q, k, and Deltaformer's own w): RoPE and the
+    norm in one pass over all n, then each its weight."""
+    r = apply_rope(x, cos, sin)
+    dt = acc_dtype(r)
+    return [(y * n.weight.to(dt)).to(x.dtype) for y, n in zip(rms_norm(r.to(dt), None, norms[0].eps), norms)]
 
 
 class MLP(nn.Module):
@@ -180,9 +200,9 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(cfg.n_embd, 2 * cfg.hidden, bias=False)
         self.c_proj = nn.Linear(cfg.hidden, cfg.n_embd, bias=False)
 
-    def forward(self, x):
-        gate, up = self.c_fc(x).chunk(2, dim=-1)
-        return self.c_proj(F.silu(gate) * up)
+    def forward(self, x):  # on x as [B*T, d]: the same matmuls, fewer ops than on [B, T, d]
+        gate, up = self.c_fc(x.flatten(0, -2)).chunk(2, dim=-1)
+        return self.c_proj(F.silu(gate) * up).view_as(x)
 
 
 class Attention(nn.Module):
@@ -209,27 +229,26 @@ class Attention(nn.Module):
 
     def forward(self, c, pos=0, cache=None):
         B, T, _ = c.shape
-        heads = self.c_attn(c).view(B, T, -1, self.n_head, self.head_dim)
+        heads = self.c_attn(c.flatten(0, 1)).view(B, T, -1, self.n_head, self.head_dim)  # matmuls on [B*T, d]
         heads = heads.permute(2, 0, 3, 1, 4)  # [n, B, H, T, D], n = q, k, v (, w)
         at = slice(pos, pos + T) if isinstance(pos, int) else pos + torch.arange(T, device=c.device)
         cos, sin = self.rope_cos[at], self.rope_sin[at]  # pos + T <= block_size (a tensor: StaticCache)
-        q = self.q_norm(apply_rope(heads[0], cos, sin))
-        k = self.k_norm(apply_rope(heads[1], cos, sin))
+        # q, k (and Deltaformer's w = "proj", its own projection) roped and normed, in one pass
+        norms = (self.q_norm, self.k_norm) + ((self.w_norm,) if hasattr(self, "w_norm") else ())
+        q, k, *w = rope_norm(heads[[0, 1, 3]] if len(norms) == 3 else heads[:2], cos, sin, norms)
         if self.deltaformer:
-            w = {"q": q, "k": k}.get(self.cfg.deltaformer_w)
-            if w is None:  # "proj": its own projection, roped and normed like k
-                w = self.w_norm(apply_rope(heads[3], cos, sin))
+            w = w[0] if w else {"q": q, "k": k}[self.cfg.deltaformer_w]
             y = self._deltaformer(c, q, k, heads[2], w, cache)
         else:
             y = self._softmax(q, k, heads[2], cache)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return self.c_proj(y.transpose(1, 2).reshape(B * T, -1)).view(B, T, -1)
 
     def _softmax(self, q, k, v, cache):
         if cache is not None:  # the cached keys/values with the T new ones (static: the whole buffer)
             k, v = cache.extend(self, k, v)
-        T, S, ar = q.shape[2], k.shape[2], lambda n: torch.arange(n, device=q.device)
+        T, S = q.shape[2], k.shape[2]
         dropout = self.cfg.dropout if self.training else 0.0
-        mask = None if S == T else ar(S) <= cache.pos + ar(T)[:, None]  # new token t at cache.pos + t
+        mask = None if S == T else cache.mask(T, q.device)  # None: every key visible (one new token)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=S == T)
 
     def _deltaformer(self, c, q, k, v, w, cache):
@@ -291,14 +310,14 @@ class Residual(Additive):
         return self.norm(x_in), fp32_linear(x_in, W), self.norm.inv_rms(x_in)
 
     def logit_weight(self):  # both logits from one product of x_in: W c = (W g) x_in / rms(x_in), g c's norm
-        g, linear = self.norm.weight, self.cfg.ddl_v == "linear"
-        return torch.cat([self.v_proj.weight * (g if linear else 1), self.beta.weight * g])
+        g, W_v = self.norm.weight, self.v_proj.weight
+        return torch.cat([W_v * g if self.cfg.ddl_v == "linear" else W_v, self.beta.weight * g])
 
     def value_and_gate(self, z, inv_rms):  # (v [B, T, d_v], beta [B, T]) in fp32 from z and 1 / rms(x_in)
-        beta = 2.0 * torch.sigmoid(z[..., -1] * inv_rms[..., 0] + self.beta.bias)
+        z, z_beta = z.split([z.shape[-1] - 1, 1], -1)
+        beta = (2.0 * torch.sigmoid(z_beta * inv_rms + self.beta.bias))[..., 0]
         linear = self.cfg.ddl_v == "linear"
-        v = z[..., :-1] * inv_rms if linear else DDL_V_SCALE * torch.sigmoid(z[..., :-1] + self.v_proj.bias)
-        return v, beta
+        return z * inv_rms if linear else DDL_V_SCALE * torch.sigmoid(z + self.v_proj.bias), beta
 
     def init_weights(self, scaled):  # by GPT._init_weights, after it drew every matrix: b_beta, W_beta, b_v
         beta0, bound = self.cfg.ddl_beta_init, 1 / math.sqrt(self.cfg.n_embd) if scaled else 0.0
