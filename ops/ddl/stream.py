@@ -28,6 +28,7 @@ from . import (
     ddl_update_compress_cc,
     ddl_update_compress_tc,
     ddl_update_norm,
+    tc_windows_ref,
 )
 
 
@@ -54,6 +55,12 @@ class Compressor(nn.Module):
         if self.kind == "cc":
             return compress_cc(X, self.cc_weight(), backend=self.backend)
         return compress_tc(X, self.conv, self.read, backend=self.backend)
+
+    def windows(self, X):
+        """TC: the read-outs of the last S - (K-1) tokens of X [B, S, d, d_v], its first K-1 steps the states
+        before them (decoding: the cached ones). PyTorch on every backend: a decoding step reads K states, for
+        which five ops dispatch less than the kernel's launch with its taps' and views' ops around it."""
+        return tc_windows_ref(X, self.conv, self.read)
 
 
 def identity_conv(*shape, tap=None):
@@ -127,6 +134,5 @@ class DDLStream:
     def _compress(self, slot):
         if self.cache is None or self.reader.kind != "tc":
             return self.reader(self.X)
-        T, K = self.X.shape[1], self.reader.conv.shape[-1]  # the conv needs the K-1 states before the new
-        X = self.cache.history((self.reader, slot), self.X, K - 1)
-        return self.reader(X)[:, X.shape[1] - T :]
+        K = self.reader.conv.shape[-1]  # the conv needs the K-1 states before the new ones
+        return self.reader.windows(self.cache.history((self.reader, slot), self.X, K - 1))

@@ -57,7 +57,15 @@ import torch.nn.functional as F
 
 from ..common import BACKENDS, default_scale, resolve_backend
 from .chunk import deltaformer_u_torch
-from .naive import KERNELS, NORM_EPS, _check_inputs, deltaformer_reference, deltaformer_step, stage1_keys
+from .naive import (
+    KERNELS,
+    NORM_EPS,
+    _check_inputs,
+    _step,
+    deltaformer_reference,
+    deltaformer_step,
+    stage1_keys,
+)
 
 try:  # the Triton path: absent where Triton is not installed (CPU-only machines import the rest)
     from .triton import deltaformer_u_triton
@@ -100,13 +108,11 @@ def deltaformer_decode(q, k, v, w, beta, past=None, kernel="softmax"):
     if past is None:
         u = deltaformer_u_torch(k, v, w, beta, kernel=kernel)
         return F.scaled_dot_product_attention(q, k, u, is_causal=True), (k, u)
+    _check_inputs(q, k, v, w, beta, kernel)
     k_cache, u_cache = past
-    outs = []
-    for t in range(q.shape[2]):
-        s = slice(t, t + 1)
-        o_t, u_t = deltaformer_step(
-            q[:, :, s], k[:, :, s], v[:, :, s], w[:, :, s], beta[:, :, s], k_cache, u_cache, kernel=kernel
-        )
-        k_cache, u_cache = torch.cat([k_cache, k[:, :, s]], dim=2), torch.cat([u_cache, u_t], dim=2)
+    T, outs = q.shape[2], []
+    for t in range(T):
+        token = (x[:, :, t : t + 1] for x in (q, k, v, w, beta)) if T > 1 else (q, k, v, w, beta)
+        o_t, _, k_cache, u_cache = _step(*token, k_cache, u_cache, kernel, None, None)
         outs.append(o_t)
-    return torch.cat(outs, dim=2), (k_cache, u_cache)
+    return (torch.cat(outs, dim=2) if T > 1 else outs[0]), (k_cache, u_cache)

@@ -112,27 +112,35 @@ def deltaformer_step(q_t, k_t, v_t, w_t, beta_t, k_cache, u_cache, kernel="softm
             f"deltaformer_step: k_cache and u_cache must be [B, H, S, D] matching q_t {tuple(q_t.shape)}, "
             f"got {tuple(k_cache.shape)} and {tuple(u_cache.shape)}"
         )
-    D, S = q_t.shape[-1], k_cache.shape[2]
-    s = default_scale(D, scale)
-    slots = torch.arange(S, device=q_t.device)
-    if S == 0:
+    return _step(q_t, k_t, v_t, w_t, beta_t, k_cache, u_cache, kernel, scale, pos)[:2]
+
+
+def _step(q_t, k_t, v_t, w_t, beta_t, k_cache, u_cache, kernel, scale, pos):
+    """deltaformer_step's (o_t, u_t), then the keys and u's its attention read (pos None: the caches with
+    k_t and u_t appended), in few ops: a sum of products for the scores, one bmm for a @ u."""
+    s = default_scale(q_t.shape[-1], scale)
+    if k_cache.shape[2] == 0:
         u_t = v_t
     else:
         acc = acc_dtype(v_t)  # bf16/fp16 caches: accumulate in fp32
         k1, w1, s1 = stage1_keys(k_cache, w_t, kernel, s, acc)
-        scores = s1 * (w1 @ k1.transpose(-1, -2))  # [B, H, 1, S]
+        scores = (w1 * k1).sum(-1)  # [B, H, S]
+        scores = scores * s1 if s1 != 1.0 else scores
         if pos is not None:  # only the first pos slots are earlier tokens (softmax: none of them, 0 too)
-            past = slots < pos
-            a = _kappa(scores.masked_fill(~past, -torch.inf), kernel).masked_fill(~past, 0.0)
+            later = torch.arange(k_cache.shape[2], device=q_t.device) >= pos
+            a = _kappa(scores.masked_fill(later, -torch.inf), kernel).masked_fill(later, 0.0)
         else:
             a = _kappa(scores, kernel)
-        u_t = (v_t.to(acc) - beta_t.to(acc)[..., None] * (a @ u_cache.to(acc))).to(v_t.dtype)
+        S, D = u_cache.shape[2:]  # a @ u as one bmm: its sums do not change with masked slots appended
+        past = torch.bmm(a.reshape(-1, 1, S), u_cache.to(acc).reshape(-1, S, D)).view(v_t.shape)
+        u_t = (v_t.to(acc) - beta_t.to(acc)[..., None] * past).to(v_t.dtype)
     if pos is None:
         keys, values, mask = torch.cat([k_cache, k_t], dim=2), torch.cat([u_cache, u_t], dim=2), None
     else:
         k_cache.index_copy_(2, pos, k_t)
         u_cache.index_copy_(2, pos, u_t)
-        keys, values, mask = k_cache, u_cache, (slots <= pos)[None]  # [1, S]
+        keys, values = k_cache, u_cache
+        mask = (torch.arange(k_cache.shape[2], device=q_t.device) <= pos)[None]  # [1, S]: itself and before
     # The new token attends to everything before it and itself.
     o_t = F.scaled_dot_product_attention(q_t, keys, values, attn_mask=mask, scale=s)
-    return o_t, u_t
+    return o_t, u_t, keys, values
