@@ -27,17 +27,10 @@ class Cache:
         self.store[key] = (k, v)
         return k, v
 
-    def mask(self, T, device):
-        """The attention mask [T, S] of T new tokens over the S = pos + T keys (new token t, at pos + t, sees
-        the keys up to it); None for one new token, which sees them all."""
-        if T == 1:
-            return None
-        ar = torch.arange(self.pos + T, device=device)
-        return ar <= self.pos + ar[:T, None]
-
-    def deltaformer(self, key, q, k, v, w, beta, kernel):
-        """Deltaformer attention [B, H, T, D] of T new tokens after key's cached keys and u's."""
-        y, self.store[key] = deltaformer_decode(q, k, v, w, beta, self.store.get(key), kernel)
+    def deltaformer(self, key, q, k, v, w, beta, kernel, doc_start=None):
+        """Deltaformer attention [B, H, T, D] of T new tokens after key's cached keys and u's (doc_start: the
+        new tokens', in the whole sequence's frame)."""
+        y, self.store[key] = deltaformer_decode(q, k, v, w, beta, self.store.get(key), kernel, doc_start)
         return y
 
     def history(self, key, x, n):
@@ -54,6 +47,14 @@ class Cache:
 
     def _keep(self, key, last):
         self.store[key] = last
+
+    def doc_start(self, start):
+        """doc_start [B, T] of the new tokens (ops/common.doc_starts: 0 where no document began among them)
+        continued from the cached tokens': the document of the last cached token goes on until one begins."""
+        last = self.store.get("doc_start")
+        start = start if last is None else torch.maximum(start, last)
+        self._keep("doc_start", start[:, -1:])
+        return start
 
 
 class StaticCache(Cache):
@@ -87,18 +88,15 @@ class StaticCache(Cache):
             buf.index_copy_(2, at, new)
         return self.store[key]
 
-    def mask(self, T, device):  # over the whole buffer: the slots after each new token's are masked
-        slots = torch.arange(self.block_size, device=device)
-        return slots <= self.pos + slots[:T, None]
-
-    def deltaformer(self, key, q, k, v, w, beta, kernel):
+    def deltaformer(self, key, q, k, v, w, beta, kernel, doc_start=None):
         if self.prompt:
-            y, (k, u) = deltaformer_decode(q, k, v, w, beta, None, kernel)
+            y, (k, u) = deltaformer_decode(q, k, v, w, beta, None, kernel, doc_start)
             self._fill(key, k, u)
             return y
+        docs = [None] * q.shape[2] if doc_start is None else doc_start.split(1, dim=1)
         outs = [  # one token at a time, as deltaformer_decode after a prompt
             deltaformer_step(*(x[:, :, t : t + 1] for x in (q, k, v, w, beta)), *self.store[key], kernel,
-                             pos=self.pos + t)[0]
+                             pos=self.pos + t, doc_start=docs[t])[0]
             for t in range(q.shape[2])
         ]  # fmt: skip
         return torch.cat(outs, dim=2)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from data.shards import hold_dir, lock_holder
-from model import GPT, GPTConfig
+from model import ATTENTIONS, GPT, DeltaformerAttention, GPTConfig
 
 
 class CheckpointError(Exception):
@@ -228,7 +228,7 @@ def step_memory(cfg, batch_size, length, bf16, ddp=False):
     a = 2 if bf16 else 4
     d, hd = cfg.n_embd, cfg.n_head * cfg.head_dim
     per_block = 6 * d + 9 * hd + 4 * cfg.hidden
-    per_block += 2 * hd if cfg.attention == "deltaformer" else 0
+    per_block += 2 * hd if issubclass(ATTENTIONS[cfg.attention], DeltaformerAttention) else 0
     per_block += 2 * d if cfg.is_ddl else 0
     states = 0  # DDL at d_v = 1: the state is the sublayer's input, counted above
     if cfg.is_ddl and cfg.ddl_dv > 1:

@@ -1,8 +1,9 @@
 """GPT with switchable residual (additive | Deep Delta Learning) and attention (softmax | Deltaformer).
 The defaults build the model of the DDL authors' released code (arXiv 2601.00417); where the paper's text
-differs, the text is a named option. Read top to bottom: config, small pieces, the residual rules (the only
-variant-specific code: a module per sublayer, rule(stream, F) -> stream, and its RuleSpec), Block, GPT. The
-stream is a vector x [B, T, d] (additive) or, for DDL, a state X [B, T, d, d_v] per token in a DDLStream:
+differs, the text is a named option. Read top to bottom: config, small pieces, the attentions and the
+residual rules (the variant-specific code, each a registered class: an attention's attend(q, k, v, ...), a
+rule per sublayer, rule(stream, F) -> stream, with its RuleSpec), Block, GPT. The stream is a vector
+x [B, T, d] (additive) or, for DDL, a state X [B, T, d, d_v] per token in a DDLStream:
 
     additive:  x <- x + F(RMSNorm(x))
     DDL:       x_in = compress(X);  c = RMSNorm(x_in);  h = F(c);  khat = h / sqrt(|h|^2 + eps^2)
@@ -21,13 +22,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ops.common import BACKENDS, acc_dtype, fp32_linear
+from ops.attn import softmax_attention
+from ops.common import BACKENDS, EOT, acc_dtype, doc_starts, fp32_linear, left_padding
 from ops.ddl import expand_ec
-from ops.ddl.stream import Compressor, DDLStream, identity_conv
+from ops.ddl.stream import Compressor, DDLStream, history_doc_start, identity_conv
 from ops.deltaformer import deltaformer_attention
+from ops.rope import rms_norm, rope_norm, rope_tables
 
 RESIDUALS = {}  # residual name -> its rule, a module class per sublayer (filled below, after the rules)
-ATTENTIONS = ("softmax", "deltaformer")
+ATTENTIONS = {}  # attention name -> its module class (filled below, after the attentions)
 CHOICES = {  # GPTConfig fields with a fixed set of values
     "residual": RESIDUALS, "attention": ATTENTIONS, "deltaformer_w": ("q", "k", "proj"),
     "deltaformer_kernel": ("softmax", "relu", "linear"), "backend": BACKENDS, "init": ("scaled", "nanogpt"),
@@ -58,6 +61,7 @@ class GPTConfig:
     norm_eps: float = 1e-5  # epsilon of every RMSNorm
     init: str = "scaled"  # "scaled" (the DDL code's, every row) | "nanogpt"
     dropout: float = 0.0  # in training: on the embeddings, attention weights and sublayer outputs
+    doc_mask: bool = False  # True: a document begins at each EOT; no token sees an earlier one (README)
     residual: str = "additive"  # a name in RESIDUALS: "additive" | DDL: "ddl" (d_v = 1), "ddl-tc", "ddl-cc"
     ddl_dv: int | None = None  # None -> the rule's d_v (1 for "ddl") or 4; None for a vector-stream rule
     ddl_ec: bool = True  # EC expansion of the embedding (rules whose spec has ec: "ddl-tc", "ddl-cc")
@@ -69,8 +73,8 @@ class GPTConfig:
     ddl_state_rounding: str = "nearest"  # a bf16 X's: "nearest" | "stochastic" (unbiased, ops/ddl)
     # autograd keeps the state entering every Nth block, the backward rebuilds the others from it (less
     # memory, more backward work). 0: every sublayer's. None: 0 at d_v = 1 (kept anyway as input), else 4
-    ddl_keep_state_every: int | None = None  # DDL state kept every Nth block, rebuilt between (0: all)
-    attention: str = "softmax"  # "softmax" (causal attention) | "deltaformer"
+    ddl_keep_state_every: int | None = None
+    attention: str = "softmax"  # a name in ATTENTIONS: "softmax" (causal attention) | "deltaformer"
     deltaformer_w: str = "k"  # w of kappa(w_i, k_j): "k" | "q" | "proj" (its own projection)
     deltaformer_kernel: str = "softmax"  # kappa: "softmax" | "relu" | "linear" (of unit w, k)
     # beta = beta_max sigmoid(.) in (0, beta_max). <= 1 bounds stage 1 for every softmax kappa (rows sum to 1,
@@ -92,7 +96,7 @@ class GPTConfig:
         for name in ("n_layer", "n_head", "n_embd", "head_dim", "block_size", "vocab_size", "ddl_conv_size"):
             check(name, positive_int, "a positive int")
         check("mlp_hidden", lambda x: x is None or positive_int(x), "a positive int or None")
-        for name in ("ddl_ec", "ddl_erase"):
+        for name in ("ddl_ec", "ddl_erase", "doc_mask"):
             check(name, lambda x: isinstance(x, bool), "True or False")
         check("head_dim", lambda x: x % 2 == 0, "even (RoPE rotates pairs)")
         check("dropout", number(lambda x: 0 <= x < 1), "a number in [0, 1)")
@@ -157,41 +161,6 @@ class RMSNorm(nn.Module):
         return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
-def rms_norm(xf, weight, eps):
-    """xf * rsqrt(mean(xf^2) + eps) * weight (None: no weight) over the last dim of xf in its compute dtype
-    (fp32, float64). On CUDA where nothing is differentiated (decoding), F.rms_norm: one fused op for these
-    six; elsewhere the six, as training has always run them (its autograd, its compiled kernels)."""
-    if xf.is_cuda and not torch.is_grad_enabled():
-        return F.rms_norm(xf, xf.shape[-1:], weight, eps)
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return y if weight is None else y * weight
-
-
-def rope_tables(length, D, base):
-    """cos, sin [length, D] of the angles t / base^(2i/D), t < length, i < D/2, in float64: each angle at
-    columns i and i + D/2 (the pair it rotates), sin's first half negated (apply_rope)."""
-    inv_freq = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
-    angles = torch.arange(length, dtype=torch.float64)[:, None] * inv_freq
-    cos, sin = angles.cos(), angles.sin()
-    return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
-
-
-def apply_rope(x, cos, sin):
-    """Rotate pairs (x[..., i], x[..., i + D/2]) of x [..., T, D] by the angles of rope_tables' cos, sin
-    [T, D]: x cos + (x, halves swapped) sin, i.e. (x1 cos - x2 sin, x2 cos + x1 sin), rounded as written."""
-    dt = acc_dtype(x)
-    xf = x.to(dt)
-    return (xf * cos.to(dt) + xf.roll(x.shape[-1] // 2, -1) * sin.to(dt)).to(x.dtype)
-
-
-def rope_norm(x, cos, sin, norms):
-    """[norms[i](RoPE(x[i])) for each i] of x [n, ..., T, D] (q, k, and Deltaformer's own w): RoPE and the
-    norm in one pass over all n, then each its weight."""
-    r = apply_rope(x, cos, sin)
-    dt = acc_dtype(r)
-    return [(y * n.weight.to(dt)).to(x.dtype) for y, n in zip(rms_norm(r.to(dt), None, norms[0].eps), norms)]
-
-
 class MLP(nn.Module):
     """SwiGLU: c_proj(silu(gate) * up), gate/up from one fused d -> 2*hidden matrix."""
 
@@ -206,58 +175,82 @@ class MLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal self-attention: softmax (SDPA) or Deltaformer; RoPE, then a learnable QK-RMSNorm per head."""
+    """Causal self-attention's shared part: c_attn projects c to q, k, v (and w, with own_w) per head, RoPE
+    then a learnable RMSNorm per head on q and k (and w), c_proj mixes the heads. A subclass is how the heads
+    attend, attend(c, q, k, v, w, cache) -> y [B, H, T, D], with what cache; its init_weights(scaled), if
+    any, runs after GPT drew every matrix. `shared`: GPT's module of the parameters every block shares."""
 
-    def __init__(self, cfg):
+    stages = 1  # its T x T products, in units of softmax attention's (GPT.flops_per_token)
+
+    def __init__(self, cfg, shared, own_w=False):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.__dict__["shared"] = cfg, shared  # not a submodule: GPT saves shared.<name> once
         self.n_head, self.head_dim, width = cfg.n_head, cfg.head_dim, cfg.n_head * cfg.head_dim
-        self.deltaformer = cfg.attention == "deltaformer"
-        n_proj = 4 if (self.deltaformer and cfg.deltaformer_w == "proj") else 3  # q, k, v (, w)
-        self.c_attn = nn.Linear(cfg.n_embd, n_proj * width, bias=False)
+        self.c_attn = nn.Linear(cfg.n_embd, (4 if own_w else 3) * width, bias=False)  # q, k, v (, w)
         self.c_proj = nn.Linear(width, cfg.n_embd, bias=False)
         self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps), RMSNorm(cfg.head_dim, cfg.norm_eps)
-        if n_proj == 4:
+        if own_w:
             self.w_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-        if self.deltaformer:
-            self.beta = nn.Linear(cfg.n_embd, cfg.n_head, bias=True)  # per-head gate
         # RoPE angles of positions < block_size, once (recomputed in the compiled q/k kernels they cost 12% of
         # a GPT-2 small training step, measured). Not saved in checkpoints.
         cos, sin = rope_tables(cfg.block_size, cfg.head_dim, cfg.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, c, pos=0, cache=None):
+    def forward(self, c, pos=0, cache=None, doc_start=None):
         B, T, _ = c.shape
         heads = self.c_attn(c.flatten(0, 1)).view(B, T, -1, self.n_head, self.head_dim)  # matmuls on [B*T, d]
         heads = heads.permute(2, 0, 3, 1, 4)  # [n, B, H, T, D], n = q, k, v (, w)
         at = slice(pos, pos + T) if isinstance(pos, int) else pos + torch.arange(T, device=c.device)
+        if doc_start is not None:  # positions restart at each document: QK-norm after RoPE is not relative
+            at = (pos + torch.arange(T, device=c.device) - doc_start)[:, None]  # [B, 1, T]
         cos, sin = self.rope_cos[at], self.rope_sin[at]  # pos + T <= block_size (a tensor: StaticCache)
-        # q, k (and Deltaformer's w = "proj", its own projection) roped and normed, in one pass
-        norms = (self.q_norm, self.k_norm) + ((self.w_norm,) if hasattr(self, "w_norm") else ())
-        q, k, *w = rope_norm(heads[[0, 1, 3]] if len(norms) == 3 else heads[:2], cos, sin, norms)
-        if self.deltaformer:
-            w = w[0] if w else {"q": q, "k": k}[self.cfg.deltaformer_w]
-            y = self._deltaformer(c, q, k, heads[2], w, cache)
-        else:
-            y = self._softmax(q, k, heads[2], cache)
+        own_w = heads.shape[0] == 4  # roped and normed as k, in the same pass as q and k
+        norms = (self.q_norm, self.k_norm, self.w_norm) if own_w else (self.q_norm, self.k_norm)
+        q, k, *w = rope_norm(heads[[0, 1, 3]] if own_w else heads[:2], cos, sin, norms)
+        y = self.attend(c, q, k, heads[2], w[0] if w else None, cache, doc_start)
         return self.c_proj(y.transpose(1, 2).reshape(B * T, -1)).view(B, T, -1)
 
-    def _softmax(self, q, k, v, cache):
+
+class SoftmaxAttention(Attention):
+    """softmax(q k^T / sqrt(D) + causal mask) v (ops/attn); a cache keeps the keys and values."""
+
+    def attend(self, c, q, k, v, w, cache, doc_start=None):
         if cache is not None:  # the cached keys/values with the T new ones (static: the whole buffer)
             k, v = cache.extend(self, k, v)
-        T, S = q.shape[2], k.shape[2]
-        dropout = self.cfg.dropout if self.training else 0.0
-        mask = None if S == T else cache.mask(T, q.device)  # None: every key visible (one new token)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=S == T)
+        dropout, pos = self.cfg.dropout if self.training else 0.0, 0 if cache is None else cache.pos
+        return softmax_attention(q, k, v, pos, doc_start, dropout)
 
-    def _deltaformer(self, c, q, k, v, w, cache):
+
+class DeltaformerAttention(Attention):
+    """u_i = v_i - beta_i sum_{j<i} kappa(w_i, k_j) u_j, then softmax attention over the u's; w = k, q or its
+    own (deltaformer_w), beta = deltaformer_beta_max sigmoid(W_beta c + b_beta) per head; cached: k, u."""
+
+    stages = 2  # stage 1 (the u's) and stage 2
+    beta_logit = True  # False: no W_beta, b_beta (a subclass whose gate() gives beta without them)
+
+    def __init__(self, cfg, shared):
+        super().__init__(cfg, shared, own_w=cfg.deltaformer_w == "proj")
+        if self.beta_logit:
+            self.beta = nn.Linear(cfg.n_embd, cfg.n_head, bias=True)  # per-head gate
+
+    def gate(self, c):  # beta [B, H, T] in fp32
+        beta = self.cfg.deltaformer_beta_max * torch.sigmoid(fp32_linear(c, self.beta.weight, self.beta.bias))
+        return beta.transpose(1, 2)
+
+    def attend(self, c, q, k, v, w, cache, doc_start=None):
         cfg, kernel = self.cfg, self.cfg.deltaformer_kernel
-        beta = cfg.deltaformer_beta_max * torch.sigmoid(fp32_linear(c, self.beta.weight, self.beta.bias))
-        beta = beta.transpose(1, 2)  # [B, H, T], fp32
+        w, beta = {"q": q, "k": k}.get(cfg.deltaformer_w, w), self.gate(c)
         if cache is None:
-            return deltaformer_attention(q, k, v, w, beta, kernel=kernel, backend=cfg.backend)
-        return cache.deltaformer(self, q, k, v, w, beta, kernel)
+            return deltaformer_attention(q, k, v, w, beta, kernel, backend=cfg.backend, doc_start=doc_start)
+        return cache.deltaformer(self, q, k, v, w, beta, kernel, doc_start)
+
+    def init_weights(self, scaled):  # b_beta = 0: beta starts near beta_max / 2
+        if self.beta_logit:
+            nn.init.zeros_(self.beta.bias)
+
+
+ATTENTIONS.update({"softmax": SoftmaxAttention, "deltaformer": DeltaformerAttention})
 
 
 # ---- The residual rules: a module per sublayer, rule(stream, F) -> the stream after F read and wrote it.
@@ -274,12 +267,13 @@ class RuleSpec:  # what a rule needs around it, its `spec` (RuleSpec() if none):
 
 
 class Additive(nn.Module):
-    """x <- x + F(RMSNorm(x))."""
+    """x <- x + F(RMSNorm(x)). `shared`: GPT's module of parameters every block shares."""
 
     spec = RuleSpec()
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, shared):
         super().__init__()
+        self.__dict__["shared"] = shared  # not a submodule: GPT saves shared.<name> once
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -291,12 +285,14 @@ class Residual(Additive):
     """DDL: x_in = compress(X); c = RMSNorm(x_in); h = F(c); X <- X + beta khat (v^T - khat^T X); d_v = 1."""
 
     spec = RuleSpec(stream="ddl", dv=1, gate="2sigmoid")
+    beta_logit = True  # False: no W_beta, b_beta (a rule whose value_and_gate gives beta without them)
 
-    def __init__(self, cfg):
-        super().__init__(cfg)  # the norm and the dropout
+    def __init__(self, cfg, shared):
+        super().__init__(cfg, shared)  # the norm and the dropout
         self.cfg = cfg
         self.v_proj = nn.Linear(cfg.n_embd, cfg.ddl_dv, bias=cfg.ddl_v == "sigmoid")  # W_v (, b_v)
-        self.beta = nn.Linear(cfg.n_embd, 1, bias=True)  # W_beta, b_beta
+        if self.beta_logit:
+            self.beta = nn.Linear(cfg.n_embd, 1, bias=True)  # W_beta, b_beta
 
     def forward(self, stream, sublayer):
         W, norm = self.logit_weight(), self.norm  # c = RMSNorm(x_in); z = W x_in: v's and beta's logits
@@ -309,21 +305,25 @@ class Residual(Additive):
         x_in = x_in.to(self.norm.weight.dtype)  # a bf16 state's read joins the parameter dtype
         return self.norm(x_in), fp32_linear(x_in, W), self.norm.inv_rms(x_in)
 
-    def logit_weight(self):  # both logits from one product of x_in: W c = (W g) x_in / rms(x_in), g c's norm
-        g, W_v = self.norm.weight, self.v_proj.weight
-        return torch.cat([W_v * g if self.cfg.ddl_v == "linear" else W_v, self.beta.weight * g])
+    def logit_weight(self):  # v's rows, then beta's if the rule has W_beta: all from one product of x_in
+        g, linear = self.norm.weight, self.cfg.ddl_v == "linear"  # W c = (W g) x_in / rms(x_in), g c's norm
+        v = self.v_proj.weight * g if linear else self.v_proj.weight
+        return torch.cat([v, self.beta.weight * g]) if self.beta_logit else v
 
     def value_and_gate(self, z, inv_rms):  # (v [B, T, d_v], beta [B, T]) in fp32 from z and 1 / rms(x_in)
         z, z_beta = z.split([z.shape[-1] - 1, 1], -1)
-        beta = (2.0 * torch.sigmoid(z_beta * inv_rms + self.beta.bias))[..., 0]
+        return self.value(z, inv_rms), (2.0 * torch.sigmoid(z_beta * inv_rms + self.beta.bias))[..., 0]
+
+    def value(self, z, inv_rms):  # v [B, T, d_v] in fp32 from its logits z [B, T, d_v]
         linear = self.cfg.ddl_v == "linear"
-        return z * inv_rms if linear else DDL_V_SCALE * torch.sigmoid(z + self.v_proj.bias), beta
+        return z * inv_rms if linear else DDL_V_SCALE * torch.sigmoid(z + self.v_proj.bias)
 
     def init_weights(self, scaled):  # by GPT._init_weights, after it drew every matrix: b_beta, W_beta, b_v
         beta0, bound = self.cfg.ddl_beta_init, 1 / math.sqrt(self.cfg.n_embd) if scaled else 0.0
-        self.beta.bias.fill_(math.log(beta0 / (2 - beta0)))  # logit(beta0 / 2)
-        if not scaled:
-            nn.init.zeros_(self.beta.weight)
+        if self.beta_logit:
+            self.beta.bias.fill_(math.log(beta0 / (2 - beta0)))  # logit(beta0 / 2)
+            if not scaled:
+                nn.init.zeros_(self.beta.weight)
         if self.v_proj.bias is not None:
             nn.init.uniform_(self.v_proj.bias, -bound, bound)
 
@@ -340,15 +340,16 @@ RESIDUALS.update({"additive": Additive, "ddl": Residual, "ddl-tc": ResidualTC, "
 
 
 class Block(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, shared):
         super().__init__()
         if cfg.is_ddl:  # one compressor per block: it reads the stream before attention and before the MLP
             self.compress = Compressor(cfg)
-        self.res_attn, self.attn = RESIDUALS[cfg.residual](cfg), Attention(cfg)
-        self.res_mlp, self.mlp = RESIDUALS[cfg.residual](cfg), MLP(cfg)
+        rule = RESIDUALS[cfg.residual]
+        self.res_attn, self.attn = rule(cfg, shared), ATTENTIONS[cfg.attention](cfg, shared)
+        self.res_mlp, self.mlp = rule(cfg, shared), MLP(cfg)
 
-    def forward(self, x, pos=0, cache=None):
-        x = self.res_attn(x, lambda c: self.attn(c, pos, cache))
+    def forward(self, x, pos=0, cache=None, doc_start=None):
+        x = self.res_attn(x, lambda c: self.attn(c, pos, cache, doc_start))
         return self.res_mlp(x, self.mlp)
 
 
@@ -362,7 +363,8 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         if cfg.ddl_ec and cfg.spec.ec:  # EC
             self.ec_conv = nn.Parameter(identity_conv(cfg.n_embd, cfg.ddl_dv, cfg.ddl_conv_size))
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.shared = nn.Module()  # the parameters every block shares: a rule or attention sets each once
+        self.blocks = nn.ModuleList(Block(cfg, self.shared) for _ in range(cfg.n_layer))
         if cfg.is_ddl:
             self.readout = Compressor(cfg)
         self.ln_f = RMSNorm(cfg.n_embd, cfg.norm_eps)
@@ -391,12 +393,10 @@ class GPT(nn.Module):
         for block in self.blocks:
             for proj in (block.attn.c_proj, block.mlp.c_proj):
                 nn.init.normal_(proj.weight, mean=0.0, std=out_std)
-            if block.attn.deltaformer:
-                nn.init.zeros_(block.attn.beta.bias)
-            for res in (block.res_attn, block.res_mlp):  # each rule's own init, if it has one
-                getattr(res, "init_weights", lambda scaled: None)(scaled)
+            for m in (block.attn, block.res_attn, block.res_mlp):  # each one's own init, if it has one
+                getattr(m, "init_weights", lambda scaled: None)(scaled)
 
-    def embed(self, idx, cache=None):
+    def embed(self, idx, cache=None, doc_start=None):
         """The initial stream: emb [B, T, d] (additive) or X0 [B, T, d, d_v] (DDL)."""
         cfg = self.config
         emb = self.drop(self.wte(idx))
@@ -405,35 +405,40 @@ class GPT(nn.Module):
         emb = emb.to(torch.bfloat16 if cfg.ddl_state_dtype == "bfloat16" else emb.dtype)  # X's dtype
         if not hasattr(self, "ec_conv"):
             return emb[..., None].expand(*emb.shape, cfg.ddl_dv).contiguous()
-        T = emb.shape[1]
+        T, n = emb.shape[1], cfg.ddl_conv_size - 1
         if cache is not None:
-            emb = cache.history(self, emb, cfg.ddl_conv_size - 1)
-        return expand_ec(emb, self.ec_conv, backend=cfg.backend)[:, emb.shape[1] - T :]
+            emb, doc_start = cache.history(self, emb, n), history_doc_start(doc_start, cache.pos, n)
+        return expand_ec(emb, self.ec_conv, backend=cfg.backend, doc_start=doc_start)[:, emb.shape[1] - T :]
 
-    def hidden_states(self, idx, cache=None):
+    def hidden_states(self, idx, cache=None, attention_mask=None):
         """Final-normed features [B, T, d] of tokens idx; with a cache (sample.py), idx continues the cached
-        sequence (a StaticCache's pos is a tensor, checked by its owner: no sync in a compiled step)."""
+        sequence (a StaticCache's pos is a tensor, checked by its owner: no sync in a compiled step).
+        attention_mask [B, T] (1: a token, 0: left padding, a document of its own): padded prompts."""
         cfg = self.config
         T, pos = idx.shape[1], 0 if cache is None else cache.pos
         if isinstance(pos, int) and pos + T > cfg.block_size:
             raise ValueError(f"sequence of {pos + T} tokens exceeds block_size {cfg.block_size}")
-        x = self.embed(idx, cache)  # [B, T, d], or X0 [B, T, d, d_v] for the stream that runs the DDL ops
+        doc = None  # doc_start [B, T] (ops/common.py) where documents or padding split a row
+        if cfg.doc_mask or attention_mask is not None:
+            doc = doc_starts(idx, EOT if cfg.doc_mask else None, pos, left_padding(attention_mask, idx))
+            doc = doc if cache is None else cache.doc_start(doc)
+        x = self.embed(idx, cache, doc)  # [B, T, d], or X0 [B, T, d, d_v] for the stream of the DDL ops
         if cfg.is_ddl:
             sr = cfg.ddl_state_rounding == "stochastic"
-            x = DDLStream(x, DDL_EPS, cfg.ddl_erase, cfg.backend, cfg.ddl_keep_state_every, cache, sr)
+            x = DDLStream(x, DDL_EPS, cfg.ddl_erase, cfg.backend, cfg.ddl_keep_state_every, cache, sr, doc)
         for block in self.blocks:  # a DDLStream reads through each block's compressor, then the readout
-            x = block(x.enter(block.compress) if isinstance(x, DDLStream) else x, pos, cache)
+            x = block(x.enter(block.compress) if isinstance(x, DDLStream) else x, pos, cache, doc)
         x = (x.enter(self.readout).read() if isinstance(x, DDLStream) else x).to(self.ln_f.weight.dtype)
         if cache is not None:
             cache.pos += T
         return self.ln_f(x)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, attention_mask=None):
         if idx.dim() != 2 or idx.dtype != torch.long:
             raise ValueError(f"idx must be int64 [B, T], got {idx.dtype} {tuple(idx.shape)}")
         if targets is not None and (targets.shape != idx.shape or targets.dtype != torch.long):
             raise ValueError(f"targets must be int64 {tuple(idx.shape)}, got {targets.dtype} {targets.shape}")
-        x = self.hidden_states(idx)
+        x = self.hidden_states(idx, attention_mask=attention_mask)
         if targets is None:  # inference: only the last position (nanoGPT convention)
             return self.lm_head(x[:, -1:]), None
         return self.logits_and_loss(x, targets)
@@ -454,7 +459,7 @@ class GPT(nn.Module):
         the weights + 12 L H D T for attention (Deltaformer's stage 1 doubles it) + the DDL updates,
         ~4 d d_v + 3 d per sublayer forward, x3 with the backward."""
         cfg = self.config
-        stages = 2 if cfg.attention == "deltaformer" else 1
+        stages = ATTENTIONS[cfg.attention].stages
         flops = 6 * self.num_params() + stages * 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
         if cfg.is_ddl:
             flops += 3 * 2 * cfg.n_layer * (4 * cfg.n_embd * cfg.ddl_dv + 3 * cfg.n_embd)

@@ -95,8 +95,9 @@ _fields = dataclasses.fields(GPTConfig)
 _defaults |= {f.name: f.default for f in _fields if f.name not in _defaults}
 DATASETS = ("shakespeare", "fineweb_edu", "state_tracking")
 CHOICES = {"init_from": ("scratch", "resume"), "dataset": DATASETS, "dtype": ("float32", "bfloat16")}
-_ones = "batch_size block_size gradient_accumulation_steps eval_interval eval_iters log_interval".split()
-_zeros = "max_iters warmup_iters lr_decay_iters weight_decay grad_clip".split()
+_ones = "batch_size block_size gradient_accumulation_steps eval_interval eval_iters log_interval st_length"
+_ones = _ones.split()
+_zeros = "max_iters warmup_iters lr_decay_iters weight_decay grad_clip max_seconds seed".split()
 AT_LEAST = {**dict.fromkeys(_ones, 1), **dict.fromkeys(_zeros, 0)}
 RUN_FIELDS = ("dropout", "backend")  # GPTConfig fields that a resumed run may change
 USAGE = __doc__.split("Reproducibility")[0].strip()  # printed by --help and without arguments
@@ -155,6 +156,10 @@ except ConfigError as e:
 globals().update(config)
 if not 0 <= min_lr <= learning_rate:
     fail(f"need 0 <= min_lr <= learning_rate, got min_lr={min_lr}, learning_rate={learning_rate}")
+if not all(0 <= b < 1 for b in betas):
+    fail(f"betas must each be in [0, 1) (AdamW), got {betas}")
+if seed > 2**32 - 2**16:  # numpy's seeds are < 2**32, and rank r seeds seed + r
+    fail(f"seed must be <= 2**32 - 2**16, got {seed}")
 if not (device == "cpu" or device.startswith("cuda")):
     fail(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 if device.startswith("cuda") and not torch.cuda.is_available():

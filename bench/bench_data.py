@@ -45,6 +45,8 @@ def main():
     p.add_argument("--mb", type=float, default=100.0)  # enough tasks that the last one is a small tail
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
+    if args.workers < 1 or args.repeats < 1 or not args.mb > 0:
+        p.error(f"--workers {args.workers}, --repeats {args.repeats}: >= 1; --mb {args.mb}: > 0")
 
     import pyarrow as pa
     import pyarrow.parquet as pq

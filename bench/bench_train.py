@@ -6,6 +6,7 @@ each against additive + softmax attention of the same size measured in the same 
     python bench/bench_train.py ... --profile        # + where one step's GPU and host time go
     python bench/bench_train.py ... --nanogpt ../nanoGPT/model.py   # + nanoGPT's GPT, timed the same way
     python bench/bench_train.py ... --against ../other-checkout      # + each variant on that tree's model
+    python bench/bench_train.py ... --doc-mask      # + each variant with GPTConfig.doc_mask, on documents
 
 additive is always run (added to --variants when missing): every ratio is against it. Each (model, variant)
 runs in a fresh process, one after another: bf16 autocast, torch.compile with static shapes, fused AdamW,
@@ -13,6 +14,13 @@ random tokens, the largest micro-batch of --batches that fits. Step time: the ti
 GPU's clock; compile time: the first step; MFU = tokens/s * GPT.flops_per_token / 989 TFLOP/s (H100/H200
 dense bf16); host_ms: the host's median time to issue the forward, backward and optimizer, then to wait for
 the GPU (near 0: the host sets the step time). --time-limit bounds the run (a job 420 s at most).
+
+--doc-mask: each variant also runs with GPTConfig.doc_mask (row VARIANT+doc_mask, right after VARIANT's;
+its ×additive against additive+doc_mask), and every row's batches are documents, the same tokens in every
+row: EOT (50256) at each document's start, the other tokens drawn uniformly below it; a document starts at
+each position with probability 1/512 (seeded), so lengths are geometric with mean 512 tokens and a row
+starts mid-document, as a window of the shards does. ×unmasked: the masked row's tokens/s over the same
+variant's unmasked row's, in this run.
 """
 
 import os
@@ -26,6 +34,8 @@ import torch
 
 PEAK_TFLOPS = 989.0  # for MFU: H100/H200 dense bf16
 JOB_TIMEOUT = 420  # seconds for one (model, variant)
+DOC_LEN = 512  # --doc-mask: the documents' mean length in tokens (geometric)
+EOT = 50256  # model.EOT, which starts a document; not imported: a row of --against imports its own model.py
 VARIANTS = {
     **{r: dict(residual=r) for r in ("additive", "ddl", "ddl-tc", "ddl-cc")},
     # one state per block kept for the backward (GPTConfig.ddl_keep_state_every; the default keeps fewer)
@@ -37,14 +47,26 @@ VARIANTS = {
 }
 
 
-def train_steps(model, opt, B, T, steps, vocab, device, host=None, accum=1):
+def micro_batches(gen, accum, B, T, vocab, doc_len=0):
+    """accum (idx, tgt) pairs [B, T] of random tokens from the generator gen (on their device), tgt the
+    tokens after idx's (as the loader's). doc_len: documents of mean length doc_len, EOT first (docstring
+    above); 0: tokens drawn uniformly below vocab."""
+    x = torch.randint(0, min(vocab, EOT) if doc_len else vocab, (accum, B, T + 1), generator=gen,
+                      device=gen.device)  # fmt: skip
+    if doc_len:  # a start at each position with probability 1/doc_len: geometric lengths of that mean
+        x = x.masked_fill(torch.rand(x.shape, generator=gen, device=gen.device) < 1 / doc_len, EOT)
+    return [(x[i, :, :-1].contiguous(), x[i, :, 1:].contiguous()) for i in range(accum)]
+
+
+def train_steps(model, opt, B, T, steps, vocab, device, host=None, accum=1, doc_len=0, gen=None):
     """Run `steps` optimizer steps of `accum` micro-batches (gradient accumulation, as train.py) on random
-    tokens; return each step's seconds on the device's clock (Span). host: a list to append, per step, the
-    host's seconds to issue the forwards, the backwards and the optimizer, and then to wait for the GPU (a
-    step whose host never waits is bound by the host)."""
-    times = []
+    tokens (micro_batches; gen: their generator, default one seeded 0); return each step's seconds on the
+    device's clock (Span). host: a list to append, per step, the host's seconds to issue the forwards, the
+    backwards and the optimizer, and then to wait for the GPU (a step whose host never waits is bound by
+    the host)."""
+    times, gen = [], torch.Generator(device).manual_seed(0) if gen is None else gen
     for _ in range(steps):
-        batches = [tuple(b) for b in torch.randint(0, vocab, (accum, 2, B, T), device=device)]  # (idx, tgt)s
+        batches = micro_batches(gen, accum, B, T, vocab, doc_len)
         with common.Span(cuda=device == "cuda") as step:
             # the host's marks (part, its end); parts: 0 forward, 1 backward, 2 optimizer, 3 wait for the GPU
             marks = [(None, time.perf_counter())]
@@ -75,9 +97,12 @@ def measure(model, cfg, B, args, row):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device == "cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    # the batches' own generator: every row sees the same tokens, whatever its model's init drew
+    gen, doc_len = torch.Generator(device).manual_seed(0), DOC_LEN if args.doc_mask else 0
 
     def run(n, host=None):  # n steps at this micro-batch
-        return train_steps(compiled, opt, B, args.seq, n, cfg.vocab_size, device, host, args.accum)
+        return train_steps(compiled, opt, B, args.seq, n, cfg.vocab_size, device, host, args.accum, doc_len,
+                           gen)  # fmt: skip
 
     with common.Span() as first:
         run(1)
@@ -181,14 +206,17 @@ def worker(job, row):
         model, cfg = nanogpt_model(args.nanogpt, row["model"], args.seq, args.model_overrides)
         model = model.to(args.device)
     else:
-        model, cfg = common.gpt(args, row["model"], VARIANTS[variant])
+        overrides = dict(VARIANTS[variant])
+        if job["doc_mask"]:  # only when on: a checkout of --against without the field runs its unmasked rows
+            overrides["doc_mask"] = True
+        model, cfg = common.gpt(args, row["model"], overrides)
     row["params_M"] = model.num_params() / 1e6
     at = lambda B: measure(model, cfg, B, args, row)
     common.largest_batch(args.batches, row, at, reset=lambda: model.zero_grad(set_to_none=True))
 
 
 def main():
-    p = common.row_parser(__doc__, VARIANTS)
+    p = common.row_parser(__doc__, [v for v in VARIANTS if v != "nanogpt"])  # its row: --nanogpt
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient "
                    "accumulation, as train.py: the GPU waits for the host at a step's start)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="after timing each row, profile --profile-steps")
@@ -196,8 +224,10 @@ def main():
     p.add_argument("--profile-top", type=int, default=30, help="kernels listed by the profile")
     p.add_argument("--nanogpt", default="", help="nanoGPT's model.py: adds the row 'nanogpt', its GPT at the "
                    "same depth and width (64-wide heads), timed like the others")  # fmt: skip
-    p.add_argument("--against", default="", help="another checkout: every variant but additive also runs on "
-                   "its model.py and ops/, just before this one's (rows VARIANT@against)")  # fmt: skip
+    p.add_argument("--against", default="", help="another checkout: every variant but additive and nanogpt "
+                   "also runs on its model.py and ops/, just before this one's: VARIANT@against")  # fmt: skip
+    p.add_argument("--doc-mask", action="store_true", help="each variant but nanogpt also with "
+                   f"GPTConfig.doc_mask (VARIANT{common.MASKED}); every row's batch: documents")  # fmt: skip
     if common.job_main(worker):  # one row, in its own process
         return
     args = common.parse_row_flags(p, __file__, VARIANTS)
@@ -210,18 +240,34 @@ def main():
     args.against = os.path.abspath(args.against) if args.against else ""
     if args.accum < 1:
         raise SystemExit(f"--accum {args.accum}: expected a positive number of micro-batches")
-    # every (model, variant) in a fresh process, one after another, additive first; --against: the other
-    # checkout's row just before this one's
-    specs = [dict(row=dict(model=m, variant=v + ("@against" if a else "")), variant=v, against=a)
-             for m in args.models for v in args.variants
-             for a in ((True, False) if args.against and v != "additive" else (False,))]  # fmt: skip
+    from model import GPTConfig  # (here, not at the top: a row of --against imports its own model.py)
+
+    vocab = args.model_overrides.get("vocab_size", GPTConfig.vocab_size)
+    if args.doc_mask and vocab <= EOT:
+        raise SystemExit(f"--doc-mask: documents start with EOT ({EOT}), which needs vocab_size > {EOT}, "
+                         f"got {vocab}")  # fmt: skip
+    if args.doc_mask and "doc_mask" in args.model_overrides:  # it would set every row's mask alike
+        raise SystemExit("--doc-mask: leave doc_mask out of --model-overrides (the flag sets it per row)")
+    # every (model, variant) in a fresh process, one after another, additive first; --doc-mask: its masked
+    # row right after; --against: the other checkout's row just before this one's (nanoGPT's model is the
+    # same in both, and has no document mask)
+    sides = lambda v: (True, False) if args.against and v not in ("additive", "nanogpt") else (False,)
+    masks = lambda v: (False, True) if args.doc_mask and v != "nanogpt" else (False,)
+    specs = [dict(row=dict(model=m, variant=v + common.MASKED * d + ("@against" if a else "")), variant=v,
+                  against=a, doc_mask=d)
+             for m in args.models for v in args.variants for d in masks(v) for a in sides(v)]  # fmt: skip
     tables = lambda rows: [common.throughput_table(rows)]
     compiled = "torch.compile (whole model, static shapes)" if args.compile else "eager"
     fused = "fused " if args.device == "cuda" else ""
-    settings = (f"seq {args.seq}, bf16 autocast, {compiled}, {fused}AdamW, random tokens; {args.warmup} "
+    tokens = (f"random tokens in documents (EOT first; lengths geometric, mean {DOC_LEN}, seeded: the same "
+              "tokens in every row)" if args.doc_mask else "random tokens")  # fmt: skip
+    settings = (f"seq {args.seq}, bf16 autocast, {compiled}, {fused}AdamW, {tokens}; {args.warmup} "
                 f"warm-up (the first compiles) and {args.steps} timed steps of {args.accum} micro-batch(es), "
                 f"step time their median; MFU = tokens/s x GPT.flops_per_token / {PEAK_TFLOPS:g} TFLOP/s; "
                 "×additive: against additive + softmax of the same model in this run")  # fmt: skip
+    if args.doc_mask:
+        settings += (f" (a {common.MASKED} row: against additive{common.MASKED}); ×unmasked: a "
+                     f"{common.MASKED} row's tokens/s over the same variant's without the mask")  # fmt: skip
     common.run_rows(args, __file__, specs, settings, tables, JOB_TIMEOUT)
 
 

@@ -3,6 +3,7 @@ writes, running commands a few at a time, and a table of rows each measured in i
 first, it puts the repository root on sys.path (model.py, ops/, data/)."""
 
 import argparse
+import ast
 import contextlib
 import fcntl
 import json
@@ -242,7 +243,7 @@ def row_parser(doc, variants):
                    help="what backend='auto' means for the DDL and Deltaformer ops")  # fmt: skip
     p.add_argument("--time-limit", type=float, default=540, help="seconds for the whole table")
     p.add_argument("--device", default="cuda", help="cpu: a smoke test (tiny --model-overrides)")
-    p.add_argument("--model-overrides", default="", help="GPTConfig overrides, e.g. n_layer=2,n_embd=64")
+    p.add_argument("--model-overrides", default="", help="GPTConfig overrides, e.g. n_layer=2,ddl_ec=False")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for the run's .json and .md")
     return p
 
@@ -258,14 +259,25 @@ def parse_row_flags(p, script, variants):
     args.variants = [v for v in args.variants.split(",") if v]
     if unknown := [v for v in args.variants if v not in variants]:
         raise SystemExit(f"--variants: unknown variant {unknown[0]!r}; allowed: {', '.join(variants)}")
-    if "additive" not in args.variants:
-        args.variants.insert(0, "additive")
+    args.variants = ["additive"] + [v for v in args.variants if v != "additive"]  # the baseline runs first
     args.batches = positive_ints(args.batches, "--batches", "64,32")
-    pairs = (kv.split("=", 1) for kv in args.model_overrides.split(",") if kv)
-    args.model_overrides = {key: (int(val) if val.isdigit() else val) for key, val in pairs}
+    if args.steps < 1:
+        raise SystemExit(f"--steps {args.steps}: expected at least one timed step")
+    pairs = [kv.split("=", 1) for kv in args.model_overrides.split(",") if kv]
+    if bad := [kv for kv in pairs if len(kv) != 2]:
+        raise SystemExit(f"--model-overrides: expected KEY=VALUE pairs like n_layer=2, got {bad[0][0]!r}")
+    args.model_overrides = {key: literal(val) for key, val in pairs}
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"{os.path.basename(script)} needs a CUDA GPU (or --device cpu for a smoke test)")
     return args
+
+
+def literal(text):
+    """A --model-overrides value: a Python literal (2, False, 0.1), else the text itself (ddl-cc)."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
 
 
 def positive_ints(text, flag, example):
@@ -409,22 +421,32 @@ def largest_batch(batches, row, measure, reset=lambda: None):
     raise RuntimeError(f"no micro-batch of {batches} fits")
 
 
+MASKED = "+doc_mask"  # in a row's variant label: that variant trained with GPTConfig.doc_mask (bench_train)
+
+
 def throughput_table(rows, ms="step ms"):
-    """Markdown of rows with tok_s, step_ms, peak_GB, mfu: ratios against additive + softmax of the same
-    model size (peak memory only where both ran at the same micro-batch)."""
-    base = {r["model"]: r for r in rows if r["variant"] == "additive" and "tok_s" in r}
-    head = ["model", "variant", "micro-batch", "tokens/s", "×additive", ms, "peak GB", "×additive"]
+    """Markdown of rows with tok_s, step_ms, peak_GB, mfu: ratios against additive + softmax of the same model
+    size and the same mask (peak memory only where both ran at the same micro-batch). With masked rows
+    (MASKED in the label) a column ×unmasked: tokens/s over the same variant's unmasked row."""
+    got = {(r["model"], r["variant"]): r for r in rows if "tok_s" in r}
+    with_masked = any(MASKED in r["variant"] for r in rows)
+    head = ["model", "variant", "micro-batch", "tokens/s", "×additive", *["×unmasked"] * with_masked, ms,
+            "peak GB", "×additive", "MFU", "compile s"]  # fmt: skip
     cells = []
     for r in rows:
         if "tok_s" not in r:
-            cells.append([r["model"], r["variant"], f"not measured: {r.get('error', '?')}"] + [""] * 7)
+            cells.append(
+                [r["model"], r["variant"], f"not measured: {r.get('error', '?')}"] + [""] * (len(head) - 3)
+            )
             continue
-        b = base.get(r["model"])
+        masked = MASKED in r["variant"]
+        b = got.get((r["model"], "additive" + MASKED * masked))
         ratio = f"{r['tok_s'] / b['tok_s']:.3f}" if b else "-"
         mem_ratio = f"{r['peak_GB'] / b['peak_GB']:.3f}" if b and b["batch"] == r["batch"] else "-"
-        cells.append(
-            [r["model"], r["variant"], r["batch"], f"{r['tok_s']:,.0f}", ratio, f"{r['step_ms']:.1f}"]
-        )
-        cells[-1] += [f"{r['peak_GB']:.1f}", mem_ratio, f"{100 * r['mfu']:.1f}%", r.get("compile_s", "-")]
-    align = ["---"] * 2 + ["---:"] * 8
-    return "\n".join(markdown(head + ["MFU", "compile s"], cells, align))
+        cells.append([r["model"], r["variant"], r["batch"], f"{r['tok_s']:,.0f}", ratio])
+        if with_masked:  # empty on an unmasked row; "-": its unmasked row was not measured
+            u = got.get((r["model"], r["variant"].replace(MASKED, ""))) if masked else None
+            cells[-1].append(f"{r['tok_s'] / u['tok_s']:.3f}" if u else "-" if masked else "")
+        cells[-1] += [f"{r['step_ms']:.1f}", f"{r['peak_GB']:.1f}", mem_ratio, f"{100 * r['mfu']:.1f}%"]
+        cells[-1].append(r.get("compile_s", "-"))
+    return "\n".join(markdown(head, cells, ["---"] * 2 + ["---:"] * (len(head) - 2)))

@@ -6,8 +6,9 @@ Triton is importable, so that another version's frontend errors show up before a
 Each `kernel[grid](...)` launch is compiled, not run, with its argument types and constexprs: a forward and
 backward of every model variant (gpt2-small width, four blocks: states rebuilt by 1-7 updates; an fp32 DDL
 state, and bf16 rounded to nearest and stochastically) and the Deltaformer u-stage (every kernel, head dim
-64 and 128, each dtype, both `lowp`). Prints each distinct compile (shared memory; registers, spill stack and
-barrier instructions from the triton wheel's cuobjdump) or its error; exit 1 if any failed.
+64 and 128, each dtype, both `lowp`; bf16 also within packed documents). Prints each distinct compile
+(shared memory; registers, spill stack and barrier instructions from the triton wheel's cuobjdump) or its
+error; exit 1 if any failed.
 
     python bench/compile_check.py --mix    # the Deltaformer u-stage only (bf16), + each loop's SASS mix
 
@@ -170,9 +171,12 @@ def run_deltaformer_variants(mix=False):
         k, v, w = (torch.randn(1, 2, 70, D, dtype=dtype, requires_grad=True) for _ in range(3))
         w = k if dtype == torch.float16 else w  # once w is k, as in the model by default
         beta = torch.rand(1, 2, 70, dtype=dtype, requires_grad=True)
+        docs = (None, torch.tensor([[0] * 30 + [30] * 40])) if dtype == torch.bfloat16 else (None,)
         for kernel in KERNELS:
             for lowp in (True, False):  # fp32 ignores it
-                deltaformer_u_triton(k, v, w, beta, kernel=kernel, lowp=lowp).float().sum().backward()
+                for doc_start in docs:  # bf16 (what training runs): also within packed documents
+                    u = deltaformer_u_triton(k, v, w, beta, kernel=kernel, lowp=lowp, doc_start=doc_start)
+                    u.float().sum().backward()
 
 
 def main():

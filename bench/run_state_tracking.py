@@ -140,6 +140,8 @@ def main():
     tasks = [t for t in args.tasks.split(",") if t]
     if not tasks or any(t not in TASKS for t in tasks):
         sys.exit(f"run_state_tracking: --tasks must name some of {list(TASKS)}, got {args.tasks!r}")
+    if args.seconds < 0 or args.deadline < 0:
+        sys.exit(f"run_state_tracking: --seconds {args.seconds:g}, --deadline {args.deadline:g}: need >= 0")
     runs = select(tasks, args.only)
     deadline = args.deadline or args.seconds + 300
 

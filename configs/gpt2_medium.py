@@ -4,7 +4,7 @@
 #   torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_medium.py
 #   torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_medium.py --residual=ddl-cc \
 #       --out_dir=out-medium-ddl-cc --wandb_run_name=medium-ddl-cc        # a variant: see the README table
-from configs.gpt2_small import *  # noqa: F403  (the shared recipe; the lines below override it)
+from configs.gpt2_small import *  # noqa: F403  (the shared recipe, doc_mask too; the lines below override it)
 
 out_dir = "out-gpt2-medium"
 wandb_run_name = "gpt2-medium"

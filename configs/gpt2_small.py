@@ -12,6 +12,9 @@ n_embd = 768
 n_head = 6
 head_dim = 128
 block_size = 1024
+# True: a document starts at each EOT, and no token sees an earlier document packed into its row (README,
+# Training). The papers trained without it: off, as in their recipe
+doc_mask = False
 
 # global batch 480 x 1024 = 491,520 tokens: 32 micro-steps of 15 rows, split among 1, 2, 4, 8, 16 or 32
 # GPUs. Less GPU memory: keep batch_size * gradient_accumulation_steps = 480, e.g. 10 x 48 or 5 x 96.

@@ -4,11 +4,12 @@
     python data/fineweb_edu.py --input corpus.jsonl --out data/package_corpus --shard-tokens 5000000
 
 Walks ROOT (default: every site-packages directory of this interpreter) for *.py, *.pyi, *.md, *.rst and
-*.txt files, in sorted path order, drops duplicates (same bytes), files that are not UTF-8 and files
-outside 200 B .. 1 MB, and writes one JSONL document {"text": ...} per file until --max-mb of text. The
-output depends only on the files present, so the same installed packages give the same corpus. The first
-shard data/fineweb_edu.py writes (shard 0, the validation split) comes from the first files in path order,
-so validation text is held out from training.
+*.txt files, in sorted order (a folder's files by name, then its subfolders by name, whatever order the
+filesystem lists them in), drops duplicates (same bytes), files that are not UTF-8 and files outside
+200 B .. 1 MB, and writes one JSONL document {"text": ...} per file until --max-mb of text. The output
+depends only on the files present, so the same installed packages give the same corpus. The first shard
+data/fineweb_edu.py writes (shard 0, the validation split) comes from the first files in that order, so
+validation text is held out from training.
 """
 
 import argparse

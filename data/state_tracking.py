@@ -242,13 +242,18 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write x and y as <out>.x.npy and <out>.y.npy")
     args = p.parse_args(argv)
-    if args.task == "swap":
-        x, y = swap_task(args.n, args.length or 32, args.num, args.seed)
-        print(f"swap n={args.n}: pairs (token: (i, j)) {dict(enumerate(swap_pairs(args.n)))}")
-    else:
-        length = args.length or dag_min_length(args.n_nodes) - 1 + args.n_nodes
-        x, y = dag_task(args.n_nodes, length, args.num, args.seed)
-        print(f"dag n_nodes={args.n_nodes}: QUERY token = {args.n_nodes}, y = -1 where unlabelled")
+    if args.num < 1:
+        p.error(f"--num must be >= 1, got {args.num}")
+    try:  # the tasks' own checks, as one-line errors (an explicit --length 0 is refused, not the default)
+        if args.task == "swap":
+            x, y = swap_task(args.n, 32 if args.length is None else args.length, args.num, args.seed)
+            print(f"swap n={args.n}: pairs (token: (i, j)) {dict(enumerate(swap_pairs(args.n)))}")
+        else:
+            length = dag_min_length(args.n_nodes) - 1 + args.n_nodes if args.length is None else args.length
+            x, y = dag_task(args.n_nodes, length, args.num, args.seed)
+            print(f"dag n_nodes={args.n_nodes}: QUERY token = {args.n_nodes}, y = -1 where unlabelled")
+    except ValueError as e:
+        p.error(str(e))
     np.set_printoptions(linewidth=200)
     for b in range(args.num):
         print(f"x[{b}] = {x[b].tolist()}")

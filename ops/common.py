@@ -87,3 +87,33 @@ class _Logits(torch.autograd.Function):
         else:
             dx = dy @ weight
         return dx, dw.to(weight.dtype), None
+
+
+EOT = 50256  # GPT-2's <|endoftext|>, before every document of the corpora (data/tokenizer.py)
+
+
+def doc_starts(idx, eot=None, pos=0, real=None):
+    """doc_start [B, T] of tokens idx [B, T] at positions pos.. of their sequence: for each token, the
+    position of the first token of its document, the representation every op's doc_start takes. A document
+    begins at each `eot` token (None: none does), and at the first real token after left padding (real
+    [B, T] bool, False on the padding, which is a document of its own); 0 where none began among idx (a
+    cache continues the earlier tokens' document: cache.Cache.doc_start)."""
+    t = pos + torch.arange(idx.shape[1], device=idx.device)
+    begins = torch.zeros_like(idx, dtype=torch.bool) if eot is None else idx == eot
+    if real is not None:
+        begins = begins | (real & ~torch.nn.functional.pad(real, (1, -1), value=True))
+    return torch.where(begins, t, 0).cummax(dim=1).values
+
+
+def left_padding(attention_mask, idx):
+    """attention_mask [B, T] (1: a token, 0: padding) of tokens idx as bool, or None; only left padding (a
+    row's 0s before its 1s) is taken: a 0 after a 1 is refused."""
+    if attention_mask is None:
+        return None
+    if tuple(attention_mask.shape) != tuple(idx.shape):
+        shape = tuple(attention_mask.shape)
+        raise ValueError(f"attention_mask must be [B, T] = {tuple(idx.shape)} as the tokens, got {shape}")
+    real = attention_mask.bool()
+    if not torch.compiler.is_compiling() and bool((real[:, :-1] & ~real[:, 1:]).any()):
+        raise ValueError("attention_mask: only left padding is supported (each row's 0s before its 1s)")
+    return real

@@ -1,4 +1,4 @@
-"""model.Attention (softmax) against an independent float64 formula written here, and RoPE's promise that
+"""model.SoftmaxAttention against an independent float64 formula written here, and RoPE's promise that
 attention scores depend on relative positions only.
 
 The formula, per head of dimension D (the DDL authors' order: the QK-RMSNorm after RoPE):
@@ -13,14 +13,14 @@ import math
 import pytest
 import torch
 
-from model import Attention, GPTConfig
+from model import GPTConfig, SoftmaxAttention
 
 F64 = torch.float64
 
 
 def make_attention(tie_pairs=False):
     cfg = GPTConfig(n_layer=1, n_head=2, head_dim=8, n_embd=16, block_size=32, vocab_size=64)
-    attn = Attention(cfg).to(F64)
+    attn = SoftmaxAttention(cfg, torch.nn.Module()).to(F64)
     with torch.no_grad():  # random, non-unit norm weights: the order of RMSNorm and RoPE matters
         for norm in (attn.q_norm, attn.k_norm):
             w = torch.empty(cfg.head_dim, dtype=F64).uniform_(0.5, 1.5)

@@ -1,4 +1,5 @@
-"""bench/bench_curves.py: three real train.py runs (this checkout as its own reference), and the table."""
+"""bench/bench_curves.py: three real train.py runs (this checkout as its own reference), the table from
+hand-made runs, and what each flag changes (the job queue a stand-in)."""
 
 import json
 import os
@@ -59,3 +60,81 @@ def test_runs_and_table(tmp_path):
     with open(out / "ddl-split" / "log.jsonl") as f:
         assert any("train_loss" in json.loads(line) for line in f)
     assert (out / "curves.md").read_text().startswith("Command: `python bench/bench_curves.py")
+
+
+def write_losses(out, name, losses):
+    os.makedirs(os.path.join(out, name))
+    with open(os.path.join(out, name, "log.jsonl"), "w") as f:
+        for it, loss in losses.items():
+            f.write(json.dumps({"iter": it, "train_loss": loss, "lr": 1e-3}) + "\n")
+        f.write(json.dumps({"iter": max(losses), "val_loss": 99.0}) + "\n")
+
+
+def test_table_labels_and_values_are_each_runs_own(tmp_path):
+    """Each variant's line from its own three runs: ref's and split's |loss - this loss| (max, mean) over the
+    iterations both have, this run's iteration count, the final loss of this and of ref."""
+    out = str(tmp_path)
+    write_losses(out, "ddl-this", {0: 4.0, 10: 3.0, 20: 2.5})
+    write_losses(out, "ddl-ref", {0: 4.1, 10: 2.8, 20: 2.55})
+    write_losses(out, "ddl-split", {0: 4.0, 10: 3.01, 20: 2.5, 30: 9.0})  # 30: not in this run
+    write_losses(out, "ddl-cc-this", {0: 5.0, 5: 4.0})
+    write_losses(out, "ddl-cc-ref", {0: 5.5, 5: 4.25})
+    write_losses(out, "ddl-cc-split", {0: 5.0, 5: 4.002})
+    lines = {line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ") for line in
+             bc.table(out, ["ddl", "ddl-cc", "ddl-tc"]).splitlines()[2:]}  # fmt: skip
+    e = lambda x: f"{x:.2e}"  # noqa: E731
+    assert lines["ddl"] == ["ddl", "3", e(0.2), e(0.35 / 3), e(0.01), e(0.01 / 3), "2.5000 / 2.5500"]
+    assert lines["ddl-cc"] == ["ddl-cc", "2", e(0.5), e(0.375), e(0.002), e(0.001), "4.0000 / 4.2500"]
+    assert lines["ddl-tc"] == ["ddl-tc", "0", "n/a", "n/a", "n/a", "n/a", "n/a"]  # no runs
+
+
+def test_main_flags_make_three_runs_per_variant(monkeypatch, tmp_path, capsys):
+    """--variants x (this, ref, split) runs at once, each in --out/<variant>-<run>; ref's in the --ref
+    checkout; --iters, --data-dir and --set reach train.py; --table prints the table of finished runs."""
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    ref.mkdir()
+    (ref / "train.py").write_text("")
+    seen = {}
+
+    def run_commands(jobs, slots):
+        seen.update(jobs=jobs, slots=slots)
+        for i, job in enumerate(jobs):
+            job["status"] = "exit 1" if i == 1 else "exit 0"
+        return jobs
+
+    monkeypatch.setattr(bc, "run_commands", run_commands)
+    argv = ["--ref", str(ref), "--variants", "additive,ddl-tc", "--iters", "7", "--out", str(out),
+            "--data-dir", "dd", "--set", "batch_size=6", "n_layer=1"]  # fmt: skip
+    bc.main(argv)
+    jobs = seen["jobs"]
+    assert [os.path.basename(j["name"]) for j in jobs] == [f"{v}-{r}" for v in ("additive", "ddl-tc")
+                                                          for r in bc.RUNS]  # fmt: skip
+    assert len(seen["slots"]) == 6 and [j["cwd"] for j in jobs[:3]] == [bc.REPO, str(ref), bc.REPO]
+    for job in jobs:
+        k = dict(a[2:].split("=", 1) for a in job["cmd"] if a.startswith("--"))
+        variant, run = os.path.basename(job["name"]).rsplit("-", 1)
+        assert job["cmd"][1:3] == ["train.py", bc.CONFIG] and k["out_dir"] == job["name"]
+        got = (k["residual"], k["max_iters"], k["data_dir"], k["n_layer"])
+        assert got == (variant, "7", os.path.abspath("dd"), "1")
+        rows = (k["batch_size"], k.get("gradient_accumulation_steps"))
+        assert rows == (("3", "2") if run == "split" else ("6", None))  # the config's 1 micro-step
+    text = capsys.readouterr().out
+    assert f"failed (see train.out): ['{jobs[1]['name']}']" in text
+    assert (out / "curves.md").read_text().strip() == text.strip()
+    monkeypatch.setattr(bc, "run_commands", lambda *a: pytest.fail("ran"))
+    write_losses(str(tmp_path / "done"), "ddl-tc-this", {0: 5.0, 5: 4.0})
+    bc.main(["--table", str(tmp_path / "done"), "--variants", "ddl-tc", "--out", str(out)])
+    assert capsys.readouterr().out.splitlines()[2].startswith("| ddl-tc | 2 | n/a |")  # that folder's run
+
+
+def test_main_refusals(capsys, tmp_path):
+    for argv, message in [
+        (["--variants", "ddl,ddl-xx", "--ref", REPO], "--variants: unknown ['ddl-xx']"),
+        (["--set", "batch_size", "--ref", REPO], "--set takes KEY=VALUE, got ['batch_size']"),
+        (["--ref", str(tmp_path)], "--ref must be a checkout holding train.py"),
+        ([], "--ref must be a checkout holding train.py, got None"),
+    ]:
+        with pytest.raises(SystemExit):
+            bc.main(argv + ["--out", str(tmp_path / "out")])
+        assert message in capsys.readouterr().err, argv
+    assert not os.path.exists(tmp_path / "out")

@@ -1,4 +1,4 @@
-"""bench/bench_quality.py (the run commands, the table) and data/package_corpus.py (the corpus)."""
+"""bench/bench_quality.py (the run commands, the flags, the table) and data/package_corpus.py (the corpus)."""
 
 import json
 import os
@@ -60,7 +60,8 @@ def test_table_of_a_setting_folder_and_of_nothing(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "setting,row", [("shakespeare", "ddl-cc-write-only"), ("corpus", "ddl-cc-bf16-state")]
+    "setting,row",
+    [("shakespeare", "ddl-cc-write-only"), ("corpus", "ddl-cc-bf16-state"), ("corpus", "ddl-cc-doc-mask")],
 )
 def test_run_args_are_train_config_keys(setting, row, tmp_path):
     """train.py accepts every key a run passes (its --dry_run resolves the config and exits)."""
@@ -90,6 +91,67 @@ def test_package_corpus_is_deterministic_deduplicated_and_capped(tmp_path):
     assert total == sum(len(t.encode()) for t in texts)
     n_capped, _ = package_corpus.build([str(root)], out, max_mb=1e-6)  # stops after the first file
     assert n_capped == 1
+
+
+def test_package_corpus_shards_start_each_file_with_eot(tmp_path):
+    """The corpus setting's data, made as the docstring says (package_corpus.py, then fineweb_edu.py
+    --input): one document a file, each after an EOT, and no other EOT (a file's literal "<|endoftext|>" is
+    text), so GPTConfig.doc_mask splits its rows at the files' boundaries."""
+    from data.fineweb_edu import prepare
+    from data.shards import read_shard
+    from data.tokenizer import EOT, get_encoding
+
+    root = tmp_path / "site"
+    root.mkdir()
+    texts = [
+        "def f():\n    return 1\n" * 12,
+        "# Notes\n<|endoftext|> is text here. " * 8,
+        "x = [1, 2]\n" * 30,
+    ]
+    for i, text in enumerate(texts):
+        (root / f"m{i}.py").write_text(text)
+    corpus = str(tmp_path / "c.jsonl")
+    assert package_corpus.build([str(root)], corpus, max_mb=1)[0] == 3
+    out = str(tmp_path / "shards")
+    paths = prepare(out, inputs=[corpus], shard_tokens=40, workers=1, progress=False)
+    stream = np.concatenate([read_shard(p) for p in paths])
+    lengths = [1 + len(get_encoding().encode_ordinary(t)) for t in texts]  # EOT + the file's tokens
+    assert len(stream) == sum(lengths)
+    assert np.flatnonzero(stream == EOT).tolist() == np.cumsum([0] + lengths[:-1]).tolist()
+
+
+def test_doc_mask_rows_are_their_rows_with_the_mask_and_in_no_default(monkeypatch, tmp_path, capsys):
+    """additive-doc-mask and ddl-cc-doc-mask: additive's and ddl-cc's overrides with doc_mask=True, the only
+    rows with it, in no setting's default rows; the corpus command with them and their rows, 2 seeds, runs
+    each with --doc_mask=True exactly where its name says, and tables them in ROWS' order."""
+    for row, base in (("additive-doc-mask", "additive"), ("ddl-cc-doc-mask", "ddl-cc")):
+        assert bq.ROWS[row] == {**bq.ROWS[base], "doc_mask": True}
+    assert [r for r in bq.ROWS if "doc_mask" in bq.ROWS[r]] == ["additive-doc-mask", "ddl-cc-doc-mask"]
+    assert not any("doc-mask" in r for rows in bq.DEFAULT_ROWS.values() for r in rows)
+    launched = []
+
+    def launch_all(jobs, parallel, on_finish):
+        launched.extend(jobs)
+        for i, (_, out_dir) in enumerate(jobs):
+            write_run(os.path.dirname(os.path.dirname(out_dir)), "corpus", os.path.basename(out_dir),
+                      [(0, 5.0), (1, 4.0 - i / 100)])  # fmt: skip
+
+    monkeypatch.setattr(bq, "launch_all", launch_all)
+    rows = ["ddl-cc-doc-mask", "additive", "ddl-cc", "additive-doc-mask"]
+    bq.main(["--setting", "corpus", "--rows", *rows, "--seeds", "1", "2", "--out", str(tmp_path)])
+    assert len(launched) == 8
+    for cmd, out_dir in launched:
+        keys = dict(a[2:].split("=", 1) for a in cmd if a.startswith("--") and "=" in a)
+        row = os.path.basename(out_dir).rpartition("-s")[0]
+        assert keys.get("doc_mask") == ("True" if row.endswith("-doc-mask") else None), cmd
+        assert keys["residual"] == bq.ROWS[row]["residual"] and keys["dataset"] == "fineweb_edu"
+    table = [line.split(" | ")[0].strip("| ") for line in capsys.readouterr().out.splitlines()]
+    assert [r for r in table if r in bq.ROWS] == [
+        "additive",
+        "additive-doc-mask",
+        "ddl-cc",
+        "ddl-cc-doc-mask",
+    ]
 
 
 def test_launch_all_reports_each_finished_run(tmp_path):
@@ -229,3 +291,93 @@ def test_rerunning_a_command_keeps_the_runs_that_ended(tmp_path, monkeypatch):
     monkeypatch.setattr(bq, "launch_all", lambda jobs, n, on_finish: launched.extend(d for _, d in jobs))
     bq.main(["--setting", "stability", "--rows", "additive", "--seeds", "1", "2", "3", "4", "--out", top])
     assert launched == [os.path.join(top, "stability", f"additive-s{s}") for s in (2, 3)]
+
+
+def test_table_best_final_and_difference_are_means_over_seeds(tmp_path):
+    """Per row: the best (lowest finite) and the final (last iteration's) validation loss, their mean and
+    half-range over the seeds, and the mean best less additive's, from random losses."""
+    rng = np.random.default_rng(1)
+    top, want = str(tmp_path), {}
+    for row in ("additive", "ddl", "ddl-cc"):
+        bests, finals = [], []
+        for seed in (1, 2, 3):
+            vals = [(it, float(rng.uniform(3, 5))) for it in range(0, 40 * (seed + 1), 40)]
+            write_run(top, "shakespeare", f"{row}-s{seed}", vals)
+            bests.append(min(v for _, v in vals))
+            finals.append(vals[-1][1])
+        want[row] = [(sum(x) / 3, (max(x) - min(x)) / 2) for x in (bests, finals)]
+    cells = [line.strip("| ").split(" | ") for line in bq.table([top]).splitlines() if line.startswith("| ")]
+    lines = {c[0]: c for c in cells[1:]}
+    for row, ((best, best_spread), (final, final_spread)) in want.items():
+        best_cell, final_cell = f"{best:.4f} ± {best_spread:.4f}", f"{final:.4f} ± {final_spread:.4f}"
+        assert lines[row][1:4] == ["1,2,3", best_cell, final_cell]
+        assert lines[row][4] == f"{best - want['additive'][0][0]:+.4f}" and lines[row][5] == "ok"
+
+
+def test_main_flags_build_the_runs(monkeypatch, tmp_path, capsys):
+    """--setting, --rows, --seeds, --out: the runs, seed by seed, in OUT/<setting>/<row>-s<seed>; --lr: the
+    peak learning rate and min_lr = lr / 10, in OUT/<setting>-lr<lr>; --data-dir, --max-seconds reach
+    train.py; --probe runs the Deltaformer rows under the probe; --parallel: runs at a time (default: the
+    setting's); the table of the finished runs is printed and written."""
+    launched = []
+
+    def launch_all(jobs, parallel, on_finish):
+        launched.append((jobs, parallel))
+        for _, out_dir in jobs:
+            write_run(os.path.dirname(os.path.dirname(out_dir)), os.path.basename(os.path.dirname(out_dir)),
+                      os.path.basename(out_dir), [(0, 5.0), (1, 4.0)])  # fmt: skip
+            on_finish()
+
+    monkeypatch.setattr(bq, "launch_all", launch_all)
+    out = str(tmp_path / "out")
+    bq.main(["--setting", "corpus", "--rows", "additive", "deltaformer-relu", "--seeds", "3", "5", "--out",
+             out, "--data-dir", "DD", "--parallel", "2", "--max-seconds", "60", "--lr", "0.002", "--probe",
+             "4"])  # fmt: skip
+    ((jobs, parallel),) = launched
+    folder = os.path.join(out, "corpus-lr0.002")
+    assert parallel == 2 and [d for _, d in jobs] == [
+        os.path.join(folder, f"{row}-s{seed}") for seed in (3, 5) for row in ("additive", "deltaformer-relu")
+    ]
+    for cmd, out_dir in jobs:
+        k = dict(a[2:].split("=", 1) for a in cmd if a.startswith("--") and "=" in a)
+        got = [k[key] for key in ("data_dir", "max_seconds", "learning_rate", "min_lr", "seed", "out_dir")]
+        assert got == ["DD", "60.0", "0.002", "0.0002", out_dir[-1], out_dir] and k["n_layer"] == "12"
+        probed = cmd[2:4] == ["--probe-run", "4"]
+        assert probed == ("deltaformer" in out_dir), cmd[:4]
+    text = capsys.readouterr().out
+    assert "**corpus-lr0.002**" in text and "| deltaformer-relu | 3,5 |" in text
+    assert open(os.path.join(out, "quality.md")).read().strip() == text.strip()
+    launched.clear()
+    bq.main(["--setting", "shakespeare", "--out", out, "--seeds", "1"])  # the setting's rows, lr and parallel
+    ((jobs, parallel),) = launched
+    assert parallel == bq.PARALLEL["shakespeare"] and len(jobs) == len(bq.DEFAULT_ROWS["shakespeare"])
+    assert all(os.path.dirname(d) == os.path.join(out, "shakespeare") for _, d in jobs)
+    for cmd, _ in jobs:
+        assert f"--learning_rate={bq.RECIPE['learning_rate']}" in cmd and "--probe-run" not in cmd
+        assert not any(a.startswith(("--data_dir", "--max_seconds")) for a in cmd)
+    launched.clear()
+    bq.main(["--table", out, "--parallel", "1"])  # the least accepted; nothing runs
+    assert launched == [] and "**shakespeare**" in capsys.readouterr().out
+
+
+def test_main_refusals(capsys, tmp_path):
+    for argv, message in [
+        ([], "--setting is required (or --table DIR ...)"),
+        (["--setting", "wiki"], "invalid choice: 'wiki'"),
+        (["--setting", "corpus", "--rows", "ddl-xx"], "invalid choice: 'ddl-xx'"),
+        (["--setting", "corpus", "--parallel", "0"], "--parallel 0: expected a positive number"),
+        (["--setting", "corpus", "--seeds"], "expected at least one argument"),
+    ]:
+        with pytest.raises(SystemExit):
+            bq.main(argv + ["--out", str(tmp_path / "out")])
+        assert message in capsys.readouterr().err, argv
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_run_that_ended_on_a_non_finite_validation_loss_is_not_finished(tmp_path):
+    top = str(tmp_path)
+    write_run(top, "stability", "ddl-s1", [(0, 5.0), (1, float("nan"))])  # "done:", but its last loss NaN
+    write_run(top, "stability", "ddl-s2", [(0, 5.0), (1, 4.0)])
+    text = bq.table([top])
+    assert ": 1 of 2 runs finished, 0 stopped, 1 failed or cut short\n" in text
+    assert "| ddl | 1 | cut short at iter 2 |" in text and "| ddl | 2 | finished |" in text

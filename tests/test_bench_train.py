@@ -200,3 +200,78 @@ def test_train_steps_accumulates_the_mean_gradient():
         expect = torch.stack(model.seen[4 * step : 4 * step + 4]).mean(0).float() / 100
         torch.testing.assert_close(grad, expect)
     assert len(host) == 2 and all(len(h) == 4 and min(h) >= 0 for h in host)
+
+
+def test_doc_mask_batches_are_documents_of_the_documented_length():
+    """--doc-mask's batches: each (idx, tgt) one stream, tgt the tokens after idx's; EOT (model.EOT) at each
+    document's start and nowhere else, the other tokens below it; starts at each position with probability
+    1/DOC_LEN, so the mean document is DOC_LEN tokens and lengths are geometric (P(length > DOC_LEN) = (1 -
+    1/DOC_LEN)^DOC_LEN ~ 1/e); a row may begin mid-document. Without documents: tokens below vocab."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_train
+
+    from model import EOT
+
+    assert bench_train.EOT == EOT and bench_train.DOC_LEN == 512
+    gen = torch.Generator().manual_seed(3)
+    pairs = bench_train.micro_batches(gen, 8, 32, 1024, 50304, bench_train.DOC_LEN)
+    assert len(pairs) == 8 and all(i.shape == t.shape == (32, 1024) for i, t in pairs)
+    assert all(torch.equal(i[:, 1:], t[:, :-1]) for i, t in pairs)
+    x = torch.cat([torch.cat([i, t[:, -1:]], 1) for i, t in pairs])  # the rows' streams [256, 1025]
+    starts = x == EOT
+    assert int(x[~starts].max()) < EOT and int(starts.sum()) > 0
+    # ~512 starts in 262,400 positions: the mean length within 15% (3.4 standard deviations)
+    mean = x.numel() / int(starts.sum())
+    assert abs(mean / 512 - 1) < 0.15, mean
+    # the rows back to back: one stream of starts (independent per position), the gaps its documents
+    gaps = starts.flatten().nonzero().flatten().diff()
+    assert abs(float((gaps > 512).double().mean()) - (1 - 1 / 512) ** 512) < 0.08
+    assert int(starts[:, 0].sum()) < 8  # a row starts with a document 1 time in 512: 0.5 of 256 rows
+    again = bench_train.micro_batches(torch.Generator().manual_seed(3), 8, 32, 1024, 50304, 512)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(pairs, again))  # seeded: the same documents
+    plain = bench_train.micro_batches(gen, 2, 4, 16, 64)
+    assert all(int(i.max()) < 64 and int(t.max()) < 64 for i, t in plain)
+
+
+def test_every_row_trains_on_the_same_documents(monkeypatch):
+    """measure() draws a row's batches from a generator of its own: two rows (masked and unmasked, whatever
+    their models' init drew from the global generator) see the same tokens, with EOTs under --doc-mask; a
+    masked tiny GPT trains on them."""
+    import argparse
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_train
+
+    class Recorder(torch.nn.Module):  # records what it is fed
+        def __init__(self):
+            super().__init__()
+            self.w, self.seen = torch.nn.Parameter(torch.zeros(1)), []
+
+        def forward(self, idx, tgt):
+            self.seen.append((idx.clone(), tgt.clone()))
+            return None, self.w.sum() * 0
+
+        def flops_per_token(self, T):
+            return 1.0
+
+    cfg = GPTConfig(n_layer=1, n_embd=32, n_head=2, head_dim=16, block_size=64)
+    # (AdamW itself would import torch._dynamo: seconds)
+    monkeypatch.setattr(torch.optim, "AdamW", lambda params, **kw: torch.optim.SGD(params, lr=0.0))
+    fed = []
+    for seed, doc_mask in ((1, True), (2, True), (1, False)):
+        torch.manual_seed(seed)  # another model init
+        args = argparse.Namespace(compile=0, device="cpu", warmup=2, steps=2, seq=64, accum=2, profile=False,
+                                  doc_mask=doc_mask)  # fmt: skip
+        model = Recorder()
+        bench_train.measure(model, cfg, 4, args, dict(model="gpt2-small", variant="x"))
+        fed.append(torch.stack([torch.stack(pair) for pair in model.seen]))
+    assert fed[0].shape == (8, 2, 4, 64) and torch.equal(fed[0], fed[1])  # 4 steps x 2 micro-batches
+    assert int((fed[0] == bench_train.EOT).sum()) > 0 and not torch.equal(fed[0], fed[2])  # plain tokens
+    assert not torch.equal(fed[0][:2], fed[0][2:4])  # each step draws its own (steps 0 and 1 here)
+    # a masked tiny GPT (vocab 50304: EOT is a token) through the real step
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, head_dim=16, block_size=64, doc_mask=True))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    times = bench_train.train_steps(model, opt, 2, 64, 1, model.config.vocab_size, "cpu", doc_len=8)
+    assert len(times) == 1 and any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))

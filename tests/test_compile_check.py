@@ -1,4 +1,5 @@
-"""bench/compile_check.py: a launch compiled for sm_90 on this machine, with its registers and spills."""
+"""bench/compile_check.py: a launch compiled for sm_90 on this machine, with its registers and spills; which
+launches main() and --mix compile."""
 
 import os
 import subprocess
@@ -126,3 +127,52 @@ def test_a_process_with_interpreted_triton_is_told_why_it_cannot_compile(monkeyp
     (line,) = compile_check.SEEN.values()
     assert line.startswith("FAIL _scale BLOCK=8") and "imported with TRITON_INTERPRET=1" in line, line
     assert compile_check.FAILED and capsys.readouterr().out.strip() == line
+
+
+def test_main_compiles_every_launch_and_mix_only_the_u_stage(monkeypatch, capsys):
+    """main() turns every `kernel[grid](...)` into a compile; --mix: only the Deltaformer u-stage's launches
+    (bf16), else the u-stage's and every model variant's; exit 1 when any compile failed."""
+    from triton.runtime.jit import KernelInterface
+
+    monkeypatch.setattr(KernelInterface, "__getitem__", KernelInterface.__getitem__)  # restored after
+    for name, value in (("SEEN", {}), ("FAILED", []), ("SPILLS", [])):
+        monkeypatch.setattr(compile_check, name, value)
+    ran, compiled = [], []
+    monkeypatch.setattr(compile_check, "run_deltaformer_variants", lambda mix=False: ran.append(("u", mix)))
+    monkeypatch.setattr(compile_check, "run_model_variants", lambda: ran.append(("model",)))
+    monkeypatch.setattr(compile_check, "compile_launch", lambda fn, a, kw: compiled.append((fn, a, kw)))
+    for argv, want in ((["--mix"], [("u", True)]), ([], [("u", False), ("model",)])):
+        ran.clear()
+        monkeypatch.setattr(sys, "argv", ["compile_check.py", *argv])
+        with pytest.raises(SystemExit) as e:
+            compile_check.main()
+        assert e.value.code == 0 and ran == want, argv
+    kernel = object.__new__(KernelInterface)
+    kernel[(4,)](1, 2, BLOCK=8)
+    assert compiled == [(kernel, (1, 2), dict(BLOCK=8))]
+    compile_check.FAILED.append("x")
+    with pytest.raises(SystemExit) as e:
+        compile_check.main()
+    assert e.value.code == 1 and "failed: ['x']" in capsys.readouterr().out
+
+
+def test_mix_takes_the_bf16_u_stage_shapes(monkeypatch):
+    """The u-stage launches: every kernel and `lowp` at head dims 64 and 128 in bf16, and in fp32 and fp16
+    too unless --mix (fp16 with w = k, as in the model by default)."""
+    import ops.deltaformer as df
+
+    seen = []
+
+    def u(k, v, w, beta, kernel, lowp):
+        seen.append((k.shape[-1], k.dtype, kernel, lowp, w is k))
+        return v * 1.0
+
+    monkeypatch.setattr(df, "deltaformer_u_triton", u)
+    every = [(D, dt, kernel, lowp, dt == torch.float16) for D, dt in
+             ((64, torch.bfloat16), (128, torch.bfloat16), (64, torch.float32), (64, torch.float16),
+              (128, torch.float32)) for kernel in df.KERNELS for lowp in (True, False)]  # fmt: skip
+    compile_check.run_deltaformer_variants(mix=True)
+    assert seen == every[: 4 * len(df.KERNELS)]
+    seen.clear()
+    compile_check.run_deltaformer_variants()
+    assert seen == every

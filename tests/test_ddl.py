@@ -61,25 +61,27 @@ def test_update_ref_matches_naive_loops(erase):
 
 
 def naive_norm_read(x_new, norm_weight, logit_weight, norm_eps):
-    """(c, z, inv_rms) of x_in = x_new[..., 0] by per-token loops in float64: RMSNorm and two dot products."""
+    """(c, z, inv_rms) of x_in = x_new[..., 0] by per-token loops in float64: RMSNorm and a dot product per
+    logit row."""
     x_in = x_new[..., 0].double().reshape(-1, x_new.shape[-2])
-    N, d = x_in.shape
-    c, z, inv = torch.empty(N, d, dtype=F64), torch.empty(N, 2, dtype=F64), torch.empty(N, 1, dtype=F64)
+    (N, d), M = x_in.shape, logit_weight.shape[0]
+    c, z, inv = torch.empty(N, d, dtype=F64), torch.empty(N, M, dtype=F64), torch.empty(N, 1, dtype=F64)
     for n in range(N):
         row = [float(x_in[n, i]) for i in range(d)]
         inv[n, 0] = 1.0 / math.sqrt(sum(a * a for a in row) / d + norm_eps)
         for i in range(d):
             c[n, i] = row[i] * float(inv[n, 0]) * float(norm_weight[i])
-        for m in range(2):
+        for m in range(M):
             z[n, m] = sum(row[i] * float(logit_weight[m, i]) for i in range(d))
     lead = x_new.shape[:-2]
-    return c.reshape(*lead, d), z.reshape(*lead, 2), inv.reshape(*lead, 1)
+    return c.reshape(*lead, d), z.reshape(*lead, M), inv.reshape(*lead, 1)
 
 
+@pytest.mark.parametrize("logits", [2, 1])  # v's and beta's logit; v's alone (a rule without W_beta)
 @pytest.mark.parametrize("erase", [True, False])
-def test_update_norm_ref_matches_naive_loops(erase):
+def test_update_norm_ref_matches_naive_loops(erase, logits):
     x, k, v, beta = rand_update_args(lead=(2, 3), d=7, dv=1)
-    nw, lw = torch.randn(7, dtype=F64), torch.randn(2, 7, dtype=F64)
+    nw, lw = torch.randn(7, dtype=F64), torch.randn(logits, 7, dtype=F64)
     x_new, c, z, inv = ddl.ddl_update_norm_ref(x, k, v, beta, nw, lw, eps=1e-3, norm_eps=1e-4, erase=erase)
     want_x = naive_update(x, k, v, beta, 1e-3, erase)
     torch.testing.assert_close(x_new, want_x, rtol=1e-12, atol=1e-12)
@@ -156,7 +158,8 @@ def naive_cc(x, w):
     return out
 
 
-def naive_tc(x, w, read):
+def naive_tc(x, w, read, doc_start=None):
+    """The TC read-out by loops; doc_start [B, T]: tap j reads s = t-(K-1)+j only if s >= doc_start[b, t]."""
     B, T, d, dv = x.shape
     K = w.shape[-1]
     out = torch.zeros(B, T, d, dtype=F64)
@@ -167,13 +170,14 @@ def naive_tc(x, w, read):
                 for c in range(dv):
                     for j in range(K):
                         s = t - (K - 1) + j
-                        if s >= 0:
+                        if s >= 0 and (doc_start is None or s >= doc_start[b, t]):
                             acc += float(read[c]) * float(w[i, c, j]) * float(x[b, s, i, c])
                 out[b, t, i] = acc
     return out
 
 
-def naive_ec(emb, w):
+def naive_ec(emb, w, doc_start=None):
+    """The EC expansion by loops; doc_start [B, T]: as naive_tc's."""
     B, T, d = emb.shape
     dv, K = w.shape[1:]
     out = torch.zeros(B, T, d, dv, dtype=F64)
@@ -184,7 +188,7 @@ def naive_ec(emb, w):
                     out[b, t, i, c] = sum(
                         float(w[i, c, j]) * float(emb[b, t - (K - 1) + j, i])
                         for j in range(K)
-                        if t - (K - 1) + j >= 0
+                        if t - (K - 1) + j >= 0 and (doc_start is None or t - (K - 1) + j >= doc_start[b, t])
                     )
     return out
 
@@ -406,6 +410,22 @@ def test_triton_update_norm_matches_reference(triton_small, monkeypatch, rows, s
     )
 
 
+@pytest.mark.parametrize("erase", [True, False])
+def test_triton_update_norm_of_v_logit_alone(triton_small, monkeypatch, erase):
+    """logit_weight [1, d]: the read of a rule without beta's logit; a ragged last tile and program."""
+    monkeypatch.setitem(ddl_triton.LAUNCH, "update_norm", dict(ROWS=4, num_warps=4))
+    monkeypatch.setitem(ddl_triton.LAUNCH, "update_norm_bwd", dict(ROWS=2, STEPS=3, num_warps=4))
+    x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(2, 5), d=20, dv=1))
+    nw, lw = torch.randn(20, dtype=F64, requires_grad=True), torch.randn(1, 20, dtype=F64, requires_grad=True)
+    out = ddl.ddl_update_norm(x, k, v, beta, nw, lw, backend="triton")
+    assert out[2].shape == (2, 5, 1)
+    compare(
+        lambda *a: ddl.ddl_update_norm(*a, eps=1e-3, norm_eps=1e-4, erase=erase, backend="triton"),
+        lambda *a: ddl.ddl_update_norm_ref(*a, eps=1e-3, norm_eps=1e-4, erase=erase),
+        (x, k, v, beta, nw, lw),
+    )
+
+
 def test_triton_update_norm_gradcheck(triton_small):
     x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(1, 3), d=5, dv=1))
     nw, lw = torch.randn(5, dtype=F64, requires_grad=True), torch.randn(2, 5, dtype=F64, requires_grad=True)
@@ -434,19 +454,21 @@ def test_triton_update_norm_low_precision(triton_small, state):
     torch.testing.assert_close(inv.double(), want_inv, rtol=1e-6, atol=1e-6)
 
 
-def test_update_norm_ops_pass_opcheck(triton_small):
+@pytest.mark.parametrize("logits", [2, 1])
+def test_update_norm_ops_pass_opcheck(triton_small, logits):
     """torch.library's own checks of ddl::update_norm and its backward: the fakes match the kernels' outputs
     (shapes, dtypes, no aliasing), and the autograd registration under AOT dispatch."""
     from ops.ddl.triton_norm import _update_norm_bwd_op, _update_norm_op
 
     x, k, v, beta = (t.requires_grad_() for t in rand_update_args(lead=(7,), d=20, dv=1))
-    nw, lw = torch.randn(20, dtype=F64, requires_grad=True), torch.randn(2, 20, dtype=F64, requires_grad=True)
+    nw = torch.randn(20, dtype=F64, requires_grad=True)
+    lw = torch.randn(logits, 20, dtype=F64, requires_grad=True)
     args = (x[..., 0], k, v[..., 0], beta, nw, lw, 1e-3, 1e-4, True, torch.float32, None)
     checks = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(_update_norm_op, args, test_utils=checks)
     _, _, _, inv, rs, r = (t.detach() for t in _update_norm_op(*args))
     plain = [t.detach() for t in args[:6]]
-    grads = (torch.randn(7, 20, dtype=F64), torch.randn(7, 20, dtype=F64), torch.randn(7, 2, dtype=F64),
+    grads = (torch.randn(7, 20, dtype=F64), torch.randn(7, 20, dtype=F64), torch.randn(7, logits, dtype=F64),
              torch.randn(7, dtype=F64))  # fmt: skip
     torch.library.opcheck(
         _update_norm_bwd_op, (*plain[:4], rs, r, *plain[4:], inv, *grads, True, None), test_utils=checks[:2]
@@ -467,8 +489,9 @@ def test_update_norm_bad_inputs():
         ddl.ddl_update_norm(*rand_update_args(lead=(2,), d=6, dv=2), nw, lw)
     with pytest.raises(ValueError, match="norm_weight must be"):
         ddl.ddl_update_norm(x, k, v, beta, nw[:-1], lw)
-    with pytest.raises(ValueError, match="logit_weight"):
-        ddl.ddl_update_norm(x, k, v, beta, nw, lw[:1])
+    for bad in (lw[:0], torch.randn(3, 6, dtype=F64), lw[:, :-1]):  # 1 or 2 rows of d
+        with pytest.raises(ValueError, match="logit_weight"):
+            ddl.ddl_update_norm(x, k, v, beta, nw, bad)
     with pytest.raises(TypeError, match="norm_weight"):
         ddl.ddl_update_norm(x, k, v, beta, [1.0] * 6, lw)
 
@@ -486,21 +509,23 @@ def test_triton_update_compress_cc_matches_reference(triton_small, dv, erase):
 
 
 def second_update(
-    kind, x1, k, v, beta, extra, erase, rebuild_from=None, backend="triton", seed=None, eps=1e-5
-):
-    """A block's second update of kind "plain" | "cc" | "tc" (the read-out of the next block fused)."""
+    kind, x1, k, v, beta, extra, erase, rebuild_from=None, backend="triton", seed=None, eps=1e-5,
+    doc_start=None,
+):  # fmt: skip
+    """A block's second update of kind "plain" | "cc" | "tc" (the read-out of the next block fused; TC's
+    within the documents of doc_start)."""
     kw = dict(erase=erase, backend=backend, rebuild_from=rebuild_from, seed=seed, eps=eps)
     if kind == "plain":
         return ddl_update(x1, k, v, beta, **kw)
     if kind == "cc":
         return ddl.ddl_update_compress_cc(x1, k, v, beta, *extra, **kw)
-    return ddl.ddl_update_compress_tc(x1, k, v, beta, *extra, **kw)
+    return ddl.ddl_update_compress_tc(x1, k, v, beta, *extra, doc_start=doc_start, **kw)
 
 
-def earlier_updates(n, dv, dtype=F64):
+def earlier_updates(n, dv, dtype=F64, lead=(2, 5)):
     """x0 and n updates' (k, v, beta), the chain a later update rebuilds its input state from."""
-    x0 = rand_update_args(lead=(2, 5), d=20, dv=dv, dtype=dtype)[0]
-    return x0, [rand_update_args(lead=(2, 5), d=20, dv=dv, dtype=dtype)[1:] for _ in range(n)]
+    x0 = rand_update_args(lead=lead, d=20, dv=dv, dtype=dtype)[0]
+    return x0, [rand_update_args(lead=lead, d=20, dv=dv, dtype=dtype)[1:] for _ in range(n)]
 
 
 def run_chain(x0, kvbs, erase, backend, seeds=None):
@@ -526,16 +551,16 @@ def test_triton_update_rebuilt_matches_reference(triton_small, kind, dv, erase, 
     )
 
 
-def chain_inputs(kind, dv, n_steps, dtype=F64, K=3):
+def chain_inputs(kind, dv, n_steps, dtype=F64, K=3, lead=(2, 5)):
     """The inputs of chained_update, requiring grad: x0, n_steps updates' (k, v, beta), the last update's
     (k, v, beta) and its read-out's weights (TC: K taps)."""
-    x0, kvbs = earlier_updates(n_steps, dv, dtype)
-    k, v, b = rand_update_args(lead=(2, 5), d=20, dv=dv, dtype=dtype)[1:]
+    x0, kvbs = earlier_updates(n_steps, dv, dtype, lead)
+    k, v, b = rand_update_args(lead=lead, d=20, dv=dv, dtype=dtype)[1:]
     extra = [w.to(dtype) for w in read_out_weights(kind, dv, K=K)]
     return tuple(t.requires_grad_() for t in (x0, *(t for s in kvbs for t in s), k, v, b, *extra))
 
 
-def chained_update(kind, n_steps, erase, backend="torch", rebuild=False):
+def chained_update(kind, n_steps, erase, backend="torch", rebuild=False, doc_start=None):
     """f(*chain_inputs(...)): n_steps updates from x0, then one of kind (second_update), which rebuilds its
     input state from x0 when rebuild is true (and there is a chain)."""
 
@@ -544,7 +569,7 @@ def chained_update(kind, n_steps, erase, backend="torch", rebuild=False):
         k, v, b, *extra = rest[3 * n_steps :]
         x, steps = run_chain(x0, kvbs, erase, backend)
         rebuild_from = (x0, steps) if rebuild and steps else None
-        return second_update(kind, x, k, v, b, extra, erase, rebuild_from, backend)
+        return second_update(kind, x, k, v, b, extra, erase, rebuild_from, backend, doc_start=doc_start)
 
     return f
 
@@ -1193,3 +1218,268 @@ def test_a_models_updates_round_with_independent_noise(monkeypatch, cfg):
     up = torch.cat([u.flatten() for _, u in rounded])
     assert abs((up - f).mean()) < 5 * (f * (1 - f)).sum().sqrt() / f.numel()  # E[stored] = the fp32 value
     assert (f > 0).float().mean() > 0.9  # nearly every element's update is not a bf16 value already
+
+
+# ---------------------------------------------------------------------------------------------------
+# Packed documents (doc_start [B, T]): TC's and EC's convs over tokens within each token's document, on
+# both backends, against loops from the equation, each document run alone, and no mask.
+
+# Two rows of 10 tokens (20 flat: the small launch shapes' runs of 3 tokens start at 0, 3, ..., 18, of 2 at
+# the even tokens). Row 0: documents from 0 (a row's start), at a run edge (3), two in a row there (3, 4: a
+# 1-token document), from 8 and 9 (two 1-token documents at the row's end, 9 a run edge); row 1: from 0, at
+# a run edge (t = 5, token 15) and just after it (6). With K = 4 taps, documents shorter and longer than K.
+DOCS = ([0, 3, 4, 8, 9], [0, 5, 6])
+DOC_T = 10
+
+
+def doc_start_rows(rows=DOCS, T=DOC_T, dtype=torch.int64):
+    """doc_start [B, T] of rows whose documents start at the given positions (each row's list from 0)."""
+    ds = torch.zeros(len(rows), T, dtype=dtype)
+    for b, starts in enumerate(rows):
+        for s in starts:
+            ds[b, s:] = s
+    return ds
+
+
+def doc_op(kind, backend, doc_start):
+    """The masked op as f(*inputs): "tc" (x, conv, read), "ec" (emb, conv), "update_tc" (x, k, v, beta,
+    conv, read: the update with the TC read-out)."""
+    if kind == "tc":
+        return lambda x, cw, rd: compress_tc(x, cw, rd, backend=backend, doc_start=doc_start)
+    if kind == "ec":
+        return lambda e, cw: expand_ec(e, cw, backend=backend, doc_start=doc_start)
+    return lambda *a: ddl.ddl_update_compress_tc(*a, backend=backend, doc_start=doc_start)
+
+
+def doc_inputs(kind, T=DOC_T, d=8, dv=3, K=4):
+    """(inputs requiring grad, how many lead with [B, T]) of doc_op(kind): two rows of T tokens."""
+    cw = torch.randn(d, dv, K, dtype=F64)
+    if kind == "ec":
+        tokens, weights = [torch.randn(2, T, d, dtype=F64)], [cw]
+    elif kind == "tc":
+        tokens, weights = [torch.randn(2, T, d, dv, dtype=F64)], [cw, torch.randn(dv, dtype=F64)]
+    else:
+        tokens, weights = list(rand_update_args(lead=(2, T), d=d, dv=dv)), [cw, torch.randn(dv, dtype=F64)]
+    return tuple(t.requires_grad_() for t in tokens + weights), len(tokens)
+
+
+def as_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+@pytest.fixture(params=["tc", "ec", "update_tc", "update_tc_fused"])
+def doc_kind(request, triton_small, monkeypatch):
+    """The masked ops at the small launch shapes; update_tc_fused: the update + TC read-out forward as one
+    kernel (LAUNCH['update_tc_fwd'] FUSED, runs of 3 tokens), the two-kernel forward made to fail."""
+    if request.param == "update_tc_fused":
+        monkeypatch.setitem(ddl_triton.LAUNCH["update_tc_fwd"], "FUSED", True)
+        monkeypatch.setattr(ddl_triton, "_tc_forward", None)
+        return "update_tc"
+    return request.param
+
+
+@pytest.mark.parametrize("K", [1, 4, 6])
+def test_doc_start_references_match_loops(K):
+    """The references' masked convs against loops over t and taps (K = 6: wider than most documents)."""
+    ds = doc_start_rows()
+    x, emb = torch.randn(2, DOC_T, 4, 3, dtype=F64), torch.randn(2, DOC_T, 4, dtype=F64)
+    w, read = torch.randn(4, 3, K, dtype=F64), torch.randn(3, dtype=F64)
+    torch.testing.assert_close(
+        compress_tc_ref(x, w, read, ds), naive_tc(x, w, read, ds), rtol=1e-12, atol=1e-12
+    )
+    torch.testing.assert_close(expand_ec_ref(emb, w, ds), naive_ec(emb, w, ds), rtol=1e-12, atol=1e-12)
+    xk, k, v, beta = rand_update_args(lead=(2, DOC_T), d=4, dv=3)
+    x_new, h = ddl.ddl_update_compress_tc_ref(xk, k, v, beta, w, read, doc_start=ds)
+    torch.testing.assert_close(h, naive_tc(x_new, w, read, ds), rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(h, naive_tc(x_new, w, read)) or K == 1  # the mask matters
+
+
+def test_triton_doc_start_matches_loops_and_reference(doc_kind):
+    """The Triton kernels with doc_start: forward against the loops, values and gradients (conv, read, and
+    the update's inputs) against the reference, float64, outputs NaN-filled; doc_start int32 for EC."""
+    ds = doc_start_rows(dtype=torch.int32 if doc_kind == "ec" else torch.int64)
+    inputs, _ = doc_inputs(doc_kind)
+    out = as_tuple(doc_op(doc_kind, "triton", ds)(*inputs))
+    with torch.no_grad():
+        if doc_kind == "ec":
+            want = naive_ec(*inputs, ds)
+        elif doc_kind == "tc":
+            want = naive_tc(*inputs, ds)
+        else:
+            want = naive_tc(ddl_update_ref(*inputs[:4]), *inputs[4:], ds)
+    torch.testing.assert_close(out[-1], want, rtol=1e-12, atol=1e-12)
+    compare(doc_op(doc_kind, "triton", ds), doc_op(doc_kind, "torch", ds), inputs, rtol=1e-12, atol=1e-12)
+
+
+def check_packed_equals_alone(fn_of, inputs, n_tok, rows=DOCS, T=DOC_T):
+    """fn_of(doc_start) on rows of packed documents against fn_of(None) on each document alone: its outputs
+    and the gradients of its token inputs (the first n_tok: [B, T, ...]) for the same upstream gradients, and
+    the weights' gradients summed over the documents."""
+    out = as_tuple(fn_of(doc_start_rows(rows, T))(*inputs))
+    ups = [torch.randn_like(o) for o in out]
+    grads = torch.autograd.grad(out, inputs, ups)
+    summed = [torch.zeros_like(w) for w in inputs[n_tok:]]
+    for b, starts in enumerate(rows):
+        for s, e in zip(starts, starts[1:] + [T]):
+            alone = [t.detach()[b : b + 1, s:e].requires_grad_() for t in inputs[:n_tok]]
+            alone += inputs[
+                n_tok:
+            ]  # the weights themselves (fn_of may hold them, as a module its parameters)
+            out_a = as_tuple(fn_of(None)(*alone))
+            for a, p in zip(out_a, out):
+                torch.testing.assert_close(p[b : b + 1, s:e], a, rtol=1e-12, atol=1e-12, msg=f"{b} {s}")
+            g = torch.autograd.grad(out_a, alone, [u[b : b + 1, s:e] for u in ups])
+            for a, p in zip(g[:n_tok], grads[:n_tok]):
+                torch.testing.assert_close(p[b : b + 1, s:e], a, rtol=1e-12, atol=1e-12, msg=f"{b} {s}")
+            for acc, a in zip(summed, g[n_tok:]):
+                acc += a
+    for acc, p in zip(summed, grads[n_tok:]):
+        torch.testing.assert_close(p, acc, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_doc_start_packed_equals_each_document_alone(doc_kind, backend):
+    inputs, n_tok = doc_inputs(doc_kind)
+    check_packed_equals_alone(lambda ds: doc_op(doc_kind, backend, ds), inputs, n_tok)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_doc_start_one_document_is_no_mask(doc_kind, backend):
+    """A row of one document (doc_start all 0) gives what doc_start=None gives, bit for bit."""
+    inputs, _ = doc_inputs(doc_kind)
+    outs = [as_tuple(doc_op(doc_kind, backend, ds)(*inputs)) for ds in (None, torch.zeros(2, DOC_T).long())]
+    ups = [torch.randn_like(o) for o in outs[0]]
+    grads = [torch.autograd.grad(out, inputs, ups) for out in outs]
+    for a, b in zip(outs[0] + grads[0], outs[1] + grads[1]):
+        assert torch.equal(a, b)
+
+
+def test_triton_update_tc_rebuilt_with_doc_start(triton_small, monkeypatch):
+    """The update + TC read-out rebuilding its state from x0 through 2 updates in the backward, with
+    doc_start: values and every gradient against the reference chain (the one-kernel forward; the stream's
+    test below runs the two-kernel one)."""
+    monkeypatch.setitem(ddl_triton.LAUNCH["update_tc_fwd"], "FUSED", True)
+    ds = doc_start_rows()
+    inputs = chain_inputs("tc", 3, 2, K=4, lead=(2, DOC_T))
+    triton_fn = chained_update("tc", 2, True, "triton", True, doc_start=ds)
+    compare(triton_fn, chained_update("tc", 2, True, doc_start=ds), inputs, rtol=1e-12, atol=1e-12)
+
+
+def stream_parts(d=8, dv=3, K=4, blocks=2, backend="torch"):
+    """A DDLStream's readers, blocks + 1 TC Compressors (random conv and read), and each block's mixing
+    weights (a [d] a sublayer scales its read by to make h)."""
+    from types import SimpleNamespace
+
+    from ops.ddl.stream import Compressor
+
+    cfg = SimpleNamespace(spec=SimpleNamespace(compressor="tc"), backend=backend, n_embd=d, ddl_dv=dv,
+                          ddl_conv_size=K)  # fmt: skip
+    comps = [Compressor(cfg).double() for _ in range(blocks + 1)]
+    for c in comps:
+        with torch.no_grad():
+            c.conv.normal_()
+            c.read.normal_()
+    return comps, [torch.randn(d, dtype=F64, requires_grad=True) for _ in range(blocks)]
+
+
+def run_stream(X0, comps, mix, doc_start, keep_every=0, cache=None):
+    """X0 through a DDLStream of len(mix) blocks of two sublayers (each writes h = read * a, v = its read's
+    first d_v entries, beta = sigmoid(mean of its read)), then the last compressor's read."""
+    from ops.ddl.stream import DDLStream
+
+    s = DDLStream(X0, 1e-5, True, comps[0].backend, keep_every, cache, doc_start=doc_start)
+    for comp, a in zip(comps, mix):
+        s.enter(comp)
+        for _ in range(2):
+            x_in = s.read()
+            s.write(x_in * a, x_in[..., : X0.shape[-1]], torch.sigmoid(x_in.mean(-1)))
+    return s.enter(comps[-1]).read()
+
+
+def stream_inputs(comps, mix, T=DOC_T):
+    X0 = torch.randn(2, T, 8, 3, dtype=F64, requires_grad=True)
+    return (X0, *mix, *(p for c in comps for p in (c.conv, c.read)))
+
+
+def test_stream_doc_start_packed_equals_each_document_alone():
+    """Every TC read of a DDLStream (the first, of X0, and those fused with the updates) stays in its
+    document: a row of packed documents gives each document's outputs and gradients (X0, the mixing
+    weights, the compressors' conv and read) as run alone. (The reference ops: the stream passes doc_start
+    the same way to either backend, whose ops the tests above check.)"""
+    comps, mix = stream_parts()
+    inputs = stream_inputs(comps, mix)
+    check_packed_equals_alone(lambda ds: lambda X0, *_: run_stream(X0, comps, mix, ds), inputs, 1)
+
+
+def test_stream_doc_start_rebuild_keeps_the_gradients(triton_small):
+    """keep_every = 1 (the block's second update rebuilds its input state in the backward, the mask in the
+    rebuilding op) against the reference, with doc_start: outputs and every gradient."""
+    comps, mix = stream_parts(blocks=1)
+    inputs = stream_inputs(comps, mix)
+    ds = doc_start_rows()
+    ups = None
+    results = []
+    for backend, every in (("torch", 0), ("triton", 1)):
+        for c in comps:
+            c.backend = backend
+        out = run_stream(inputs[0], comps, mix, ds, keep_every=every)
+        ups = torch.randn_like(out) if ups is None else ups
+        results.append((out, torch.autograd.grad(out, inputs, ups)))
+    for out, grads in results[1:]:
+        torch.testing.assert_close(out, results[0][0], rtol=1e-12, atol=1e-12)
+        for i, (a, b) in enumerate(zip(grads, results[0][1])):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"input {i}")
+
+
+def test_stream_doc_start_decoding_in_chunks():
+    """With a cache, doc_start is in the whole sequence's frame (history_doc_start moves it to the window):
+    a prompt of 6 tokens then 4 more give the full sequence's reads. Each row's token 6 continues a
+    document that began K-1 = 3 or more tokens before it (the cached steps are in it); both chunks hold a
+    boundary of their own."""
+    from cache import Cache
+    from ops.ddl.stream import history_doc_start
+
+    rows = ([0, 2, 8], [0, 1, 7])
+    comps, mix = stream_parts()
+    X0 = torch.randn(2, DOC_T, 8, 3, dtype=F64)
+    with torch.no_grad():
+        full = run_stream(X0, comps, mix, doc_start_rows(rows))
+        cache = Cache()
+        first = run_stream(X0[:, :6], comps, mix, doc_start_rows(rows)[:, :6], cache=cache)
+        cache.pos += 6  # as GPT.hidden_states advances it
+        ds_new = doc_start_rows(rows)[:, 6:]  # tokens 6..9
+        second = run_stream(X0[:, 6:], comps, mix, ds_new, cache=cache)
+    torch.testing.assert_close(first, full[:, :6], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(second, full[:, 6:], rtol=1e-12, atol=1e-12)
+    assert history_doc_start(ds_new, 6, 3).tolist() == [[0, 0, 0, 0, 0, 5, 5], [0, 0, 0, 0, 4, 4, 4]]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_doc_start_bad_inputs_name_it(backend):
+    x, k, v, beta = rand_update_args(lead=(2, 5), d=4, dv=3)
+    cw, read, emb = (
+        torch.randn(4, 3, 2, dtype=F64),
+        torch.randn(3, dtype=F64),
+        torch.randn(2, 5, 4, dtype=F64),
+    )
+    calls = {
+        "compress_tc": lambda ds: compress_tc(x, cw, read, backend=backend, doc_start=ds),
+        "expand_ec": lambda ds: expand_ec(emb, cw, backend=backend, doc_start=ds),
+        "ddl_update_compress_tc": lambda ds: ddl.ddl_update_compress_tc(
+            x, k, v, beta, cw, read, backend=backend, doc_start=ds
+        ),
+    }
+    from ops.ddl.stream import DDLStream
+
+    calls["DDLStream"] = lambda ds: DDLStream(x, backend=backend, doc_start=ds)
+    bad = {  # what the message must say it got
+        r"got torch.int64 \(2, 4\)": torch.zeros(2, 4, dtype=torch.long),
+        r"got torch.float32 \(2, 5\)": torch.zeros(2, 5),
+        "got list": [[0] * 5] * 2,
+        "got it on meta": torch.zeros(2, 5, dtype=torch.long, device="meta"),
+    }
+    for fn, call in calls.items():
+        for got, ds in bad.items():
+            with pytest.raises(ValueError, match=rf"^{fn}: doc_start must be .*\(2, 5\).*{got}") as err:
+                call(ds)
+            assert "\n" not in str(err.value)

@@ -4,8 +4,8 @@ bounded so that a regression (an op more per layer) fails. Counted by bench_infe
 TorchDispatchMode; the ops of a 2-block model less those of a 1-block one), in float32, twice:
 - "cpu": as it runs here, the DDL ops on their PyTorch path (backend "torch");
 - "cuda": as CUDA runs it: the DDL ops' Triton kernels (here through Triton's interpreter, a custom op each,
-  the views around them counted) and each RMSNorm one op (F.rms_norm's fused kernel, model.rms_norm's path
-  on CUDA where nothing is differentiated). Autocast's casts come on top (bench_infer's column has them).
+  the views around them counted) and each RMSNorm one op (F.rms_norm's fused kernel, ops.rope.rms_norm's
+  path on CUDA where nothing is differentiated). Autocast's casts come on top (bench_infer's column has them).
 The count per layer does not depend on the width (checked on two shapes)."""
 
 import os
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import model as model_module
+import ops.rope as rope_module
 from model import GPT, GPTConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
@@ -41,7 +42,7 @@ def _rms_norm_one_op(xf: torch.Tensor, weight: torch.Tensor | None, eps: float) 
     return RMS_NORM(xf, weight, eps)  # the counting mode sees this op, not the ops in it (as a Triton op)
 
 
-RMS_NORM = model_module.rms_norm
+RMS_NORM = rope_module.rms_norm
 
 
 def count(overrides, backend, shape=SHAPE):
@@ -63,7 +64,8 @@ def test_ops_per_layer_cpu(row):
 @pytest.mark.parametrize("row", BOUNDS)
 def test_ops_per_layer_as_on_cuda(row, monkeypatch):
     pytest.importorskip("triton")
-    monkeypatch.setattr(model_module, "rms_norm", _rms_norm_one_op)
+    for module in (model_module, rope_module):  # RMSNorm's and rope_norm's
+        monkeypatch.setattr(module, "rms_norm", _rms_norm_one_op)
     ops = count(VARIANTS[row], "triton")
     # the RMSNorms: the residual's two (at d_v = 1 in the update's kernel, ddl::update_norm) and q and k's
     assert ops["decode_ops_test.rms_norm"] == (1 if GPTConfig(**VARIANTS[row]).ddl_dv == 1 else 3), dict(ops)

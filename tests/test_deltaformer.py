@@ -101,10 +101,11 @@ def test_reference_by_hand():
         torch.testing.assert_close(u[0, 0, 1], v2[0, 0, 1] - 0.25 * 0.6 * v2[0, 0, 0])
 
 
-def naive_deltaformer(q, k, v, w, beta, kernel, scale):
+def naive_deltaformer(q, k, v, w, beta, kernel, scale, doc_start=None):
     """(o, u) from the equations, written out with scalar loops (not the module's code): stage 1 with
     kappa on unit w, k and scale 1 for relu / linear (s w.k softmax-normalised over j < i for softmax),
-    stage 2 causal softmax attention of q over (k, u) with scale s."""
+    stage 2 causal softmax attention of q over (k, u) with scale s. doc_start [B, T]: token i's sums run
+    over j >= doc_start[b, i] only (stage 1: lo <= j < i, none for i = lo; stage 2: lo <= j <= i)."""
     B, H, T, D = q.shape
 
     def dot(a, b):
@@ -118,18 +119,21 @@ def naive_deltaformer(q, k, v, w, beta, kernel, scale):
         for h in range(H):
             u = []
             for i in range(T):
+                lo = 0 if doc_start is None else int(doc_start[b, i])
                 if kernel == "softmax":
-                    e = [(scale * dot(w[b, h, i], k[b, h, j])).exp() for j in range(i)]
-                    kappa = [x / sum(e) for x in e]
+                    e = {j: (scale * dot(w[b, h, i], k[b, h, j])).exp() for j in range(lo, i)}
+                    kappa = {j: x / sum(e.values()) for j, x in e.items()}
                 else:
-                    c = [dot(unit(w[b, h, i]), unit(k[b, h, j])) for j in range(i)]
-                    kappa = [x.clamp_min(0.0) if kernel == "relu" else x for x in c]
+                    c = {j: dot(unit(w[b, h, i]), unit(k[b, h, j])) for j in range(lo, i)}
+                    kappa = {j: x.clamp_min(0.0) if kernel == "relu" else x for j, x in c.items()}
                 u.append(
-                    v[b, h, i] - beta[b, h, i] * sum((kappa[j] * u[j] for j in range(i)), 0.0 * v[b, h, i])
+                    v[b, h, i]
+                    - beta[b, h, i] * sum((kappa[j] * u[j] for j in range(lo, i)), 0.0 * v[b, h, i])
                 )
             for i in range(T):
-                e = [(scale * dot(q[b, h, i], k[b, h, j])).exp() for j in range(i + 1)]
-                outs.append(sum(e[j] / sum(e) * u[j] for j in range(i + 1)))
+                lo = 0 if doc_start is None else int(doc_start[b, i])
+                e = {j: (scale * dot(q[b, h, i], k[b, h, j])).exp() for j in range(lo, i + 1)}
+                outs.append(sum(e[j] / sum(e.values()) * u[j] for j in range(lo, i + 1)))
             us += u
     return torch.stack(outs).view(B, H, T, D), torch.stack(us).view(B, H, T, D)
 
@@ -983,3 +987,327 @@ def test_softmax_kappa_beta_2_and_relu_kappa_grow_geometrically():
     beta = torch.full((1, 1, T), default_beta_max(), dtype=torch.float64)
     u = deltaformer_u_torch(k, v, k, beta, kernel="relu")
     assert u.abs().max() > T * v.abs().max()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Packed documents (doc_start [B, T]): a token sees only its own document's tokens, in stage 1 and stage 2,
+# so each document's outputs and gradients are those of the document run alone.
+
+
+def doc_starts(*rows):
+    """doc_start [B, T] of rows given as their documents' lengths (every row's summing to T)."""
+    out = []
+    for lengths in rows:
+        starts = [sum(lengths[:n]) for n in range(len(lengths))]
+        out.append([start for start, n in zip(starts, lengths) for _ in range(n)])
+    return torch.tensor(out)
+
+
+# T = 43: two chunks of 16 and a partial third. Row 0's documents start at 0, at both chunk edges (16, 32),
+# one after each (17, 33) and at 34: 1-token documents at 16, 32 and 33 (EOTs in a row); later chunks skip
+# whole earlier ones. Row 1's second document starts inside chunk 0 and spans all three (blocks partly in
+# a row's document, between chunks), its third is one token, the last.
+EDGES = doc_starts([16, 1, 15, 1, 1, 9], [5, 37, 1])
+W_MODES = ("k", "q", "sep")  # w = k (one tensor), w = q, w its own input
+
+
+def with_w(fn, w_mode):
+    """fn(q, k, v, w, beta) as a function of the inputs w_mode differentiates: w = k or q is that tensor."""
+    if w_mode == "sep":
+        return fn
+    return lambda q, k, v, beta: fn(q, k, v, k if w_mode == "k" else q, beta)
+
+
+def documents_alone(fn, doc_start):
+    """fn over each document of each row on its own (slices of the inputs), the outputs put back in place."""
+
+    def run(*inputs):
+        rows = []
+        for b, starts in enumerate(doc_start.tolist()):
+            bounds = sorted(set(starts)) + [len(starts)]
+            docs = [fn(*(x[b : b + 1, :, lo:hi] for x in inputs)) for lo, hi in zip(bounds, bounds[1:])]
+            rows.append(torch.cat(docs, dim=2))
+        return torch.cat(rows)
+
+    return run
+
+
+def packed(backend, kernel, doc_start, chunk=16, lowp=None):
+    """Deltaformer attention of packed rows by one backend's stage 1 at this chunk, then stage 2 (what
+    deltaformer_attention runs, there at chunk 64)."""
+    from ops.deltaformer import deltaformer_u_triton
+    from ops.deltaformer.stage2 import attend
+
+    def fn(q, k, v, w, beta):
+        if backend == "torch":
+            u = deltaformer_u_torch(k, v, w, beta, kernel=kernel, chunk=chunk, doc_start=doc_start)
+        else:
+            u = deltaformer_u_triton(
+                k, v, w, beta, kernel=kernel, chunk=chunk, lowp=lowp, doc_start=doc_start
+            )
+        return attend(q, k, u, q.shape[-1] ** -0.5, doc_start)
+
+    return fn
+
+
+def check_documents(backend, kernel, w_mode, doc_start, D=16, dtype=torch.float64, tol=1e-12, **kw):
+    """Values and every gradient of the packed rows against each document alone (the float64 reference,
+    unmasked), on the same inputs rounded to dtype."""
+    B, T = doc_start.shape
+    inputs = make_inputs(B, 2, T, D, beta_max=beta_max_for(kernel, T))
+    inputs = [x.to(dtype).double() for x in inputs]
+    if w_mode != "sep":
+        del inputs[3]
+    grad_out = torch.randn(B, 2, T, D, dtype=torch.float64).to(dtype)
+    ref = documents_alone(with_w(lambda *x: deltaformer_reference(*x, kernel=kernel), w_mode), doc_start)
+    out_ref, g_ref = grads_of(ref, inputs, grad_out.double())
+    out, g = grads_of(
+        with_w(packed(backend, kernel, doc_start, **kw), w_mode), [x.to(dtype) for x in inputs], grad_out
+    )
+    names = ["o", *(n for n in "q k v w beta".split() if w_mode == "sep" or n != "w")]
+    errs = {n: rel_err(a, b) for n, a, b in zip(names, [out, *g], [out_ref, *g_ref])}
+    assert all(e < tol for e in errs.values()), errs
+    # the documents really interact when packed without the mask
+    unmasked = with_w(packed(backend, kernel, None, **kw), w_mode)(*[x.to(dtype) for x in inputs])
+    assert rel_err(unmasked, out_ref) > 1e-2
+
+
+@pytest.mark.parametrize("w_mode", W_MODES)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_documents_alone_torch(kernel, w_mode):
+    check_documents("torch", kernel, w_mode, EDGES)
+
+
+@pytest.mark.parametrize("w_mode", W_MODES)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_documents_alone_triton(kernel, w_mode):
+    # fp32 (the interpreter's exact fp32 products): chunks of 16, dK in the backward wavefront (D = 16)
+    check_documents("triton", kernel, w_mode, EDGES, dtype=torch.float32, tol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "linear"])
+def test_documents_alone_triton_dk_pass_and_fp16(kernel):
+    # D = 128: dK by its own pass (`_dk_block`); fp16 with chunks of 32: the split recurrence and half
+    # operands of dK / dW (the chunk edge at 32, the 1-token documents at 32 and 33)
+    check_documents("triton", kernel, "sep", EDGES, D=128, dtype=torch.float32, tol=1e-5)
+    check_documents("triton", kernel, "k", EDGES, dtype=torch.float16, tol=1e-2, chunk=32)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_documents_match_naive_equations(kernel):
+    # the reference and the PyTorch path (chunks of 4: documents across and at chunk edges) against the
+    # scalar loops written from the equations with doc_start, values and gradients
+    doc_start = doc_starts([3, 1, 4, 1], [1, 8], [9])
+    B, T, scale = 3, 9, 0.7
+    inputs = make_inputs(B, 2, T, 4, beta_max=2.0, seed=2)
+    grad_out = torch.randn(B, 2, T, 4, dtype=torch.float64)
+    out_n, g_n = grads_of(lambda *x: naive_deltaformer(*x, kernel, scale, doc_start)[0], inputs, grad_out)
+    out_r, g_r = grads_of(
+        lambda *x: deltaformer_reference(*x, kernel=kernel, scale=scale, doc_start=doc_start),
+        inputs,
+        grad_out,
+    )
+    from ops.deltaformer.stage2 import attend
+
+    def chunked(q, k, v, w, beta):
+        u = deltaformer_u_torch(k, v, w, beta, kernel=kernel, scale=scale, chunk=4, doc_start=doc_start)
+        return attend(q, k, u, scale, doc_start)
+
+    out_c, g_c = grads_of(chunked, inputs, grad_out)
+    for out, g in ((out_r, g_r), (out_c, g_c)):
+        assert rel_err(out, out_n) < 1e-12
+        for name, a, b in zip("q k v w beta".split(), g, g_n):
+            assert rel_err(a, b) < 1e-11, name
+    assert rel_err(out_n, naive_deltaformer(*inputs, kernel, scale)[0]) > 1e-2  # the mask matters
+    public = deltaformer_attention(*inputs, kernel=kernel, scale=scale, backend="torch", doc_start=doc_start)
+    assert rel_err(public, out_n) < 1e-12
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_one_document_equals_no_mask(kernel, backend):
+    # doc_start all 0 (int32 here) is the unmasked op, values and gradients
+    dtype, tol = (torch.float64, 1e-13) if backend == "torch" else (torch.float32, 1e-6)
+    inputs = make_inputs(2, 2, 43, 16, dtype=dtype)
+    grad_out = torch.randn(2, 2, 43, 16, dtype=dtype)
+    zeros = torch.zeros(2, 43, dtype=torch.int32)
+    out, g = grads_of(packed(backend, kernel, zeros), inputs, grad_out)
+    out_ref, g_ref = grads_of(packed(backend, kernel, None), inputs, grad_out)
+    for a, b in zip([out, *g], [out_ref, *g_ref]):
+        assert rel_err(a, b) < tol
+
+
+def test_doc_block_mask_tiles():
+    # the flex_attention block mask against the dense mask, tile by tile: every tile a query tile sees in
+    # part is listed, none it does not see, and "full" (no mask applied) exactly the tiles before the diagonal
+    # that all its rows see whole
+    from ops.deltaformer.stage2 import dense_doc_mask, doc_block_mask
+
+    g = torch.Generator().manual_seed(0)
+    cases = [EDGES, doc_starts([43]), doc_starts([1] * 43), doc_starts([48, 16, 17, 15])]
+    for T in (40, 96):  # random documents, random lengths (many short ones)
+        cuts = torch.rand(2, T, generator=g) < torch.tensor([[0.05], [0.3]])
+        cuts[:, 0] = True
+        pos = torch.arange(T).expand(2, T)
+        cases.append(torch.where(cuts, pos, 0).cummax(dim=1).values)
+    for doc_start in cases:
+        B, T = doc_start.shape
+        n = -(-T // 16)
+        dense = torch.zeros(B, n * 16, n * 16, dtype=torch.bool)
+        dense[:, :T, :T] = dense_doc_mask(doc_start)
+        tiles = dense.view(B, n, 16, n, 16)
+        seen = tiles.any(dim=(2, 4))
+        whole = tiles[:, :, : 16 - (n * 16 - T)].all(dim=(2, 4))  # the rows < T of each query tile
+        bm = doc_block_mask(doc_start, block=16)
+        for b in range(B):
+            for m in range(n):
+                part = set(bm.kv_indices[b, 0, m, : bm.kv_num_blocks[b, 0, m]].tolist())
+                full = set(bm.full_kv_indices[b, 0, m, : bm.full_kv_num_blocks[b, 0, m]].tolist())
+                listed = part | full
+                assert not part & full
+                assert listed == set(seen[b, m].nonzero().flatten().tolist()), (b, m)
+                assert full == {x for x in range(m) if whole[b, m, x]}, (b, m)
+        assert torch.equal(bm.to_dense()[:, 0].bool(), seen)
+
+
+def test_flex_stage2_equals_dense_mask():
+    # stage 2 as CUDA runs it (flex_attention with the block mask; eager here, which has no backward on the
+    # CPU: gradients in the GPU test below) against SDPA with the dense mask
+    from ops.deltaformer.stage2 import dense_doc_mask, flex_in_documents
+
+    q, k, u = make_inputs(2, 2, 43, 16)[:3]
+    mask = dense_doc_mask(EDGES)[:, None]
+    ref = F.scaled_dot_product_attention(q, k, u, attn_mask=mask, scale=0.3)
+    assert rel_err(flex_in_documents(q, k, u, 0.3, EDGES), ref) < 1e-12
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_documents_gpu(kernel):
+    # on the GPU: compiled flex_attention as stage 2 and the compiled Triton kernels, fp32 against the
+    # float64 documents alone, at T = 1024 (random documents, many skipped tiles; also in bf16) and on the
+    # edge rows above
+    g = torch.Generator().manual_seed(0)
+    cuts = torch.rand(3, 1024, generator=g) < torch.tensor([[0.002], [0.01], [0.05]])
+    cuts[:, 0] = True
+    pos = torch.arange(1024).expand(3, 1024)
+    long_rows = torch.where(cuts, pos, 0).cummax(dim=1).values
+    for doc_start, chunk, dtype, tol in (
+        (long_rows, 64, torch.float32, 1e-4),
+        (long_rows, 64, torch.bfloat16, 1e-2),
+        (EDGES, 16, torch.float32, 1e-4),
+    ):
+        check_documents_gpu(kernel, doc_start.cuda(), dtype, tol, chunk)
+
+
+def check_documents_gpu(kernel, doc_start, dtype, tol, chunk):
+    B, T = doc_start.shape
+    inputs = [
+        x.to(dtype).double()
+        for x in make_inputs(B, 2, T, 64, device="cuda", beta_max=beta_max_for(kernel, T))
+    ]
+    grad_out = torch.randn(B, 2, T, 64, dtype=torch.float64, device="cuda").to(dtype)
+    ref = documents_alone(lambda *x: deltaformer_attention(*x, kernel=kernel, backend="torch"), doc_start)
+    out_ref, g_ref = grads_of(ref, inputs, grad_out.double())
+    out, g = grads_of(packed("triton", kernel, doc_start, chunk), [x.to(dtype) for x in inputs], grad_out)
+    errs = {n: rel_err(a, b) for n, a, b in zip("o q k v w beta".split(), [out, *g], [out_ref, *g_ref])}
+    print(kernel, T, dtype, {n: f"{e:.1e}" for n, e in errs.items()})
+    assert all(e < tol for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_decode_in_documents_equals_full_forward(kernel):
+    # a prompt of 6 tokens, then 1 and 3 new tokens, then one at a time (documents starting in the prompt,
+    # at a new token, and two in a row), against the full masked forward; and the static cache's step (pos)
+    from ops.deltaformer import deltaformer_decode
+
+    doc_start = doc_starts([4, 5, 1, 1, 2], [12, 1])
+    B, T, D = 2, 13, 8
+    q, k, v, w, beta = make_inputs(B, 2, T, D)
+    full = deltaformer_attention(q, k, v, w, beta, kernel=kernel, backend="torch", doc_start=doc_start)
+    past, outs = None, []
+    for lo, hi in [(0, 6), (6, 7), (7, 10)] + [(t, t + 1) for t in range(10, T)]:
+        sl = slice(lo, hi)
+        o, past = deltaformer_decode(
+            *(x[:, :, sl] for x in (q, k, v, w, beta)), past, kernel, doc_start=doc_start[:, sl]
+        )
+        outs.append(o)
+    assert rel_err(torch.cat(outs, dim=2), full) < 1e-12
+    u = deltaformer_u_torch(k, v, w, beta, kernel=kernel, doc_start=doc_start)
+    assert rel_err(past[1], u) < 1e-12
+    # static buffers of 16 slots, garbage past pos
+    k_buf, u_buf = (10 * torch.randn(B, 2, 16, D, dtype=torch.float64) for _ in range(2))
+    k_buf[:, :, :6], u_buf[:, :, :6] = k[:, :, :6], u[:, :, :6]
+    for t in range(6, T):
+        args = [x[:, :, t : t + 1] for x in (q, k, v, w, beta)]
+        o_t, u_t = deltaformer_step(
+            *args, k_buf, u_buf, kernel, pos=torch.tensor([t]), doc_start=doc_start[:, t : t + 1]
+        )
+        assert rel_err(o_t, full[:, :, t : t + 1]) < 1e-12 and rel_err(u_t, u[:, :, t : t + 1]) < 1e-12, t
+    assert rel_err(deltaformer_decode(q, k, v, w, beta, None, kernel)[0], full) > 1e-2  # the mask matters
+
+
+def test_doc_start_bad_inputs_raise():
+    from ops.deltaformer import deltaformer_decode, deltaformer_u_triton
+
+    q, k, v, w, beta = make_inputs(2, 2, 5, 16, dtype=torch.float32)
+    good = doc_starts([2, 3], [5])
+    bad = {
+        "int32 or int64": good.float(),
+        r"\[B, T\] = \(2, 5\)": good[:, :4],
+        "non-decreasing": torch.tensor([[0, 0, 2, 2, 0], [0, 1, 1, 1, 1]]),
+        r"lie in \[0, t\]": torch.tensor([[0, 0, 3, 3, 3], [0, 0, 0, 0, 0]]),  # 3 > t = 2
+        r"lie in \[0,": torch.tensor([[-1, 0, 0, 0, 0], [0, 0, 0, 0, 0]]),
+    }
+    for message, doc_start in bad.items():
+        for backend in ("torch", "triton"):
+            with pytest.raises(ValueError, match="doc_start.*" + message):
+                deltaformer_attention(q, k, v, w, beta, backend=backend, doc_start=doc_start)
+        with pytest.raises(ValueError, match="doc_start.*" + message):
+            deltaformer_reference(q, k, v, w, beta, doc_start=doc_start)
+    with pytest.raises(ValueError, match="doc_start"):
+        deltaformer_u_triton(k, v, w, beta, doc_start=good.to("meta"))
+    # decoding: the new tokens' starts count the cached ones (3 cached: token 0 of these is 3)
+    o, past = deltaformer_decode(*(x[:, :, :3] for x in (q, k, v, w, beta)), None, doc_start=good[:, :3])
+    new = [x[:, :, 3:] for x in (q, k, v, w, beta)]
+    with pytest.raises(ValueError, match=r"doc_start\[b, t\] must lie in \[0, 3 \+ t\]"):
+        deltaformer_decode(*new, past, doc_start=torch.tensor([[2, 5], [0, 0]]))
+    deltaformer_decode(*new, past, doc_start=torch.tensor([[2, 4], [0, 0]]))
+    with pytest.raises(ValueError, match=r"doc_start must be \[B, T\] = \(2, 1\)"):
+        deltaformer_step(*(x[:, :, 3:4] for x in (q, k, v, w, beta)), *past, doc_start=good[:, :2])
+
+
+def test_documents_under_torch_compile():
+    # doc_start through the custom ops (an optional tensor argument): torch.library's checks, and the masked
+    # op under torch.compile (aot_eager, fullgraph) equals eager, values and gradients; the flex stage 2
+    # (its block mask built from doc_start) traces without graph breaks
+    from ops.deltaformer.stage2 import _flex_compiled, dense_doc_mask, flex_in_documents
+    from ops.deltaformer.triton import _u_bwd_op, _u_fwd_op
+
+    inputs = make_inputs(2, 2, 43, 16, dtype=torch.float32, beta_max=0.5)
+    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    cfg = ("relu", 1.0, 16, False, EDGES)
+    torch.library.opcheck(_u_fwd_op, (*inputs[1:], *cfg), test_utils=checks)
+    saved = _u_fwd_op(*inputs[1:], *cfg)
+    du = torch.randn_like(inputs[0])
+    torch.library.opcheck(
+        _u_bwd_op, (du, inputs[1], inputs[3], inputs[4], *saved, *cfg), test_utils=checks[:2]
+    )
+
+    def fn(q, k, v, w, beta):
+        return deltaformer_attention(q, k, v, w, beta, kernel="softmax", backend="triton", doc_start=EDGES)
+
+    torch._dynamo.reset()
+    out, g = grads_of(torch.compile(fn, fullgraph=True, backend="aot_eager"), inputs, du)
+    out_ref, g_ref = grads_of(fn, inputs, du)
+    for a, b in zip([out, *g], [out_ref, *g_ref]):
+        assert rel_err(a, b) < 1e-6
+    q, k, v = inputs[:3]
+    # (the compiled flex_attention CUDA runs, inside a compiled model: traced through)
+    flex = torch.compile(
+        lambda q, k, v: flex_in_documents(q, k, v, 0.3, EDGES, _flex_compiled),
+        fullgraph=True,
+        backend="eager",
+    )
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_doc_mask(EDGES)[:, None], scale=0.3)
+    assert rel_err(flex(q, k, v), ref) < 1e-6

@@ -16,6 +16,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from readme_code import pasted, readme_blocks  # noqa: E402
+
 import export_hf  # noqa: E402
 from data.tokenizer import get_encoding  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -148,7 +150,11 @@ def exported(tmp_path_factory):
 @pytest.mark.parametrize("variant", VARIANTS, ids=name)
 def test_logits_and_greedy_generate_equal_the_repo(exported, variant):
     _, _, refs, got = exported
-    ref, hf = refs[name(variant)], got[name(variant)]
+    equal_the_repo(got[name(variant)], refs[name(variant)])
+
+
+def equal_the_repo(hf, ref):
+    """The folder's logits and greedy tokens (hf, from the child) are model.py's and sample.generate's."""
     assert hf["logits"].dtype == torch.float32
     assert (hf["logits"] - ref["logits"]).abs().max().item() <= 1e-5
     assert torch.equal(hf["ids"], ref["ids"])
@@ -192,6 +198,40 @@ def test_generate_decodes_compiled_steps(monkeypatch):
     assert torch.equal(run(prompts[1]), compiled[1]) and len(calls) == steps + BLOCK - 3
     with pytest.raises(ValueError, match=r"decode must be one of \('cache', 'compiled'\), got 'fast'"):
         run(prompts[0], decode="fast")
+
+
+def test_readme_recipes_export(tmp_path, monkeypatch):
+    """The README's DDL-CC with one beta for the whole model and its Deltaformer at beta = 1, pasted at the
+    end of model.py (and so of the model.py the folder holds), trained a few steps: the folder keeps the
+    one beta (gpt.shared.beta), and transformers gives model.py's logits and greedy tokens from it."""
+    from safetensors.torch import load_file
+
+    code = readme_blocks("Add your own residual")[-1] + "\n\n" + readme_blocks("Add your own attention")[0]
+    repo_files = export_hf.code_files
+
+    def with_code():  # the folder's code, model.py with the blocks at its end
+        files = repo_files()
+        return {**files, "model.py": files["model.py"] + "\n\n" + code}
+
+    monkeypatch.setattr(export_hf, "code_files", with_code)
+    with pasted(code) as (rule, attention):
+        model = tiny(seed=3, residual=rule, attention=attention).train()
+        tokens = torch.randint(0, 512, (2, BLOCK), generator=torch.Generator().manual_seed(0))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(3):
+            opt.zero_grad()
+            model(tokens, tokens)[1].backward()
+            opt.step()
+        model.eval()
+        write_checkpoint(tmp_path / "ckpt", model)
+        folder = export_hf.export(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+        with torch.no_grad():
+            logits, ids = model(tokens, targets=tokens)[0], generate(model, tokens[:, :PROMPT], NEW, top_k=1)
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    assert [k for k in weights if "beta" in k] == ["gpt.shared.beta"]
+    assert weights["gpt.shared.beta"].item() == model.shared.beta.item() != 0  # trained, from logit(1/2) = 0
+    job = dict(folder=folder, tokens=tokens, prompt=tokens[:, :PROMPT], new=NEW)
+    equal_the_repo(run_child(tmp_path, {"recipes": job})["recipes"], dict(logits=logits, ids=ids))
 
 
 def test_tokenizer_gives_the_repo_ids(exported):

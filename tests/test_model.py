@@ -10,11 +10,11 @@ themselves are tested in tests/test_ddl.py and tests/test_deltaformer.py.
 import dataclasses
 import io
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from readme_code import pasted, readme_blocks
 
 import model as model_module
 from cache import Cache
@@ -933,11 +933,16 @@ def test_the_spec_not_the_name_builds_the_model(residual, monkeypatch):
     torch.testing.assert_close(b(idx, idx)[0], a(idx, idx)[0], rtol=0, atol=0)
 
 
-def readme_residual_examples():
-    """The python code blocks of README.md's "Add your own residual" section."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.split("## Add your own residual\n", 1)[1].split("\n## ", 1)[0]
-    return [block.split("```", 1)[0] for block in section.split("```python\n")[1:]]
+@pytest.mark.parametrize("attention", ["softmax", "deltaformer"])
+def test_the_class_not_the_name_builds_the_attention(attention, monkeypatch):
+    """A built-in attention's class registered under another name builds the same parameters and gives the
+    same logits and FLOP count: nothing reads the attention's name."""
+    monkeypatch.setitem(ATTENTIONS, "renamed", ATTENTIONS[attention])
+    a, b = make(tiny(attention=attention)), make(tiny(attention="renamed"))
+    assert a.state_dict().keys() == b.state_dict().keys()
+    idx = tokens()
+    torch.testing.assert_close(b(idx, idx)[0], a(idx, idx)[0], rtol=0, atol=0)
+    assert a.flops_per_token(16) == b.flops_per_token(16)
 
 
 def cached_logits_equal_full_forward(model, idx, tol):
@@ -951,57 +956,149 @@ def cached_logits_equal_full_forward(model, idx, tol):
     torch.testing.assert_close(torch.cat(got, dim=1), full, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("example", [0, 1], ids=["vector-stream", "ddl-stream"])
-def test_readme_residual_example_trains_and_decodes(example):
+def trains_and_decodes(model, new):
+    """A few AdamW steps on one repeated batch lower the loss and move each of the parameters `new`; then,
+    moved off its weights, cached decoding gives the full forward's logits on the torch backend (float64)
+    and on the Triton kernels (float32; on CPU through Triton's interpreter)."""
+    idx = tokens(B=2, T=12)
+    start = [p.detach().clone() for p in new]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0] - 0.1, losses
+    assert all(not torch.equal(p, s) for p, s in zip(new, start))
+    with torch.no_grad():  # strong enough that each rule's parameters, alpha too, matter
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    cached_logits_equal_full_forward(model.eval(), idx, 1e-10)
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    on_triton = GPT(dataclasses.replace(model.config, backend="triton")).to(device).eval()
+    on_triton.load_state_dict(model.float().state_dict())
+    cached_logits_equal_full_forward(on_triton, idx.to(device), 1e-5)
+
+
+def updates_with_beta(model, beta):
+    """Every sublayer of the float64 model: X' = X + beta khat (v^T - khat^T X), khat = h / sqrt(|h|^2 +
+    eps^2), v = value(x_in, c), beta the number given (the rules whose beta is not 2 sigmoid(W_beta c +
+    b_beta))."""
+    records, hooks = capture(model)
+    with torch.no_grad():
+        model(tokens(), tokens(seed=2))
+    for h in hooks:
+        h.remove()
+    for r in records:
+        X, h = r["X"], r["h"]
+        khat = h / torch.sqrt((h * h).sum(-1, keepdim=True) + DDL_EPS**2)
+        target = value(r["module"], r["x_in"], r["c"]) - torch.einsum("btiv,bti->btv", X, khat)
+        want = X + beta * khat[..., :, None] * target[..., None, :]
+        torch.testing.assert_close(r["X_new"], want, rtol=1e-12, atol=1e-12)
+
+
+README_RULES = ["vector-stream", "ddl-stream", "no-gate", "shared"]
+
+
+@pytest.mark.parametrize("example", range(len(README_RULES)), ids=README_RULES)
+def test_readme_residual_example_trains_and_decodes(example, monkeypatch):
     """Each example as written (at most 30 lines), pasted into model.py's namespace: it registers its rule
-    (one class, one registry line), every sublayer uses it, a few AdamW steps on one repeated batch lower
-    the loss and move its new parameter; then, moved off its weights, cached decoding gives the full
-    forward's logits on the torch backend (float64) and on the Triton kernels (float32; on CPU through
-    Triton's interpreter). The DDL-family example starts as the identity (alpha = 0: X stays X0)."""
-    code = readme_residual_examples()[example]
+    (one class, one registry line), every sublayer uses it, it trains and decodes (trains_and_decodes), its
+    new parameters moving. ReZero starts as the identity (alpha = 0: X stays X0). The rules without a
+    learned gate have no W_beta, b_beta (nothing touches them: the init, the reads) and update with their
+    beta: 2 (at d_v = 1 through the fused read, one logit row, on the Triton backend as on the torch one),
+    or 2 sigmoid(b) of the one b the whole model shares, saved once as shared.beta."""
+    code = readme_blocks("Add your own residual")[example]
     assert len(code.strip().splitlines()) <= 30
-    before = dict(model_module.RESIDUALS)
-    namespace = dict(vars(model_module))
-    try:
-        exec(code, namespace)
-        (name,) = set(model_module.RESIDUALS) - set(before)
+    with pasted(code) as (name,):
         torch.manual_seed(0)
         cfg = tiny(residual=name, block_size=12)
         model = GPT(cfg).double()
-        rule = model_module.RESIDUALS[name]
+        rule = RESIDUALS[name]
         assert all(type(b.res_attn) is rule and type(b.res_mlp) is rule for b in model.blocks)
-        new = [p for n, p in model.named_parameters() if n.endswith((".gate", ".alpha"))]
-        assert len(new) == 2 * model.config.n_layer
-        idx = tokens(B=2, T=12)
-        if cfg.is_ddl:  # every block the identity at init: the logits of the embedding read straight out
+        params = dict(model.named_parameters())
+        rules = [f"blocks.{i}.{r}" for i in range(cfg.n_layer) for r in ("res_attn", "res_mlp")]
+        new = {"vector-stream": [f"{r}.gate" for r in rules], "ddl-stream": [f"{r}.alpha" for r in rules],
+               "no-gate": [], "shared": ["shared.beta"]}[README_RULES[example]]  # fmt: skip
+        assert sorted(n for n in params if n.endswith((".gate", ".alpha")) or n.startswith("shared.")) == new
+        if cfg.is_ddl:
             assert cfg.spec.gate is None  # not beta = 2 sigmoid(.): the tests of DDL's formula leave it out
+        if README_RULES[example] == "ddl-stream":  # every block the identity at init: the embedding read out
+            idx = tokens(B=2, T=12)
             with torch.no_grad():
                 direct = model.lm_head(model.ln_f(model.readout(model.embed(idx))))
                 torch.testing.assert_close(model(idx, idx)[0], direct, rtol=1e-12, atol=1e-12)
-        start = [p.detach().clone() for p in new]
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        losses = []
-        for _ in range(8):
-            _, loss = model(idx[:, :-1], idx[:, 1:])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        assert all(math.isfinite(x) for x in losses)
-        assert losses[-1] < losses[0] - 0.1, losses
-        assert all(not torch.equal(p, s) for p, s in zip(new, start))
-        with torch.no_grad():  # strong enough that each rule's parameters, alpha too, matter
-            for p in model.parameters():
-                p.add_(0.3 * torch.randn_like(p))
-        cached_logits_equal_full_forward(model.eval(), idx, 1e-10)
-        pytest.importorskip("triton")
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        on_triton = GPT(dataclasses.replace(cfg, backend="triton")).to(device).eval()
-        on_triton.load_state_dict(model.float().state_dict())
-        cached_logits_equal_full_forward(on_triton, idx.to(device), 1e-5)
-    finally:
-        model_module.RESIDUALS.clear()
-        model_module.RESIDUALS.update(before)
+        if README_RULES[example] in ("no-gate", "shared"):
+            # no W_beta, b_beta of its own; the shared b saved once
+            assert [k for k in model.state_dict() if "beta" in k] == new
+            perturbed_model = make(cfg)
+            shared = perturbed_model.shared
+            assert all(m.shared is shared for b in perturbed_model.blocks for m in (b.res_attn, b.res_mlp))
+            beta = 2 * torch.sigmoid(shared.beta).item() if hasattr(shared, "beta") else 2.0
+            updates_with_beta(perturbed_model, beta)
+        if README_RULES[example] == "no-gate":
+            fused_read_takes_one_logit_row(cfg, monkeypatch)
+        trains_and_decodes(model, [params[n] for n in new])
+
+
+def fused_read_takes_one_logit_row(cfg, monkeypatch):
+    """d_v = 1 on the Triton backend: each read after an update is one ddl_update_norm with a logit weight
+    of one row (v's), and the loss and gradients are the torch backend's."""
+    pytest.importorskip("triton")
+    import ops.ddl.stream as stream
+
+    rows, fused = [], stream.ddl_update_norm
+    monkeypatch.setattr(
+        stream, "ddl_update_norm", lambda *a, **kw: rows.append(a[5].shape[0]) or fused(*a, **kw)
+    )
+    results = {}
+    for backend in ("torch", "triton"):
+        model = perturbed(dataclasses.replace(cfg, backend=backend))
+        logits, loss = model(tokens(T=9), tokens(T=9, seed=2))
+        loss.backward()
+        results[backend] = logits, {n: p.grad for n, p in model.named_parameters()}
+    assert rows == [1] * (2 * cfg.n_layer - 1)
+    torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=1e-5, atol=1e-5)
+    for name, grad in results["torch"][1].items():
+        torch.testing.assert_close(results["triton"][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_readme_attention_example_is_deltaformer_at_beta_1_trains_and_decodes():
+    """The example as written (at most 30 lines), pasted into model.py's namespace: it registers its
+    attention (one class, one registry line) and every block uses it; it has no W_beta, b_beta, and gives
+    the logits of the built-in Deltaformer whose gate is 1 exactly (beta_max = 2, W_beta = b_beta = 0:
+    2 sigmoid(0)), at its FLOPs and activation memory; it trains and decodes (trains_and_decodes)."""
+    from checkpoint import step_memory
+
+    (code,) = readme_blocks("Add your own attention")
+    assert len(code.strip().splitlines()) <= 30
+    with pasted(code) as (name,):
+        cfg = tiny(residual="ddl", attention=name, block_size=12)
+        model = make(cfg)
+        assert all(type(b.attn) is ATTENTIONS[name] for b in model.blocks)
+        assert not any(".attn.beta." in n for n in model.state_dict())
+        gated_cfg = dataclasses.replace(cfg, attention="deltaformer", deltaformer_beta_max=2.0)
+        gated = GPT(gated_cfg).double().eval()
+        with torch.no_grad():
+            for b in gated.blocks:
+                b.attn.beta.weight.zero_()
+                b.attn.beta.bias.zero_()
+        missing, unexpected = gated.load_state_dict(model.state_dict(), strict=False)
+        assert unexpected == [] and all(".attn.beta." in k for k in missing) and len(missing) == 4
+        idx = tokens()
+        torch.testing.assert_close(model(idx, idx)[0], gated(idx, idx)[0], rtol=1e-12, atol=1e-12)
+        # its cost is Deltaformer's, read from its class: two stages; u among the activations of a step
+        betas = sum(p.numel() for b in gated.blocks for p in b.attn.beta.parameters())
+        assert model.flops_per_token(12) == gated.flops_per_token(12) - 6 * betas
+        activations = [step_memory(c, 2, 12, bf16=False)["activations"] for c in (cfg, gated_cfg)]
+        assert activations[0] == activations[1]
+        torch.manual_seed(0)
+        model = GPT(cfg).double()
+        trains_and_decodes(model, [b.attn.c_attn.weight for b in model.blocks])
 
 
 # The parameter names checkpoints of this model have been written with (one block, Deltaformer with its own
@@ -1043,3 +1140,112 @@ def test_checkpoints_of_the_earlier_layout_load(residual, tmp_path):
     assert set(model.state_dict()) == set(keys)
     for k, v in model.state_dict().items():
         assert torch.equal(v, earlier[k]), k
+
+
+def init_rows():
+    """Every residual x attention row (Deltaformer with w = k and its own w) under both inits, and the
+    options that change the init's parameters or values: GPTConfig overrides of tiny(), with a name."""
+    rows = [
+        dict(residual=r, attention=a, deltaformer_w=w, init=init)
+        for r in ("additive", "ddl", "ddl-tc", "ddl-cc")
+        for a, w in (("softmax", "k"), ("deltaformer", "k"), ("deltaformer", "proj"))
+        for init in ("scaled", "nanogpt")
+    ]
+    rows += [
+        dict(residual="ddl-cc", attention="softmax", deltaformer_w="k", init="scaled", ddl_v="linear"),
+        dict(residual="ddl", attention="softmax", deltaformer_w="k", init="nanogpt", ddl_v="linear"),
+        dict(residual="ddl-tc", attention="softmax", deltaformer_w="k", init="scaled", ddl_ec=False,
+             ddl_beta_init=0.5),
+    ]  # fmt: skip
+    for row in rows:
+        extra = [
+            f"{k}={v}" for k, v in row.items() if k not in ("residual", "attention", "deltaformer_w", "init")
+        ]
+        w = [f"w={row['deltaformer_w']}"] if row["attention"] == "deltaformer" else []
+        yield " ".join([row["residual"], row["attention"], *w, row["init"], *extra]), row
+
+
+def expected_keys(cfg):
+    """A model's state_dict keys in order, written out from the architecture: the names its checkpoints
+    have been saved under, in the order the parameters are made (which the init's draws follow)."""
+    rule = ["norm.weight"]
+    if cfg.residual != "additive":
+        rule += ["v_proj.weight", "v_proj.bias", "beta.weight", "beta.bias"]
+        if cfg.ddl_v == "linear":  # v = W_v c: no b_v
+            rule.remove("v_proj.bias")
+    attn = ["c_attn.weight", "c_proj.weight", "q_norm.weight", "k_norm.weight"]
+    if cfg.attention == "deltaformer":
+        attn += (["w_norm.weight"] if cfg.deltaformer_w == "proj" else []) + ["beta.weight", "beta.bias"]
+    compressor = ["conv", "read"] if cfg.residual in ("ddl-cc", "ddl-tc") else []  # ddl (d_v = 1): none
+    keys = (["ec_conv"] if compressor and cfg.ddl_ec else []) + ["wte.weight"]  # GPT's own parameter first
+    for i in range(cfg.n_layer):
+        keys += [f"blocks.{i}.compress.{n}" for n in compressor] + [f"blocks.{i}.res_attn.{n}" for n in rule]
+        keys += [f"blocks.{i}.attn.{n}" for n in attn] + [f"blocks.{i}.res_mlp.{n}" for n in rule]
+        keys += [f"blocks.{i}.mlp.c_fc.weight", f"blocks.{i}.mlp.c_proj.weight"]
+    return keys + [f"readout.{n}" for n in compressor] + ["ln_f.weight", "lm_head.weight"]
+
+
+@pytest.mark.parametrize("name,row", list(init_rows()), ids=[name for name, _ in init_rows()])
+def test_state_dict_keys_of_every_row(name, row):
+    with torch.device("meta"):
+        model = GPT(tiny(**row))
+    assert list(model.state_dict()) == expected_keys(model.config)
+
+
+# The init of each row of init_rows() after torch.manual_seed(0), as the code before the attentions became
+# classes drew it (tiny(); the first two sums of fingerprint(state_dict)): a changed draw, order, scale or
+# bias of any row must show. The tolerance, 1e-6 relative, admits only last-bit differences of a platform's
+# vectorised random normals.
+INIT_FINGERPRINTS = {
+    "additive softmax scaled": (1865.7449445376608, -1080.0425414222934),
+    "additive softmax nanogpt": (623.2128953733928, -1089.3489903227705),
+    "additive deltaformer w=k scaled": (1877.44147854224, 1235.8815664597796),
+    "additive deltaformer w=k nanogpt": (625.8545141188197, 1804.6108990225516),
+    "additive deltaformer w=proj scaled": (2053.5910809488287, -1497.430117058966),
+    "additive deltaformer w=proj nanogpt": (689.938535871856, -1556.9736369813277),
+    "ddl softmax scaled": (1874.346251893609, 459.86758169014774),
+    "ddl softmax nanogpt": (622.368908250001, 307.0979614073467),
+    "ddl deltaformer w=k scaled": (1886.1547060254766, 1419.0639749977108),
+    "ddl deltaformer w=k nanogpt": (625.6660825502307, 1049.2948996728323),
+    "ddl deltaformer w=proj scaled": (2062.067872401444, -4052.826596278369),
+    "ddl deltaformer w=proj nanogpt": (691.051369315373, -4260.781526844505),
+    "ddl-tc softmax scaled": (2149.485083696314, -142.09658983455847),
+    "ddl-tc softmax nanogpt": (1144.3140096751877, -401.80137132925836),
+    "ddl-tc deltaformer w=k scaled": (2156.9289492257435, 498.2639513187578),
+    "ddl-tc deltaformer w=k nanogpt": (1146.2265517848973, 322.502655368451),
+    "ddl-tc deltaformer w=proj scaled": (2332.0406680250735, 1651.8437769066013),
+    "ddl-tc deltaformer w=proj nanogpt": (1213.3760030719122, 1324.1814787027324),
+    "ddl-cc softmax scaled": (2065.2528389452873, -1376.9606931851945),
+    "ddl-cc softmax nanogpt": (856.3140096751875, -1457.6298580123303),
+    "ddl-cc deltaformer w=k scaled": (2067.3305000118366, -491.8399769533844),
+    "ddl-cc deltaformer w=k nanogpt": (858.2265517848974, -799.5910768461086),
+    "ddl-cc deltaformer w=proj scaled": (2251.6331588067105, 796.4668596587044),
+    "ddl-cc deltaformer w=proj nanogpt": (925.3760030719121, 915.8044558389107),
+    "ddl-cc softmax scaled ddl_v=linear": (2066.8790200546155, -777.4660823387597),
+    "ddl softmax nanogpt ddl_v=linear": (624.2179433687006, 79.12479034463723),
+    "ddl-tc softmax scaled ddl_ec=False ddl_beta_init=0.5": (2025.8795329303227, 911.5483097945387),
+}
+
+
+def fingerprint(state):
+    """(sum |x_i|, sum x_i w_i, sum |x_i w_i|) over the concatenation of every tensor in order, w_i = i mod 97
+    - 48, in exactly rounded float64 (math.fsum: independent of the order of summation)."""
+    flat = torch.cat([t.detach().flatten().double() for t in state.values()])
+    w = (torch.arange(flat.numel()) % 97 - 48).double()
+    return (
+        math.fsum(flat.abs().tolist()),
+        math.fsum((flat * w).tolist()),
+        math.fsum((flat * w).abs().tolist()),
+    )
+
+
+def test_init_of_every_row_is_unchanged():
+    names = []
+    for name, row in init_rows():
+        torch.manual_seed(0)
+        abs_sum, weighted, weighted_abs = fingerprint(GPT(tiny(**row)).state_dict())
+        want_abs, want_weighted = INIT_FINGERPRINTS[name]
+        assert abs(abs_sum - want_abs) <= 1e-6 * want_abs, (name, abs_sum, want_abs)
+        assert abs(weighted - want_weighted) <= 1e-6 * weighted_abs, (name, weighted, want_weighted)
+        names.append(name)
+    assert sorted(names) == sorted(INIT_FINGERPRINTS)

@@ -17,6 +17,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from readme_code import pasted, readme_blocks
 
 from data.shards import write_shard
 from model import GPT, GPTConfig
@@ -70,11 +71,25 @@ def env():
     return e
 
 
-def train(out_dir, data_dir, *args, nproc=1, check=True, extra_env=None, file_size_limit=None):
-    launcher = [sys.executable]
+def script(dump):
+    """train.py, or with dump=DIR train.py through tests/rank_dump.py, which writes each rank's RNG digests,
+    rows and stochastic-rounding seeds to DIR."""
+    return ["train.py"] if dump is None else ["tests/rank_dump.py", str(dump)]
+
+
+# train.py with code pasted at the end of model.py (argv: the code, then train.py's)
+PASTED = (
+    "import runpy, sys, model; exec(sys.argv[1], vars(model)); sys.argv = sys.argv[2:]; "
+    "runpy.run_path(sys.argv[0])"
+)
+
+
+def train(out_dir, data_dir, *args, nproc=1, check=True, extra_env=None, file_size_limit=None, dump=None,
+          paste=None):  # fmt: skip
+    launcher = [sys.executable] if paste is None else [sys.executable, "-c", PASTED, paste]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = launcher + ["train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out_dir}", *args]
+    cmd = launcher + [*script(dump), *TINY, f"--data_dir={data_dir}", f"--out_dir={out_dir}", *args]
     limit = None
     if file_size_limit is not None:  # RLIMIT_FSIZE: writing past it fails with EFBIG, as a full disk would
 
@@ -163,6 +178,29 @@ def test_resume_is_bit_exact(tmp_path, data_dir, state):
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
+def test_a_parameter_shared_by_every_block_trains_and_resumes_bit_exactly(tmp_path, data_dir):
+    """The README's DDL-CC with one beta for the whole model, pasted into model.py: train.py saves its beta
+    once (shared.beta), moved by training, resumes the run bit-exactly, and hands it to AdamW once, without
+    weight decay (a scalar, as the vectors)."""
+    code = readme_blocks("Add your own residual")[-1]
+    with pasted(code) as (name,):
+        args = ["--eval_interval=4", f"--residual={name}", "--weight_decay=0.3"]
+        straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+        train(straight, data_dir, "--max_iters=8", *args, paste=code)
+        train(split, data_dir, "--max_iters=4", *args, paste=code)
+        train(split, data_dir, "--max_iters=8", "--init_from=resume", *args, paste=code)
+        a, b = (torch.load(os.path.join(out, "ckpt.pt"), weights_only=True) for out in (straight, split))
+        n_params = len(list(GPT(GPTConfig(**a["model_args"])).parameters()))
+    assert read_log(straight)[1] == read_log(split)[1]  # every iteration's loss, exactly
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert [k for k in a["model"] if "beta" in k] == ["shared.beta"] and a["model"]["shared.beta"].item() != 0
+    state, groups = a["optimizer"]["state"], a["optimizer"]["param_groups"]
+    assert len(state) == n_params  # each parameter once, the shared one too
+    (scalar,) = [i for i, s in state.items() if s["exp_avg"].dim() == 0]
+    assert [g["weight_decay"] for g in groups if scalar in g["params"]] == [0.0]
+
+
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_n_ranks_match_one_rank(tmp_path, data_dir, nproc):
     # gradient_accumulation_steps=4 is global: 1 rank does 4 micro-steps, N ranks 4/N each, same batch
@@ -171,9 +209,20 @@ def test_n_ranks_match_one_rank(tmp_path, data_dir, nproc):
     train(one, data_dir, *args)
     result = train(two, data_dir, *args, nproc=nproc)
     assert f"{nproc} rank(s)" in result.stdout
-    _, loss_1, val_1 = read_log(one)
-    _, loss_2, val_2 = read_log(two)
+    records_1, loss_1, val_1 = read_log(one)
+    records_2, loss_2, val_2 = read_log(two)
     assert sorted(loss_1) == sorted(loss_2) == list(range(8))
+    # tokens/s counts the global batch (8 rows of 16 tokens, all ranks and micro-steps) in the step's time
+    for r in records_1 + records_2:
+        if "train_loss" in r:
+            assert r["tok_per_s"] * r["dt_ms"] / 1000 == pytest.approx(8 * 16, rel=1e-12), r
+    assert ", 128 tokens per iteration" in result.stdout
+    # the memory line: DDP's gradient buckets double the gradients' share of weights, gradients and AdamW
+    import checkpoint as ck
+
+    model_args = torch.load(os.path.join(two, "ckpt.pt"), weights_only=True)["model_args"]
+    n = GPT(GPTConfig(**model_args)).num_params()
+    assert f"weights, gradients and AdamW {ck.size_text((4 + 2 * 4 + 8) * n)}," in result.stdout
     for i in range(8):
         assert abs(loss_1[i] - loss_2[i]) <= 1e-5 * abs(loss_1[i]), (i, loss_1[i], loss_2[i])
     for i in val_1:
@@ -293,6 +342,7 @@ def test_gpt2_configs_follow_the_paper_recipe(name, preset):
     )
     assert (c["warmup_iters"], c["lr_decay_iters"], c["max_iters"]) == (2000, 100_000, 100_000)
     assert c["dataset"] == "fineweb_edu"
+    assert c["doc_mask"] is False  # the papers' recipe, the switch shown (medium's from gpt2_small.py)
 
 
 @pytest.mark.parametrize(
@@ -816,12 +866,13 @@ def test_resume_takes_dropout_and_backend_from_this_run(tmp_path, data_dir):
 # ---- Ctrl-C and SIGTERM: the step finishes, a checkpoint, one line, a non-zero exit; resumable ----
 
 
-def start(out_dir, data_dir, *args, nproc=1):
+def start(out_dir, data_dir, *args, nproc=1, dump=None):
     """train.py running in the background, its stdout and stderr piped (rank 0 logs every iteration)."""
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = launcher + ["train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--log_interval=1"]
+    cmd = launcher + [*script(dump), *TINY, f"--data_dir={data_dir}", f"--out_dir={out_dir}"]
+    cmd += ["--log_interval=1"]
     pipe = subprocess.PIPE
     return subprocess.Popen([*cmd, *args], cwd=REPO, env=env(), stdout=pipe, stderr=pipe, text=True)
 
@@ -901,9 +952,14 @@ def rank_pid(parent, rank):
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_iteration(tmp_path, data_dir):
     if not os.path.isdir("/proc/self"):
         pytest.skip("finds the workers in /proc")
-    args = ["--eval_interval=10", "--gradient_accumulation_steps=4", "--batch_size=2"]
+    # dropout and stochastic rounding draw from each rank's RNG: its state must come back to each rank
+    args = ["--eval_interval=10", "--gradient_accumulation_steps=4", "--batch_size=2", "--dropout=0.1"]
+    args += ["--residual=ddl-cc", "--ddl_state_dtype=bfloat16", "--ddl_state_rounding=stochastic"]
     split, straight = str(tmp_path / "split"), str(tmp_path / "straight")
-    run = start(split, data_dir, "--max_iters=1000000", *args, nproc=2)
+    dumps = {name: tmp_path / f"{name}.dump" for name in ("split", "straight")}
+    for d in dumps.values():
+        d.mkdir()
+    run = start(split, data_dir, "--max_iters=1000000", *args, nproc=2, dump=dumps["split"])
     wait_for(run.stdout, "iter 3:")
     os.kill(rank_pid(run.pid, 1), signal.SIGTERM)  # rank 1 only: rank 0 learns it through the flag
     out, err = run.communicate(timeout=1800)
@@ -915,11 +971,56 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_iteration(tmp_path, d
     stopped = torch.load(os.path.join(split, "ckpt.pt"), weights_only=True)["iter_num"]
     assert f"SIGTERM: interrupted at iteration {stopped}; resume with --init_from=resume" in out
     end = f"--max_iters={stopped + 2}"
-    train(split, data_dir, end, "--init_from=resume", *args, nproc=2)
-    train(straight, data_dir, end, *args, nproc=2)
+    train(split, data_dir, end, "--init_from=resume", *args, nproc=2, dump=dumps["split"])
+    train(straight, data_dir, end, *args, nproc=2, dump=dumps["straight"])
+
+    # per rank, iteration by iteration, across the resume: the same RNG states, rows and rounding seeds as
+    # the straight run's; each rank its own RNG stream, its own seeds and its own rows of the global batch
+    from data.loader import ShardLoader
+
+    split_ranks, straight_ranks = rank_dumps(dumps["split"], 2), rank_dumps(dumps["straight"], 2)
+    assert all(sorted(ranks) == list(range(stopped + 2)) for ranks in split_ranks + straight_ranks)
+    loader = ShardLoader([os.path.join(data_dir, "train.bin")], 16, seed=1337)
+    for it in range(stopped + 2):
+        x = loader.get_batch(it, 0, 8, 8)[0]  # the global batch: 2 ranks x 2 micro-steps x 2 rows
+        for r in range(2):
+            mine = straight_ranks[r][it]
+            assert split_ranks[r][it] == mine, (it, r)
+            assert len(set(mine["rng"])) == 1  # one state per iteration: its micro-batches come first
+            assert len(mine["seeds"]) == 2 * 2 * 2  # one per update: 2 micro-steps x 2 blocks x 2 sublayers
+            for m, (rows, tokens) in enumerate(mine["batches"]):
+                first = (m * 2 + r) * 2
+                assert rows == [first, 2] and tokens == x[first : first + 2].tolist(), (it, r, m)
+        a, b = straight_ranks[0][it], straight_ranks[1][it]
+        assert a["rng"][0] != b["rng"][0] and not set(a["seeds"]) & set(b["seeds"]), it
+    rng_a, rng_b = (
+        torch.load(os.path.join(d, "ckpt.pt"), weights_only=True)["rng"] for d in (straight, split)
+    )
+    for r in range(2):  # the states the checkpoints hold at the end, rank by rank
+        assert torch.equal(rng_a[r]["torch"], rng_b[r]["torch"]) and rng_a[r]["python"] == rng_b[r]["python"]
+        assert torch.equal(rng_a[r]["numpy"][1], rng_b[r]["numpy"][1])
+    assert not torch.equal(rng_a[0]["torch"], rng_a[1]["torch"])
     (_, loss_a, val_a), (_, loss_b, val_b) = read_log(straight), read_log(split)
     assert sorted(loss_a) == sorted(loss_b) == list(range(stopped + 2))
     assert all(loss_a[i] == loss_b[i] for i in loss_a) and val_a == val_b, (loss_a, loss_b)
+
+
+def rank_dumps(directory, ranks):
+    """Per rank, {iteration: {"rng": digests, "batches": [(rows, tokens)], "seeds": [...]}} from the files
+    tests/rank_dump.py writes (a resumed run appends to them)."""
+    out = []
+    for r in range(ranks):
+        iters, last = {}, None
+        with open(os.path.join(directory, f"rank{r}.jsonl")) as f:
+            for e in map(json.loads, f):
+                if "iter" in e:
+                    last = iters.setdefault(e["iter"], {"rng": [], "batches": [], "seeds": []})
+                    last["rng"].append(e["rng"])
+                    last["batches"].append((e["rows"], e["x"]))
+                else:  # a seed of the iteration's forwards, which follow its micro-batches
+                    last["seeds"].append(e["seed"])
+        out.append(iters)
+    return out
 
 
 # ---- memory: the step's estimate in the header; a step that cannot fit is refused before any work ----

@@ -18,6 +18,10 @@ Compressors turn X into the [B, T, d] input of the next sublayer:
 EC (expansion) builds the initial state from the token embedding:
     X0[b,t,i,v] = sum_j conv_weight[i,v,j] * emb[b, t-(K-1)+j, i]
 With the identity init (tap K-1 = 1, the rest 0) X0 is emb repeated d_v times.
+Packed documents (doc_start, an int32/int64 tensor [B, T]: the position in its row of the first token of
+the document that token t belongs to): TC and EC's tap reading token s = t-(K-1)+j is used only if
+s >= doc_start[b, t], else it reads zero, the padding the conv has before t = 0. None: no mask (the kernels
+compile without it). The values are trusted, not checked (a check would sync the GPU).
 
 Fused entry points (fewer passes over the state than the separate ops):
     ddl_update_compress_cc(x, k, v, beta, weight)          -> (x_new, compress_cc(x_new, weight))
@@ -54,6 +58,7 @@ from ..common import BACKENDS, acc_dtype, resolve_backend
 from .naive import (
     _check_cc_weight,
     _check_conv,
+    _check_doc_start,
     _check_norm_args,
     _check_read,
     _check_seed,
@@ -201,20 +206,24 @@ def ddl_update_compress_tc(
     rebuild_from=None,
     return_step=False,
     seed=None,
+    doc_start=None,
 ):
-    """(x_new, compress_tc(x_new, conv_weight, read)): the update of one sublayer and the TC read-out of
-    the next as one op, whose backward takes both gradients in one pass over the state (the forward writes
-    x_new and reads it once, in token order). x [B, T, d, d_v], conv_weight [d, d_v, K], read [d_v]."""
+    """(x_new, compress_tc(x_new, conv_weight, read, doc_start=doc_start)): the update of one sublayer and
+    the TC read-out of the next as one op, whose backward takes both gradients in one pass over the state
+    (the forward writes x_new and reads it once, in token order). x [B, T, d, d_v], conv_weight [d, d_v, K],
+    read [d_v]."""
     _check_update_args(x, k, v, beta)
     _check_state("ddl_update_compress_tc", x)
     _check_conv("ddl_update_compress_tc", "conv_weight", conv_weight, *x.shape[-2:])
     _check_read("ddl_update_compress_tc", x, read)
     _check_rebuild_from("ddl_update_compress_tc", x, rebuild_from, seed)
+    _check_doc_start("ddl_update_compress_tc", doc_start, x)
     if resolve_backend("ddl_update_compress_tc", backend, x, k, v, beta, conv_weight, read) == "torch":
         step = _ref_step(x, k, v, beta, eps, erase, return_step, seed)
-        out = ddl_update_compress_tc_ref(x, k, v, beta, conv_weight, read, eps=eps, erase=erase, seed=seed)
+        kw = dict(eps=eps, erase=erase, seed=seed, doc_start=doc_start)
+        out = ddl_update_compress_tc_ref(x, k, v, beta, conv_weight, read, **kw)
         return _returned(out, step, return_step)
-    args = (eps, erase, rebuild_from, seed, return_step)
+    args = (eps, erase, rebuild_from, seed, doc_start, return_step)
     *out, step = _triton.update_compress_tc(x, k, v, beta, conv_weight, read, *args)
     return _returned(tuple(out), step, return_step)
 
@@ -235,8 +244,9 @@ def ddl_update_norm(
 ):
     """d_v = 1: (x_new, c, z, inv_rms), the update fused with the next sublayer's read of x_in = x_new[..., 0]
     (x [..., d, 1]): its RMSNorm c = x_in inv_rms norm_weight in c_dtype (default: the compute dtype),
-    inv_rms = 1 / sqrt(mean(x_in^2) + norm_eps) [..., 1], and the logits z = x_in logit_weight^T [..., 2]
-    (logit_weight [2, d]) in the compute dtype. The read takes no pass over the state of its own."""
+    inv_rms = 1 / sqrt(mean(x_in^2) + norm_eps) [..., 1], and the logits z = x_in logit_weight^T [..., m]
+    (logit_weight [m, d], m = 1 or 2: v's logit, and beta's where the rule has one) in the compute dtype.
+    The read takes no pass over the state of its own."""
     _check_update_args(x, k, v, beta)
     _check_norm_args(x, norm_weight, logit_weight)
     _check_seed("ddl_update_norm", x, seed)
@@ -255,21 +265,25 @@ def compress_cc(x, weight, backend="auto"):
     return _triton.compress_cc(x, weight)
 
 
-def compress_tc(x, conv_weight, read, backend="auto"):
-    """Causal depthwise conv over tokens of each (i, v) channel, then a read-out over v."""
+def compress_tc(x, conv_weight, read, backend="auto", doc_start=None):
+    """Causal depthwise conv over tokens of each (i, v) channel, then a read-out over v; given doc_start
+    [B, T] (the module docstring), within each token's document."""
     if resolve_backend("compress_tc", backend, x, conv_weight, read) == "torch":
-        return compress_tc_ref(x, conv_weight, read)
+        return compress_tc_ref(x, conv_weight, read, doc_start)
     _check_state("compress_tc", x)
     _check_conv("compress_tc", "conv_weight", conv_weight, *x.shape[-2:])
     _check_read("compress_tc", x, read)
-    return _triton.compress_tc(x, conv_weight, read)
+    _check_doc_start("compress_tc", doc_start, x)
+    return _triton.compress_tc(x, conv_weight, read, doc_start)
 
 
-def expand_ec(emb, conv_weight, backend="auto"):
-    """X0 [B, T, d, d_v] from emb [B, T, d] by a causal depthwise conv per (i, v)."""
+def expand_ec(emb, conv_weight, backend="auto", doc_start=None):
+    """X0 [B, T, d, d_v] from emb [B, T, d] by a causal depthwise conv per (i, v); given doc_start [B, T],
+    within each token's document."""
     if resolve_backend("expand_ec", backend, emb, conv_weight) == "torch":
-        return expand_ec_ref(emb, conv_weight)
+        return expand_ec_ref(emb, conv_weight, doc_start)
     if emb.dim() != 3:
         raise ValueError(f"expand_ec: emb must be [B, T, d], got shape {tuple(emb.shape)}")
     _check_conv("expand_ec", "conv_weight", conv_weight, emb.shape[-1])
-    return _triton.expand_ec(emb, conv_weight)
+    _check_doc_start("expand_ec", doc_start, emb)
+    return _triton.expand_ec(emb, conv_weight, doc_start)

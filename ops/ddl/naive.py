@@ -67,9 +67,9 @@ def _check_norm_args(x, norm_weight, logit_weight):
     if x.dim() < 2 or x.shape[-1] != 1:
         raise ValueError(f"ddl_update_norm: x must be [..., d, 1] (d_v = 1), got shape {tuple(x.shape)}")
     d = x.shape[-2]
-    if tuple(norm_weight.shape) != (d,) or tuple(logit_weight.shape) != (2, d):
+    if tuple(norm_weight.shape) != (d,) or tuple(logit_weight.shape) not in ((1, d), (2, d)):
         raise ValueError(
-            f"ddl_update_norm: norm_weight must be [{d}] and logit_weight [2, {d}], got "
+            f"ddl_update_norm: norm_weight must be [{d}] and logit_weight [1 or 2, {d}], got "
             f"{tuple(norm_weight.shape)} and {tuple(logit_weight.shape)}"
         )
 
@@ -147,7 +147,7 @@ def ddl_update_norm_ref(
 ):
     """d_v = 1: (x_new, c, z, inv_rms), the update and the read of x_in = x_new[..., 0] by the next sublayer:
     inv_rms = 1 / sqrt(mean(x_in^2) + norm_eps) [..., 1], c = x_in inv_rms norm_weight (in c_dtype, default
-    the compute dtype) and z = x_in logit_weight^T [..., 2], computed as x_new is stored."""
+    the compute dtype) and z = x_in logit_weight^T [..., m], computed as x_new is stored."""
     _check_norm_args(x, norm_weight, logit_weight)
     x_new = ddl_update_ref(x, k, v, beta, eps=eps, erase=erase, seed=seed)
     ct = acc_dtype(x, k, v, beta, norm_weight, logit_weight)
@@ -187,37 +187,71 @@ def compress_cc_ref(x, weight):
     return (x.to(ct) * weight.to(ct)).sum(-1).to(x.dtype)
 
 
+def _check_doc_start(fn, doc_start, x):
+    """doc_start: None, or an int32/int64 tensor [B, T] on x's device (x [B, T, ...]): token t's document
+    starts at doc_start[b, t] (the same frame as t)."""
+    if doc_start is None:
+        return
+    want = f"an int32/int64 tensor {tuple(x.shape[:2])} on {x.device}"
+    if not isinstance(doc_start, torch.Tensor):
+        raise ValueError(f"{fn}: doc_start must be None or {want}, got {type(doc_start).__name__}")
+    if doc_start.dtype not in (torch.int32, torch.int64) or tuple(doc_start.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"{fn}: doc_start must be {want}, got {doc_start.dtype} {tuple(doc_start.shape)}")
+    if doc_start.device != x.device:
+        raise ValueError(f"{fn}: doc_start must be {want}, got it on {doc_start.device}")
+
+
+def _windows(x, K, doc_start=None):
+    """The K-step windows [B, T, ..., K] of x [B, S, ...] along dim 1, one for each of its last T = S - (K-1)
+    steps (its step t - (K-1) + j at j); given doc_start [B, T] (x's frame), the steps before each one's
+    document zero."""
+    w = x.unfold(1, K, 1)
+    if doc_start is None:
+        return w
+    at = torch.arange(w.shape[1], device=x.device)[:, None] + torch.arange(K, device=x.device)  # [T, K]
+    keep = at >= doc_start[..., None]  # [B, T, K]
+    return torch.where(keep.view(keep.shape[:2] + (1,) * (w.dim() - 3) + (K,)), w, 0.0)
+
+
 def _pad_front(x, n):
     """x [B, T, ...] with n zero steps in front along dim 1 (a causal conv's padding at t < 0)."""
     return torch.cat([x.new_zeros((x.shape[0], n) + tuple(x.shape[2:])), x], dim=1) if n else x
 
 
-def compress_tc_ref(x, conv_weight, read):
-    """h[b,t,i] = sum_v read[v] * sum_j conv_weight[i,v,j] * x[b, t-(K-1)+j, i, v] (zeros before t=0)."""
+def compress_tc_ref(x, conv_weight, read, doc_start=None):
+    """h[b,t,i] = sum_v read[v] * sum_j conv_weight[i,v,j] * x[b, t-(K-1)+j, i, v] (zeros before t=0, and
+    given doc_start [B, T], before doc_start[b, t])."""
     _check_state("compress_tc", x)
+    _check_doc_start("compress_tc", doc_start, x)
     d, dv = x.shape[-2:]
     _check_conv("compress_tc", "conv_weight", conv_weight, d, dv)
     _check_float("read", read)
     _check_read("compress_tc", x, read)
-    return tc_windows_ref(_pad_front(x, conv_weight.shape[-1] - 1), conv_weight, read)
+    K = conv_weight.shape[-1]
+    doc_start = None if doc_start is None else doc_start + (K - 1)  # in the padded frame
+    return tc_windows_ref(_pad_front(x, K - 1), conv_weight, read, doc_start)
 
 
-def tc_windows_ref(x, conv_weight, read):
+def tc_windows_ref(x, conv_weight, read, doc_start=None):
     """compress_tc's h of the last T = S - (K-1) tokens of x [B, S, d, d_v], each from the K states up to it
-    (x's first K-1 steps: the states before them, or zeros)."""
+    (x's first K-1 steps: the states before them, or zeros); doc_start [B, T] (x's frame): each token's
+    window within its document."""
     ct, K = acc_dtype(x, conv_weight, read), conv_weight.shape[-1]
-    y = (x.to(ct).unfold(1, K, 1) * conv_weight.to(ct)).sum(-1)  # [B, T, d, d_v]
+    y = (_windows(x.to(ct), K, doc_start) * conv_weight.to(ct)).sum(-1)  # [B, T, d, d_v]
     return (y * read.to(ct)).sum(-1).to(x.dtype)
 
 
-def expand_ec_ref(emb, conv_weight):
-    """X0[b,t,i,v] = sum_j conv_weight[i,v,j] * emb[b, t-(K-1)+j, i] (zeros before t=0)."""
+def expand_ec_ref(emb, conv_weight, doc_start=None):
+    """X0[b,t,i,v] = sum_j conv_weight[i,v,j] * emb[b, t-(K-1)+j, i] (zeros before t=0, and given doc_start
+    [B, T], before doc_start[b, t])."""
     _check_float("emb", emb)
     if emb.dim() != 3:
         raise ValueError(f"expand_ec: emb must be [B, T, d], got shape {tuple(emb.shape)}")
     _check_conv("expand_ec", "conv_weight", conv_weight, emb.shape[-1])
+    _check_doc_start("expand_ec", doc_start, emb)
     ct, K = acc_dtype(emb, conv_weight), conv_weight.shape[-1]
-    windows = _pad_front(emb.to(ct), K - 1).unfold(1, K, 1)  # [B, T, d, K]
+    doc_start = None if doc_start is None else doc_start + (K - 1)  # in the padded frame
+    windows = _windows(_pad_front(emb.to(ct), K - 1), K, doc_start)  # [B, T, d, K]
     return (windows[..., None, :] * conv_weight.to(ct)).sum(-1).to(emb.dtype)
 
 
@@ -226,6 +260,10 @@ def ddl_update_compress_cc_ref(x, k, v, beta, weight, eps=1e-5, erase=True, seed
     return x_new, compress_cc_ref(x_new, weight)
 
 
-def ddl_update_compress_tc_ref(x, k, v, beta, conv_weight, read, eps=1e-5, erase=True, seed=None):
+def ddl_update_compress_tc_ref(
+    x, k, v, beta, conv_weight, read, eps=1e-5, erase=True, seed=None, doc_start=None
+):
+    _check_state("ddl_update_compress_tc", x)
+    _check_doc_start("ddl_update_compress_tc", doc_start, x)
     x_new = ddl_update_ref(x, k, v, beta, eps=eps, erase=erase, seed=seed)
-    return x_new, compress_tc_ref(x_new, conv_weight, read)
+    return x_new, compress_tc_ref(x_new, conv_weight, read, doc_start)

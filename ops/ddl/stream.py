@@ -2,7 +2,8 @@
 
 A sublayer reads x_in = compress(X) (`read`) and writes X <- X + beta khat (v^T - khat^T X) (`write`). The
 reads go through the compressor that `enter` names: a Compressor, whose `kind` (the residual rule's
-spec.compressor: None | "cc" | "tc") picks the fused kernels below, called as reader(X) -> [B, T, d].
+spec.compressor: None | "cc" | "tc") picks the fused kernels below, called as reader(X, doc_start) ->
+[B, T, d].
 What exists only for speed and memory happens behind those two calls, so that a model need not see it:
 - a write waits for the next read and runs with it as one op, the update fused with that read-out
   (ddl_update_compress_cc / _tc: fewer passes over the state than the update and then the read; at
@@ -12,6 +13,8 @@ What exists only for speed and memory happens behind those two calls, so that a 
   in its backward, so one state per N blocks stays alive rather than one per sublayer;
 - decoding (a cache, sample.py): TC's causal conv reads through the states of the earlier tokens, kept per
   read (cache.history).
+doc_start [B, T] (packed documents, ops/ddl's docstring): every TC read stays within each token's document.
+With a cache it is in the whole sequence's frame; history_doc_start carries it to a read's window.
 stochastic=True (a bf16 X): every update rounds its X stochastically, with a seed of its own drawn from
 torch's generator on X's device.
 """
@@ -21,6 +24,7 @@ import torch.nn as nn
 
 from ..common import autocast_dtype, resolve_backend
 from . import (
+    _check_doc_start,
     cc_read_weight,
     compress_cc,
     compress_tc,
@@ -49,18 +53,21 @@ class Compressor(nn.Module):
     def cc_weight(self):  # DDL-CC's conv and read as the one linear map [d, d_v] they are
         return cc_read_weight(self.conv, self.read)
 
-    def forward(self, X):
+    def forward(self, X, doc_start=None):
+        """x_in [B, T, d]; doc_start [B, T] (or None): TC's conv within each token's document."""
         if self.kind is None:
             return X[..., 0]
         if self.kind == "cc":
             return compress_cc(X, self.cc_weight(), backend=self.backend)
-        return compress_tc(X, self.conv, self.read, backend=self.backend)
+        return compress_tc(X, self.conv, self.read, backend=self.backend, doc_start=doc_start)
 
-    def windows(self, X):
+    def windows(self, X, doc_start=None):
         """TC: the read-outs of the last S - (K-1) tokens of X [B, S, d, d_v], its first K-1 steps the states
-        before them (decoding: the cached ones). PyTorch on every backend: a decoding step reads K states, for
-        which five ops dispatch less than the kernel's launch with its taps' and views' ops around it."""
-        return tc_windows_ref(X, self.conv, self.read)
+        before them (decoding: the cached ones); doc_start [B, S] in X's frame (history_doc_start) or None.
+        PyTorch on every backend: a decoding step reads K states, for which five ops dispatch less than the
+        kernel's launch with its taps' and views' ops around it."""
+        doc_start = None if doc_start is None else doc_start[:, self.conv.shape[-1] - 1 :]
+        return tc_windows_ref(X, self.conv, self.read, doc_start)
 
 
 def identity_conv(*shape, tap=None):
@@ -68,11 +75,34 @@ def identity_conv(*shape, tap=None):
     return torch.zeros(shape).index_fill_(-1, torch.tensor([shape[-1] - 1 if tap is None else tap]), 1.0)
 
 
+def history_doc_start(doc_start, pos, n):
+    """doc_start [B, T] of T new tokens at positions pos.. (the sequence's frame) in the frame of a causal
+    conv's input with the n cached steps before them in front ([B, n + T], cache.history), or None. The
+    history's own steps get 0 (their outputs are dropped); a document that began before the history reaches
+    back through all of it (where the sequence began, the history holds the conv's zero padding)."""
+    if doc_start is None:
+        return None
+    moved = (doc_start - pos + n).clamp(min=0)
+    return torch.cat([moved.new_zeros(moved.shape[0], n), moved], dim=1)
+
+
 class DDLStream:
     """X [B, T, d, d_v] with read() and write(h, v, beta) for the sublayers (the module docstring)."""
 
-    def __init__(self, X, eps=1e-5, erase=True, backend="auto", keep_every=0, cache=None, stochastic=False):
+    def __init__(
+        self,
+        X,
+        eps=1e-5,
+        erase=True,
+        backend="auto",
+        keep_every=0,
+        cache=None,
+        stochastic=False,
+        doc_start=None,
+    ):
+        _check_doc_start("DDLStream", doc_start, X)
         self.X, self.cache, self.kw = X, cache, dict(eps=eps, erase=erase, backend=backend)
+        self.doc_start = doc_start
         self.stochastic = stochastic
         self.every = keep_every if torch.is_grad_enabled() else 0
         self.blocks, self.keep, self.chain = 0, False, None  # chain: (the kept state, the updates' steps)
@@ -102,7 +132,7 @@ class DDLStream:
         if read.kind == "cc":
             out = ddl_update_compress_cc(X, h, v, beta, read.cc_weight(), **kw)
         elif read.kind == "tc" and self.cache is None:  # decoding reads through the history instead
-            out = ddl_update_compress_tc(X, h, v, beta, read.conv, read.read, **kw)
+            out = ddl_update_compress_tc(X, h, v, beta, read.conv, read.read, doc_start=self.doc_start, **kw)
         else:  # d_v = 1 (x_in = X[..., 0]) or TC decoding: the update, then the read
             out = ddl_update(X, h, v, beta, **kw)
             out = (out[0], None, out[1]) if steps else (out, None)
@@ -133,6 +163,7 @@ class DDLStream:
 
     def _compress(self, slot):
         if self.cache is None or self.reader.kind != "tc":
-            return self.reader(self.X)
+            return self.reader(self.X, self.doc_start)
         K = self.reader.conv.shape[-1]  # the conv needs the K-1 states before the new ones
-        return self.reader.windows(self.cache.history((self.reader, slot), self.X, K - 1))
+        X = self.cache.history((self.reader, slot), self.X, K - 1)
+        return self.reader.windows(X, history_doc_start(self.doc_start, self.cache.pos, K - 1))

@@ -299,63 +299,72 @@ def _chan_launch(a, wt, key):
     return N, D, cfg, _chan_grid(N, D, {**cfg, "BLOCK_D": bd}), consts
 
 
-def _tc_forward(x, wt, T):
-    """h [N, d], the TC read-out of x [N, d, d_v] through taps wt [K, d, d_v]."""
+def _tc_forward(x, wt, T, ds=None):
+    """h [N, d], the TC read-out of x [N, d, d_v] through taps wt [K, d, d_v] (ds [N]: doc_start, or
+    None)."""
     h = _new((x.shape[0], x.shape[1]), x)
     N, D, cfg, grid, consts = _chan_launch(x, wt, "tc_fwd")
-    tokens, stages = cfg["TOKENS"], cfg["STAGES"]
-    _tc_fwd_kernel[grid](x, wt, h, N, T, D, TOKENS=tokens, STAGES=stages, CT=_ct(x, wt), **consts)
+    tokens, stages, doc = cfg["TOKENS"], cfg["STAGES"], ds is not None
+    _tc_fwd_kernel[grid](
+        x, wt, h, _or(ds, x), N, T, D, TOKENS=tokens, STAGES=stages, DOC=doc, CT=_ct(x, wt), **consts
+    )
     return h
 
 
-def _ec_forward(emb, wt, T):
-    """X0 [N, d, d_v], the EC expansion of emb [N, d] through taps wt [K, d, d_v]."""
+def _ec_forward(emb, wt, T, ds=None):
+    """X0 [N, d, d_v], the EC expansion of emb [N, d] through taps wt [K, d, d_v] (ds [N]: doc_start, or
+    None)."""
     x0 = _new((emb.shape[0], emb.shape[1], wt.shape[2]), emb)
     N, D, cfg, grid, consts = _chan_launch(emb, wt, "chan_fwd")
-    _ec_fwd_kernel[grid](emb, wt, x0, N, T, D, TOKENS=cfg["TOKENS"], CT=_ct(emb, wt), **consts)
+    _ec_fwd_kernel[grid](
+        emb, wt, x0, _or(ds, emb), N, T, D, TOKENS=cfg["TOKENS"], DOC=ds is not None, CT=_ct(emb, wt),
+        **consts,
+    )  # fmt: skip
     return x0
 
 
 def _token_conv_op(name, forward, out_shape):
-    """Registers `ddl::{name}(a, wt, T)` (a [N, d] or [N, d, d_v], wt [K, d, d_v] taps, T the sequence
-    length), its backward op and its autograd, for the two causal depthwise convolutions over tokens,
-    TC (a = the state, out [N, d]) and EC (a = the embedding, out [N, d, d_v]; out_shape(a, wt)):
-    forward(a, wt, T) runs the forward; the backward is one kernel for both (_conv_bwd_kernel, EC a
-    constexpr), on a grid of a block of d by a run of tokens, the weight gradient summed from per-program
-    partials. Returns the forward op."""
+    """Registers `ddl::{name}(a, wt, T, ds)` (a [N, d] or [N, d, d_v], wt [K, d, d_v] taps, T the sequence
+    length, ds [N] each token's doc_start or None), its backward op and its autograd, for the two causal
+    depthwise convolutions over tokens, TC (a = the state, out [N, d]) and EC (a = the embedding, out
+    [N, d, d_v]; out_shape(a, wt)): forward(a, wt, T, ds) runs the forward; the backward is one kernel for
+    both (_conv_bwd_kernel, EC a constexpr), on a grid of a block of d by a run of tokens, the weight
+    gradient summed from per-program partials. Returns the forward op."""
 
     @torch.library.custom_op(f"ddl::{name}", mutates_args=())
-    def op(a: torch.Tensor, wt: torch.Tensor, T: int) -> torch.Tensor:
-        return forward(a, wt, T)
+    def op(a: torch.Tensor, wt: torch.Tensor, T: int, ds: torch.Tensor | None) -> torch.Tensor:
+        return forward(a, wt, T, ds)
 
     @op.register_fake
-    def _(a, wt, T):
+    def _(a, wt, T, ds):
         return a.new_empty(out_shape(a, wt))
 
     @torch.library.custom_op(f"ddl::{name}_bwd", mutates_args=())
     def op_bwd(
-        a: torch.Tensor, wt: torch.Tensor, g: torch.Tensor, T: int
+        a: torch.Tensor, wt: torch.Tensor, g: torch.Tensor, T: int, ds: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         N, D, cfg, grid, consts = _chan_launch(a, wt, "chan_bwd")
         da = _new(a.shape, a)
         dwp = _new((grid[0],) + tuple(wt.shape), a, dtype=acc_dtype(a))  # weight-gradient partials
-        ec = name == "ec"
-        _conv_bwd_kernel[grid](a, wt, g, da, dwp, N, T, D, cfg["TOKENS"], EC=ec, CT=_ct(a, wt, g), **consts)
+        ec, doc = name == "ec", ds is not None
+        _conv_bwd_kernel[grid](
+            a, wt, g, da, dwp, _or(ds, a), N, T, D, cfg["TOKENS"], EC=ec, DOC=doc, CT=_ct(a, wt, g), **consts
+        )
         return da, dwp.sum(0).to(wt.dtype)
 
     @op_bwd.register_fake
-    def _(a, wt, g, T):
+    def _(a, wt, g, T, ds):
         return torch.empty_like(a), torch.empty_like(wt)
 
     def setup(ctx, inputs, output):
-        a, wt, T = inputs
-        ctx.save_for_backward(a, wt)
+        a, wt, T, ds = inputs
+        ctx.save_for_backward(a, wt, ds)
         ctx.T = T
 
     def backward(ctx, g):
-        a, wt = ctx.saved_tensors
-        da, dwt = op_bwd(a, wt, g.contiguous(), ctx.T)
-        return da, dwt, None
+        a, wt, ds = ctx.saved_tensors
+        da, dwt = op_bwd(a, wt, g.contiguous(), ctx.T, ds)
+        return da, dwt, None, None
 
     torch.library.register_autograd(f"ddl::{name}", backward, setup_context=setup)
     return op
@@ -368,13 +377,13 @@ _ec_op = _token_conv_op("ec", _ec_forward, lambda emb, wt: (emb.shape[0], emb.sh
 @torch.library.custom_op("ddl::update_tc", mutates_args=())
 def _update_tc_op(
     x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, wt: torch.Tensor, T: int,
-    eps: float, erase: bool, seed: torch.Tensor | None,
+    eps: float, erase: bool, seed: torch.Tensor | None, ds: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    return _update_with_read(x, k, v, beta, None, wt, T, eps, erase, seed)
+    return _update_with_read(x, k, v, beta, None, wt, T, eps, erase, seed, ds)
 
 
 @_update_tc_op.register_fake
-def _(x, k, v, beta, wt, T, eps, erase, seed):
+def _(x, k, v, beta, wt, T, eps, erase, seed, ds):
     return _fake_update_with_read(x, None, wt)
 
 
@@ -383,73 +392,75 @@ def _update_tc_bwd_op(
     x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, rs: torch.Tensor, r: torch.Tensor,
     wt: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, T: int, erase: bool, seed: torch.Tensor | None,
     ks: list[torch.Tensor], betas: list[torch.Tensor], rss: list[torch.Tensor], rr: list[torch.Tensor],
-    seeds: list[torch.Tensor],
+    seeds: list[torch.Tensor], ds: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(dx, dk, dv, dbeta, dwt): the backward of ddl::update_tc (taps wt; T the sequence length) at
-    LAUNCH['tc_bwd']'s shape, in two kernels: gk = khat^T G per token, with dv and dbeta
-    (_update_tc_gk_kernel), then dx, dk and the taps' gradient partials on runs of tokens by blocks of d, x'
-    rebuilt in registers."""
+    """(dx, dk, dv, dbeta, dwt): the backward of ddl::update_tc (taps wt; T the sequence length; ds [N] each
+    token's doc_start, or None) at LAUNCH['tc_bwd']'s shape, in two kernels: gk = khat^T G per token, with
+    dv and dbeta (_update_tc_gk_kernel), then dx, dk and the taps' gradient partials on runs of tokens by
+    blocks of d, x' rebuilt in registers."""
     N, D, DV = x.shape
-    KW, cfg, ct = wt.shape[0], _cfg("tc_bwd", x.dtype), _ct(x, k, v, beta, g)
+    KW, cfg, ct, doc = wt.shape[0], _cfg("tc_bwd", x.dtype), _ct(x, k, v, beta, g), ds is not None
     dx, dk, dv, dbeta = _new(x.shape, x), _new(k.shape, k), _new(v.shape, v), _new(beta.shape, beta)
     gk = _new((N, DV), x, dtype=acc_dtype(x))
     _update_tc_gk_kernel[(N,)](
-        k, beta, rs, r, wt, g, dh, gk, dv, dbeta, N, T, D, DV=DV, BLOCK_D=min(cfg["GK_BLOCK_D"], _pow2(D)),
-        BLOCK_V=_pow2(DV), KW=KW, STAGES=cfg["GK_STAGES"], CT=ct, num_warps=cfg["GK_WARPS"],
+        k, beta, rs, r, wt, g, dh, gk, dv, dbeta, _or(ds, k), N, T, D, DV=DV,
+        BLOCK_D=min(cfg["GK_BLOCK_D"], _pow2(D)), BLOCK_V=_pow2(DV), KW=KW, STAGES=cfg["GK_STAGES"], DOC=doc,
+        CT=ct, num_warps=cfg["GK_WARPS"],
     )  # fmt: skip
     bd = min(cfg["BLOCK_D"], _pow2(D))
     grid = (triton.cdiv(N, cfg["TOKENS"]), triton.cdiv(D, bd))
     dwp = _new((grid[0], *wt.shape), x, dtype=acc_dtype(x))
     _update_tc_bwd_kernel[grid](
-        x, k, v, beta, rs, r, _chain(ks, betas, rss, rr, seeds), wt, g, dh, gk, dx, dk, dwp, _or(seed, x), N,
-        T, D, cfg["TOKENS"], DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), ERASE=erase, KW=KW, SR=seed is not None,
-        STAGES=cfg["STAGES"], CT=ct, num_warps=cfg["num_warps"],
+        x, k, v, beta, rs, r, _chain(ks, betas, rss, rr, seeds), wt, g, dh, gk, dx, dk, dwp, _or(seed, x),
+        _or(ds, x), N, T, D, cfg["TOKENS"], DV=DV, BLOCK_D=bd, BLOCK_V=_pow2(DV), ERASE=erase, KW=KW,
+        SR=seed is not None, STAGES=cfg["STAGES"], DOC=doc, CT=ct, num_warps=cfg["num_warps"],
     )  # fmt: skip
     return dx, dk, dv, dbeta, dwp.sum(0).to(wt.dtype)
 
 
 @_update_tc_bwd_op.register_fake
-def _(x, k, v, beta, rs, r, wt, g, dh, T, erase, seed, ks, betas, rss, rr, seeds):
+def _(x, k, v, beta, rs, r, wt, g, dh, T, erase, seed, ks, betas, rss, rr, seeds, ds):
     return tuple(torch.empty_like(t) for t in (x, k, v, beta, wt))
 
 
 def _update_tc_setup(ctx, inputs, output):
-    x, k, v, beta, wt, T, eps, erase, seed = inputs
-    ctx.save_for_backward(x, k, v, beta, output[2], output[3], wt, seed)
+    x, k, v, beta, wt, T, eps, erase, seed, ds = inputs
+    ctx.save_for_backward(x, k, v, beta, output[2], output[3], wt, seed, ds)
     ctx.T, ctx.erase = T, erase
 
 
-def _update_tc_grads_of(x, k, v, beta, rs, r, wt, gx, gh, T, erase, seed, chain=NO_CHAIN):
+def _update_tc_grads_of(x, k, v, beta, rs, r, wt, gx, gh, T, erase, seed, chain=NO_CHAIN, ds=None):
     """(dx, dk, dv, dbeta, dwt) of ddl::update_tc at x (or rebuilt from it, as _update_grads_of), for the
     output gradients gx, gh."""
     gx = torch.zeros_like(x) if gx is None else gx.contiguous()
     gh = torch.zeros(x.shape[:2], dtype=x.dtype, device=x.device) if gh is None else gh.contiguous()
-    return _update_tc_bwd_op(x, k, v, beta, rs, r, wt, gx, gh, T, erase, seed, *map(list, chain))
+    return _update_tc_bwd_op(x, k, v, beta, rs, r, wt, gx, gh, T, erase, seed, *map(list, chain), ds)
 
 
 def _update_tc_backward(ctx, gx, gh, _grs, _gr):
-    x, k, v, beta, rs, r, wt, seed = ctx.saved_tensors
-    grads = _update_tc_grads_of(x, k, v, beta, rs, r, wt, gx, gh, ctx.T, ctx.erase, seed)
-    return *grads, None, None, None, None
+    x, k, v, beta, rs, r, wt, seed, ds = ctx.saved_tensors
+    grads = _update_tc_grads_of(x, k, v, beta, rs, r, wt, gx, gh, ctx.T, ctx.erase, seed, ds=ds)
+    return *grads, None, None, None, None, None
 
 
 torch.library.register_autograd("ddl::update_tc", _update_tc_backward, setup_context=_update_tc_setup)
 
 
-def _update_with_read(x, k, v, beta, weight, wt, T, eps, erase, seed):
+def _update_with_read(x, k, v, beta, weight, wt, T, eps, erase, seed, ds=None):
     """The forward of ddl::update (wt None; weight: the CC read-out or None) or of ddl::update_tc (wt: the
-    TC taps; one kernel with LAUNCH['update_tc_fwd'] FUSED), as plain code for the ops to share: (x_new, h,
-    rs, r); h is empty without a read-out."""
+    TC taps, ds [N] each token's doc_start or None; one kernel with LAUNCH['update_tc_fwd'] FUSED), as plain
+    code for the ops to share: (x_new, h, rs, r); h is empty without a read-out."""
     cfg = _cfg("update_tc_fwd", x.dtype)
     if wt is None or not cfg["FUSED"]:
         x_new, h, rs, r = _update_forward(x, k, v, beta, weight, eps, erase, seed)
-        return x_new, (h if wt is None else _tc_forward(x_new, wt, T)), rs, r
+        return x_new, (h if wt is None else _tc_forward(x_new, wt, T, ds)), rs, r
     N, D, DV = x.shape
     x_new, h, rs, r = _update_outputs(x, True)
     _update_tc_fwd_kernel[(triton.cdiv(N, cfg["TOKENS"]),)](
-        x, k, v, beta, wt, x_new, h, rs, r, _or(seed, x), N, T, D, eps, cfg["TOKENS"], KW=wt.shape[0], DV=DV,
-        BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), ERASE=erase, SR=seed is not None, STAGES=cfg["STAGES"],
-        CT=_ct(x, k, v, beta, wt), num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"),
+        x, k, v, beta, wt, x_new, h, rs, r, _or(seed, x), _or(ds, x), N, T, D, eps, cfg["TOKENS"],
+        KW=wt.shape[0], DV=DV, BLOCK_D=_pow2(D), BLOCK_V=_pow2(DV), ERASE=erase, SR=seed is not None,
+        STAGES=cfg["STAGES"], DOC=ds is not None, CT=_ct(x, k, v, beta, wt), num_warps=cfg["num_warps"],
+        maxnreg=cfg.get("maxnreg"),
     )  # fmt: skip
     return x_new, h, rs, r
 
@@ -468,31 +479,31 @@ def _update_rebuilt_op(
     x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor | None,
     wt: torch.Tensor | None, T: int, x0: torch.Tensor, ks: list[torch.Tensor], betas: list[torch.Tensor],
     rss: list[torch.Tensor], rr: list[torch.Tensor], seeds: list[torch.Tensor], eps: float, erase: bool,
-    seed: torch.Tensor | None,
+    seed: torch.Tensor | None, ds: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    return _update_with_read(x, k, v, beta, weight, wt, T, eps, erase, seed)
+    return _update_with_read(x, k, v, beta, weight, wt, T, eps, erase, seed, ds)
 
 
 @_update_rebuilt_op.register_fake
-def _(x, k, v, beta, weight, wt, T, x0, ks, betas, rss, rr, seeds, eps, erase, seed):
+def _(x, k, v, beta, weight, wt, T, x0, ks, betas, rss, rr, seeds, eps, erase, seed, ds):
     return _fake_update_with_read(x, weight, wt)
 
 
 def _update_rebuilt_setup(ctx, inputs, output):
-    x, k, v, beta, weight, wt, T, x0, ks, betas, rss, rr, seeds, eps, erase, seed = inputs
+    x, k, v, beta, weight, wt, T, x0, ks, betas, rss, rr, seeds, eps, erase, seed, ds = inputs
     ctx.save_for_backward(
-        k, v, beta, output[2], output[3], weight, wt, x0, seed, *ks, *betas, *rss, *rr, *seeds
+        k, v, beta, output[2], output[3], weight, wt, x0, seed, ds, *ks, *betas, *rss, *rr, *seeds
     )
     ctx.T, ctx.erase, ctx.steps = T, erase, len(ks)
 
 
 def _update_rebuilt_backward(ctx, gx, gh, _grs, _gr):
-    k, v, beta, rs, r, weight, wt, x0, seed, *saved = ctx.saved_tensors
+    k, v, beta, rs, r, weight, wt, x0, seed, ds, *saved = ctx.saved_tensors
     n = ctx.steps
     chain = tuple(saved[i * n : (i + 1) * n] for i in range(5))  # seeds: empty without stochastic rounding
     if wt is not None:
         dx, dk, dv, dbeta, dwt = _update_tc_grads_of(
-            x0, k, v, beta, rs, r, wt, gx, gh, ctx.T, ctx.erase, seed, chain
+            x0, k, v, beta, rs, r, wt, gx, gh, ctx.T, ctx.erase, seed, chain, ds
         )
         dw = None
     else:
@@ -501,7 +512,7 @@ def _update_rebuilt_backward(ctx, gx, gh, _grs, _gr):
         )
         dwt = None
     no_grads = [None] * n  # the earlier updates get theirs from their own ops
-    return dx, dk, dv, dbeta, dw, dwt, None, None, *[no_grads] * 4, [None] * len(chain[4]), None, None, None
+    return dx, dk, dv, dbeta, dw, dwt, None, None, *[no_grads] * 4, [None] * len(chain[4]), *[None] * 4
 
 
 torch.library.register_autograd(
@@ -536,12 +547,21 @@ def _tap_weights(conv_weight, read=None):
     return conv_weight.permute(2, 0, 1).contiguous()
 
 
-def _update_any(x, k, v, beta, weight, wt, T, eps, erase, rebuild_from, seed, return_step=True):
-    """(x_new, h, step) of the update (+ CC read-out with weight, + TC read-out with taps wt), through the op
-    that keeps x for the backward, or, given rebuild_from = (x0, steps) with x made from x0 by the updates
-    steps = ((k0, beta0, rs0, r0, seed0), ...), the op that rebuilds x there; step = (k, beta, rs, r, seed),
-    this update's for a later rebuild_from (None unless return_step: no views made for nothing)."""
+def _flat_doc_start(doc_start):
+    """doc_start [B, T] as the ops take it, [N] (its dtype kept), or None."""
+    return None if doc_start is None else doc_start.reshape(-1).contiguous()
+
+
+def _update_any(
+    x, k, v, beta, weight, wt, T, eps, erase, rebuild_from, seed, doc_start=None, return_step=True
+):
+    """(x_new, h, step) of the update (+ CC read-out with weight, + TC read-out with taps wt, within the
+    documents of doc_start [B, T] where given), through the op that keeps x for the backward, or, given
+    rebuild_from = (x0, steps) with x made from x0 by the updates steps = ((k0, beta0, rs0, r0, seed0), ...),
+    the op that rebuilds x there; step = (k, beta, rs, r, seed), this update's for a later rebuild_from (None
+    unless return_step: no views made for nothing)."""
     flat, eps, erase, seed = _flat(x, k, v, beta), float(eps), bool(erase), _flat_seed(seed)
+    ds = _flat_doc_start(doc_start)
     d, dv = x.shape[-2:]
     if rebuild_from is not None:
         x0, steps = rebuild_from
@@ -551,11 +571,11 @@ def _update_any(x, k, v, beta, weight, wt, T, eps, erase, rebuild_from, seed, re
             for i, shape in enumerate(shapes)
         ]
         out = _update_rebuilt_op(
-            *flat, weight, wt, T, x0.reshape(-1, d, dv).contiguous(), *chain, eps, erase, seed
+            *flat, weight, wt, T, x0.reshape(-1, d, dv).contiguous(), *chain, eps, erase, seed, ds
         )
     else:
         out = (
-            _update_tc_op(*flat, wt, T, eps, erase, seed)
+            _update_tc_op(*flat, wt, T, eps, erase, seed, ds)
             if wt is not None
             else _update_op(*flat, weight, eps, erase, seed)
         )
@@ -565,23 +585,26 @@ def _update_any(x, k, v, beta, weight, wt, T, eps, erase, rebuild_from, seed, re
 
 
 def update(x, k, v, beta, eps, erase, rebuild_from=None, seed=None, return_step=True):
-    x_new, _, step = _update_any(x, k, v, beta, None, None, 0, eps, erase, rebuild_from, seed, return_step)
+    args = (eps, erase, rebuild_from, seed)
+    x_new, _, step = _update_any(x, k, v, beta, None, None, 0, *args, return_step=return_step)
     return x_new, step
 
 
 def update_compress_cc(x, k, v, beta, weight, eps, erase, rebuild_from=None, seed=None, return_step=True):
     B, T, d, _ = x.shape
-    args = (weight.contiguous(), None, T, eps, erase, rebuild_from, seed, return_step)
-    x_new, h, step = _update_any(x, k, v, beta, *args)
+    args = (weight.contiguous(), None, T, eps, erase, rebuild_from, seed)
+    x_new, h, step = _update_any(x, k, v, beta, *args, return_step=return_step)
     return x_new, h.view(B, T, d), step
 
 
 def update_compress_tc(
-    x, k, v, beta, conv_weight, read, eps, erase, rebuild_from=None, seed=None, return_step=True
-):
+    x, k, v, beta, conv_weight, read, eps, erase, rebuild_from=None, seed=None, doc_start=None,
+    return_step=True,
+):  # fmt: skip
     B, T, d, _ = x.shape
     wt = _tap_weights(conv_weight, read)
-    x_new, h, step = _update_any(x, k, v, beta, None, wt, T, eps, erase, rebuild_from, seed, return_step)
+    args = (None, wt, T, eps, erase, rebuild_from, seed, doc_start)
+    x_new, h, step = _update_any(x, k, v, beta, *args, return_step=return_step)
     return x_new, h.view(B, T, d), step
 
 
@@ -590,12 +613,13 @@ def compress_cc(x, weight):
     return _cc_op(x.reshape(-1, d, dv).contiguous(), weight.contiguous()).view(B, T, d)
 
 
-def compress_tc(x, conv_weight, read):
+def compress_tc(x, conv_weight, read, doc_start=None):
     B, T, d, dv = x.shape
-    return _tc_op(x.reshape(-1, d, dv).contiguous(), _tap_weights(conv_weight, read), T).view(B, T, d)
+    wt, ds = _tap_weights(conv_weight, read), _flat_doc_start(doc_start)
+    return _tc_op(x.reshape(-1, d, dv).contiguous(), wt, T, ds).view(B, T, d)
 
 
-def expand_ec(emb, conv_weight):
+def expand_ec(emb, conv_weight, doc_start=None):
     B, T, d = emb.shape
-    x0 = _ec_op(emb.reshape(-1, d).contiguous(), _tap_weights(conv_weight), T)
+    x0 = _ec_op(emb.reshape(-1, d).contiguous(), _tap_weights(conv_weight), T, _flat_doc_start(doc_start))
     return x0.view(B, T, d, conv_weight.shape[1])

@@ -60,34 +60,48 @@ def _store_taps(P, tiles, off2, m2, D, DV: tl.constexpr):
 
 
 @triton.jit
-def _tap_token(n, j: tl.constexpr, T, N, KW: tl.constexpr, PAST: tl.constexpr):
+def _in_doc(src, dst, ok, DS, T):
+    # whether output token dst's tap reading input token src stays in dst's document: src's position in the
+    # sequence >= DS[dst] (its document's first token, in the same frame); ok: dst is a token
+    return src % T >= tl.load(DS + dst, mask=ok, other=0)
+
+
+@triton.jit
+def _tap_token(n, j: tl.constexpr, T, N, KW: tl.constexpr, PAST: tl.constexpr, DS, DOC: tl.constexpr):
     # the token tap j links to token n within its sequence of T (rows of N), and whether there is one:
     # PAST, the input n - (KW-1) + j that the causal conv's output n reads; else the output
-    # n + (KW-1) - j that reads input n
+    # n + (KW-1) - j that reads input n. DOC: and within the output's document (DS [N], doc_start)
     t = n % T
     if PAST:
         tok, ok = n - (KW - 1) + j, (n < N) & (t - (KW - 1) + j >= 0)
+        if DOC:
+            ok = ok & _in_doc(tok, n, ok, DS, T)
     else:
         tok, ok = n + (KW - 1) - j, (n < N) & (t + (KW - 1) - j < T)
+        if DOC:
+            ok = ok & _in_doc(n, tok, ok, DS, T)
     return tok, ok
 
 
 @triton.jit
-def _read_out_grad(n, j: tl.constexpr, DH, T, N, D, offs_d, md, KW: tl.constexpr, CT: tl.constexpr):
+def _read_out_grad(n, j: tl.constexpr, DH, T, N, D, offs_d, md, KW: tl.constexpr, CT: tl.constexpr, DS,
+                   DOC: tl.constexpr):  # fmt: skip
     # the gradient (of DH [N, d]) of the TC read-out that reads token n through tap j, token n + KW-1-j's
-    # (zeros past the end of n's sequence), as a [BLOCK_D, 1] column
-    dst, reads = _tap_token(n, j, T, N, KW, False)
+    # (zeros past the end of n's sequence, or, DOC, where n is before that token's document), as a
+    # [BLOCK_D, 1] column
+    dst, reads = _tap_token(n, j, T, N, KW, False, DS, DOC)
     return tl.load(DH + dst * D + offs_d, mask=md & _vec_mask(reads, offs_d), other=0.0).to(CT)[:, None]
 
 
 @triton.jit
-def _tc_read_out_grads(taps, dw, x, n, DH, T, N, D, offs_d, md, KW: tl.constexpr, CT: tl.constexpr):
+def _tc_read_out_grads(taps, dw, x, n, DH, T, N, D, offs_d, md, KW: tl.constexpr, CT: tl.constexpr, DS,
+                       DOC: tl.constexpr):  # fmt: skip
     # the TC read-outs that read token n's state tile x: the gradient they send x, sum_j taps[j] dh_j, and
     # the taps' gradients so far, dw[j] + dh_j x
     gx = tl.zeros_like(x)
     dw_next = ()
     for j in tl.static_range(KW):
-        dh = _read_out_grad(n, j, DH, T, N, D, offs_d, md, KW, CT)
+        dh = _read_out_grad(n, j, DH, T, N, D, offs_d, md, KW, CT, DS, DOC)
         gx += taps[j] * dh
         dw_next = dw_next + (dw[j] + dh * x,)
     return gx, dw_next
@@ -103,17 +117,34 @@ def _tc_read_out_start(BLOCK_D: tl.constexpr, KW: tl.constexpr, CT: tl.constexpr
 
 
 @triton.jit
-def _tc_read_out_step(taps, acc, x, starts):
+def _tc_read_out_keeps(s, DS, T, N, KW: tl.constexpr, DOC: tl.constexpr):
+    # DOC: whether token s is in the documents of the outputs s .. s+KW-1 that read it (scalars, not masks
+    # over the tile: fewer registers; tokens past the end: True, as the sequence's start resets their sums)
+    keeps = ()
+    if DOC:
+        for i in tl.static_range(KW):
+            dst = s + i
+            keeps = keeps + (_in_doc(s, dst, (dst >= 0) & (dst < N), DS, T),)
+    return keeps
+
+
+@triton.jit
+def _tc_read_out_step(taps, acc, x, starts, keeps, DOC: tl.constexpr):
     # the TC read-out in token order, token s's state tile x: h[s] = acc[0] + sum_v taps[KW-1] x, and
     # acc[i], the partial read-out of token s+1+i from the tokens before it, with s's term added (through
-    # tap KW-2-i); starts (s is its sequence's first token): nothing earlier reaches on
+    # tap KW-2-i); starts (s is its sequence's first token): nothing earlier reaches on. DOC: s's term only
+    # where s is in the reading token's document (keeps, _tc_read_out_keeps)
     KW: tl.constexpr = len(taps)
     h = tl.sum(taps[KW - 1] * x, axis=1)
+    if DOC:
+        h = tl.where(keeps[0], h, 0.0)
     if KW > 1:
         h += tl.where(starts, 0.0, acc[0])
     acc_next = ()
     for i in tl.static_range(KW - 1):
         part = tl.sum(taps[KW - 2 - i] * x, axis=1)
+        if DOC:
+            part = tl.where(keeps[i + 1], part, 0.0)
         if i + 1 < KW - 1:
             part += tl.where(starts, 0.0, acc[i + 1])
         acc_next = acc_next + (part,)

@@ -15,6 +15,7 @@ from .triton_common import (
     _stored,
     _taps,
     _tc_read_out_grads,
+    _tc_read_out_keeps,
     _tc_read_out_start,
     _tc_read_out_step,
     _token_tile,
@@ -173,15 +174,16 @@ def _update_fwd_kernel(
 
 @triton.jit
 def _update_tc_fwd_kernel(
-    X, Kd, V, BETA, WT, XOUT, H, RS, R, SEED, N, T, D, eps, TOKENS,
+    X, Kd, V, BETA, WT, XOUT, H, RS, R, SEED, DS, N, T, D, eps, TOKENS,
     KW: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, ERASE: tl.constexpr,
-    SR: tl.constexpr, STAGES: tl.constexpr, CT: tl.constexpr,
+    SR: tl.constexpr, STAGES: tl.constexpr, DOC: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # The update and the next sublayer's TC read-out of x' in one pass over the state: a program takes a run
     # of TOKENS whole tokens in order, as _update_fwd_kernel's, the read-outs in flight as _tc_fwd_kernel's.
     # The KW-1 tokens before the run only feed its read-outs: their updates are recomputed (the same
     # arithmetic, so the same x' as their own program stores), not stored. The taps stay in registers:
-    # loaded at every token, the pipeliner would copy all of them from L2 to shared memory each time.
+    # loaded at every token, the pipeliner would copy all of them from L2 to shared memory each time. DOC:
+    # the read-outs within each token's document (DS [N], doc_start), as _tc_fwd_kernel's.
     pid = tl.program_id(0).to(tl.int64)
     offs_d, offs_v, md, mv, off2 = _token_tile(D, DV, BLOCK_D, BLOCK_V)
     m2w = md[:, None] & mv[None, :]
@@ -195,7 +197,8 @@ def _update_tc_fwd_kernel(
             X, Kd, V, BETA, XOUT, RS, R, SEED, s, ok, own, D, eps, offs_d, offs_v, md, mv, off2, DV, ERASE,
             SR, CT,
         )  # fmt: skip
-        h, acc = _tc_read_out_step(taps, acc, xn.to(CT), _vec_mask(s % T == 0, offs_d))
+        keeps = _tc_read_out_keeps(s, DS, T, N, KW, DOC)
+        h, acc = _tc_read_out_step(taps, acc, xn.to(CT), _vec_mask(s % T == 0, offs_d), keeps, DOC)
         tl.store(H + s * D + offs_d, h.to(H.dtype.element_ty), mask=md & ownd)
 
 
@@ -260,12 +263,13 @@ def _update_bwd_kernel(
 
 @triton.jit
 def _update_tc_gk_kernel(
-    Kd, BETA, RS, R, WT, G, DH, GK, DVo, DBETA, N, T, D,
+    Kd, BETA, RS, R, WT, G, DH, GK, DVo, DBETA, DS, N, T, D,
     DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, KW: tl.constexpr, STAGES: tl.constexpr,
-    CT: tl.constexpr,
+    DOC: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # The TC backward's reduction over d, one token n a program: gk = khat^T G [d_v] with G + sum_j WT[j]
-    # dh[n + KW-1 - j] (the read-outs of tokens n .. n+KW-1 of n's sequence read x'[n]), a [BLOCK_D, d_v]
+    # dh[n + KW-1 - j] (the read-outs of tokens n .. n+KW-1 of n's sequence read x'[n]; DOC: of those
+    # whose document n is in, DS [N]), a [BLOCK_D, d_v]
     # tile at a time, as _update_tc_bwd_kernel's (its [BLOCK_D] vectors in the tile's layout: no
     # shared-memory round trip); the sum over d waits for the end. It needs neither x nor the chain. With gk,
     # the token's dv = beta gk and dbeta = gk . r, stored here once.
@@ -282,7 +286,7 @@ def _update_tc_gk_kernel(
         kh = tl.load(Kd + n * D + offs_d, mask=md, other=0.0).to(CT) * rs
         g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
         for j in tl.static_range(KW):
-            dh = _read_out_grad(n, j, DH, T, N, D, offs_d, md, KW, CT)
+            dh = _read_out_grad(n, j, DH, T, N, D, offs_d, md, KW, CT, DS, DOC)
             g += tl.load(WT + j * D * DV + off2, mask=m2, other=0.0).to(CT) * dh
         acc += kh[:, None] * g
     gk = tl.sum(acc, axis=0)
@@ -295,14 +299,14 @@ def _update_tc_gk_kernel(
 
 @triton.jit
 def _update_tc_bwd_kernel(
-    X, Kd, V, BETA, RS, R, CHAIN, WT, G, DH, GK, DX, DK, DWP, SEED, N, T, D, TOKENS,
+    X, Kd, V, BETA, RS, R, CHAIN, WT, G, DH, GK, DX, DK, DWP, SEED, DS, N, T, D, TOKENS,
     DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, ERASE: tl.constexpr, KW: tl.constexpr,
-    SR: tl.constexpr, STAGES: tl.constexpr, CT: tl.constexpr,
+    SR: tl.constexpr, STAGES: tl.constexpr, DOC: tl.constexpr, CT: tl.constexpr,
 ):  # fmt: skip
     # The TC backward's elementwise part, after _update_tc_gk_kernel: a run of TOKENS tokens by a block of d
     # (x rebuilt through CHAIN per block), dx and dk from the stored gk without a reduction over d, so a
     # program's tile is BLOCK_D x d_v rather than a token's d x d_v; the taps' gradient as partials summed
-    # over the run. STAGES > 1: the next tokens' loads in flight (software-pipelined).
+    # over the run. STAGES > 1: the next tokens' loads in flight (software-pipelined). DOC: as the gk kernel.
     pid, offs_d, offs_v, md, mv, m2w, off2 = _chan_tile(D, DV, BLOCK_D, BLOCK_V)
     taps = _taps(WT, off2, m2w, D, DV, KW, CT)
     dw = _zeros_each(taps)
@@ -315,7 +319,9 @@ def _update_tc_bwd_kernel(
         g = tl.load(G + n * D * DV + off2, mask=m2, other=0.0).to(CT)
         xn = _stored(x + b * kh[:, None] * r[None, :], SEED, n * D * DV + off2, X.dtype.element_ty, SR)
         xn = xn.to(CT)  # x'[n] as stored
-        gx, dw = _tc_read_out_grads(taps, dw, xn, n, DH, T, N, D, offs_d, md, KW, CT)  # the reads of x'[n]
+        gx, dw = _tc_read_out_grads(
+            taps, dw, xn, n, DH, T, N, D, offs_d, md, KW, CT, DS, DOC
+        )  # x'[n]'s reads
         g += gx
         gk = tl.load(GK + n * DV + offs_v, mask=mv & _vec_mask(ok, offs_v), other=0.0).to(CT)
         dx, dk = _update_dx_dk(g, x, kh, rs, b, r, v, gk, ERASE)
@@ -342,12 +348,12 @@ def _row_tile(X, Kd, BETA, N, D, start, ROWS: tl.constexpr, BLOCK_D: tl.constexp
 def _update_row_fwd_kernel(
     X, Kd, V, BETA, XOUT, RS, R, NW, A, C, Z, INV, SEED, N, D, eps, norm_eps,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, NORM: tl.constexpr, SR: tl.constexpr,
-    CT: tl.constexpr,
+    CT: tl.constexpr, M: tl.constexpr = 2,
 ):  # fmt: skip
     # d_v = 1: the state is a d-vector per token, so a program takes ROWS tokens as a [ROWS, d] tile
     # (like a layer norm) instead of one [d, 1] tile per token; rs and r stored as _update_fwd_kernel's.
     # NORM: also the next sublayer's read of x' (as stored): INV = 1 / rms(x') [N], C = x' INV NW [N, d] in
-    # C's dtype, Z = x' A^T [N, 2] for A [2, d].
+    # C's dtype, Z = x' A^T [N, M] for A [M, d], M = 1 or 2 (v's logit, and beta's where the rule has one).
     rows, mr, m2, off, k, x, b = _row_tile(X, Kd, BETA, N, D, tl.program_id(0).to(tl.int64) * ROWS, ROWS,
                                            BLOCK_D, CT)  # fmt: skip
     rs = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + eps * eps)
@@ -366,29 +372,30 @@ def _update_row_fwd_kernel(
         w = tl.load(NW + cols, mask=cols < D, other=0.0).to(CT)
         tl.store(C + off, (xn * inv[:, None] * w[None, :]).to(C.dtype.element_ty), mask=m2)
         tl.store(INV + rows, inv, mask=mr)
-        for m in tl.static_range(2):
+        for m in tl.static_range(M):
             a = tl.load(A + m * D + cols, mask=cols < D, other=0.0).to(CT)
-            tl.store(Z + rows * 2 + m, tl.sum(xn * a[None, :], axis=1), mask=mr)
+            tl.store(Z + rows * M + m, tl.sum(xn * a[None, :], axis=1), mask=mr)
 
 
 @triton.jit
 def _update_row_bwd_kernel(
     X, Kd, V, BETA, RS, R, G, DX, DK, DVo, DBETA, NW, A, INV, DC, DZ, DINV, DWP, SEED, N, D,
     ROWS: tl.constexpr, STEPS: tl.constexpr, BLOCK_D: tl.constexpr, ERASE: tl.constexpr, NORM: tl.constexpr,
-    SR: tl.constexpr, CT: tl.constexpr,
+    SR: tl.constexpr, CT: tl.constexpr, M: tl.constexpr = 2,
 ):  # fmt: skip
     # _update_bwd_token with d_v = 1 (r, gk scalars per token), STEPS tiles of ROWS tokens per program.
     # NORM: G also gets the gradient of the forward's read (DC, DZ, DINV of C, Z, INV), and DWP [programs,
-    # 3, d] the program's partial sums of NW's and A's gradients.
+    # 1 + M, d] the program's partial sums of NW's and A's gradients (A [M, d], M = 1 or 2).
     cols = tl.arange(0, BLOCK_D)
     mc = cols < D
     if NORM:
         w = tl.load(NW + cols, mask=mc, other=0.0).to(CT)
         a0 = tl.load(A + cols, mask=mc, other=0.0).to(CT)
-        a1 = tl.load(A + D + cols, mask=mc, other=0.0).to(CT)
         dw = tl.zeros([BLOCK_D], dtype=CT)
         da0 = tl.zeros([BLOCK_D], dtype=CT)
-        da1 = tl.zeros([BLOCK_D], dtype=CT)
+        if M == 2:
+            a1 = tl.load(A + D + cols, mask=mc, other=0.0).to(CT)
+            da1 = tl.zeros([BLOCK_D], dtype=CT)
     for step in range(STEPS):
         start = (tl.program_id(0).to(tl.int64) * STEPS + step) * ROWS
         rows, mr, m2, off, k, x, b = _row_tile(X, Kd, BETA, N, D, start, ROWS, BLOCK_D, CT)
@@ -400,15 +407,18 @@ def _update_row_bwd_kernel(
             xn = _stored(x + (b * r)[:, None] * kh, SEED, off, X.dtype.element_ty, SR).to(CT)  # x' as stored
             inv = tl.load(INV + rows, mask=mr, other=0.0).to(CT)
             dc = tl.load(DC + off, mask=m2, other=0.0).to(CT)
-            dz0 = tl.load(DZ + rows * 2, mask=mr, other=0.0).to(CT)
-            dz1 = tl.load(DZ + rows * 2 + 1, mask=mr, other=0.0).to(CT)
+            dz0 = tl.load(DZ + rows * M, mask=mr, other=0.0).to(CT)
             dinv = tl.load(DINV + rows, mask=mr, other=0.0).to(CT)
             s = tl.sum(dc * w[None, :] * xn, axis=1) + dinv  # d/dinv of everything
-            g += inv[:, None] * w[None, :] * dc + dz0[:, None] * a0[None, :] + dz1[:, None] * a1[None, :]
+            if M == 2:
+                dz1 = tl.load(DZ + rows * 2 + 1, mask=mr, other=0.0).to(CT)
+                g += inv[:, None] * w[None, :] * dc + dz0[:, None] * a0[None, :] + dz1[:, None] * a1[None, :]
+                da1 += tl.sum(dz1[:, None] * xn, axis=0)
+            else:
+                g += inv[:, None] * w[None, :] * dc + dz0[:, None] * a0[None, :]
             g -= (inv * inv * inv * s / D)[:, None] * xn
             dw += tl.sum(dc * xn * inv[:, None], axis=0)
             da0 += tl.sum(dz0[:, None] * xn, axis=0)
-            da1 += tl.sum(dz1[:, None] * xn, axis=0)
         gk = tl.sum(kh * g, axis=1)
         if ERASE:  # khat . dkhat from gk as in _update_grads
             v = tl.load(V + rows, mask=mr, other=0.0).to(CT)
@@ -425,7 +435,8 @@ def _update_row_bwd_kernel(
         tl.store(DVo + rows, (b * gk).to(DVo.dtype.element_ty), mask=mr)
         tl.store(DBETA + rows, (gk * r).to(DBETA.dtype.element_ty), mask=mr)
     if NORM:
-        base = DWP + tl.program_id(0).to(tl.int64) * 3 * D + cols
+        base = DWP + tl.program_id(0).to(tl.int64) * (1 + M) * D + cols
         tl.store(base, dw, mask=mc)
         tl.store(base + D, da0, mask=mc)
-        tl.store(base + 2 * D, da1, mask=mc)
+        if M == 2:
+            tl.store(base + 2 * D, da1, mask=mc)

@@ -23,6 +23,11 @@ T = 512. With w != k nothing bounds u: the eigenvalue 1 - beta w^.k^ reaches 1 +
 apart (linear; relu's kappa >= 0 avoids that one). Unrelated w and k grow |u| about (1 + beta^2 / D)^(T / 2);
 a 2-layer model at init with linear kappa and w a projection overflowed fp32 at T = 1024 on some inputs.
 
+Packed documents: every public function takes doc_start (None, or an int tensor [B, T]: doc_start[b, t] the
+index of the first token of token t's document, non-decreasing along t, <= t). Stage 1's kappa then ranges
+over doc_start_i <= j < i (softmax kappa normalised over that set; an empty one gives u_i = v_i), stage 2's
+softmax over doc_start_i <= j <= i: each document as if alone. None runs the unmasked code unchanged.
+
 The public functions (`deltaformer_reference`, `deltaformer_u_torch`, `deltaformer_u_triton`,
 `deltaformer_step`, `deltaformer_attention`) take the raw k and w; their `scale` is softmax kappa's score
 scale (and stage 2's, where they have one), which relu and linear ignore in stage 1. `stage1_keys` forms
@@ -53,7 +58,6 @@ SDPA's efficiency; the wavefronts run at the SMs' throughput, so scheduling does
 """
 
 import torch
-import torch.nn.functional as F
 
 from ..common import BACKENDS, default_scale, resolve_backend
 from .chunk import deltaformer_u_torch
@@ -62,10 +66,12 @@ from .naive import (
     NORM_EPS,
     _check_inputs,
     _step,
+    check_doc_start,
     deltaformer_reference,
     deltaformer_step,
     stage1_keys,
 )
+from .stage2 import attend
 
 try:  # the Triton path: absent where Triton is not installed (CPU-only machines import the rest)
     from .triton import deltaformer_u_triton
@@ -79,6 +85,7 @@ __all__ = [
     "BACKENDS",
     "KERNELS",
     "NORM_EPS",
+    "check_doc_start",
     "deltaformer_attention",
     "deltaformer_decode",
     "deltaformer_reference",
@@ -89,30 +96,37 @@ __all__ = [
 ]
 
 
-def deltaformer_attention(q, k, v, w, beta, kernel="softmax", scale=None, backend="auto"):
+def deltaformer_attention(q, k, v, w, beta, kernel="softmax", scale=None, backend="auto", doc_start=None):
     """Deltaformer attention, differentiable in q, k, v, w, beta. Returns o [B, H, T, D].
-    scale: stage 2's and softmax kappa's (default 1/sqrt(D))."""
+    scale: stage 2's and softmax kappa's (default 1/sqrt(D)). doc_start [B, T]: within documents only
+    (module docstring); its values are checked where that costs no GPU sync (`check_doc_start`)."""
     backend = resolve_backend("deltaformer_attention", backend, q, k, v, w, beta)
     _check_inputs(q, k, v, w, beta, kernel)
     s = default_scale(q.shape[-1], scale)
     stage1 = deltaformer_u_triton if backend == "triton" else deltaformer_u_torch
-    u = stage1(k, v, w, beta, kernel=kernel, scale=s)
-    return F.scaled_dot_product_attention(q, k, u, is_causal=True, scale=s)
+    u = stage1(k, v, w, beta, kernel=kernel, scale=s, doc_start=doc_start)
+    return attend(q, k, u, s, doc_start)
 
 
-def deltaformer_decode(q, k, v, w, beta, past=None, kernel="softmax"):
+def deltaformer_decode(q, k, v, w, beta, past=None, kernel="softmax", doc_start=None):
     """Deltaformer attention of T new tokens after the cached `past` = (keys, u's) of the earlier ones
     (None: no earlier tokens): returns (o [B, H, T, D], the past including the new tokens). Without a
     past (a prompt) stage 1 runs at once, then causal attention; after one, tokens go one at a time
-    through deltaformer_step."""
+    through deltaformer_step. doc_start [B, T]: the new tokens' document starts, as indices counted from
+    the first cached token (the whole sequence's frame)."""
     if past is None:
-        u = deltaformer_u_torch(k, v, w, beta, kernel=kernel)
-        return F.scaled_dot_product_attention(q, k, u, is_causal=True), (k, u)
+        u = deltaformer_u_torch(k, v, w, beta, kernel=kernel, doc_start=doc_start)
+        return attend(q, k, u, None, doc_start), (k, u)
     _check_inputs(q, k, v, w, beta, kernel)
     k_cache, u_cache = past
+    check_doc_start(doc_start, q.shape[0], q.shape[2], q.device, "deltaformer_decode", k_cache.shape[2])
     T, outs = q.shape[2], []
     for t in range(T):
-        token = (x[:, :, t : t + 1] for x in (q, k, v, w, beta)) if T > 1 else (q, k, v, w, beta)
-        o_t, _, k_cache, u_cache = _step(*token, k_cache, u_cache, kernel, None, None)
+        if T == 1:  # the tensors themselves (no slices: fewer ops a decoded token)
+            token, ds = (q, k, v, w, beta), doc_start
+        else:
+            token = (x[:, :, t : t + 1] for x in (q, k, v, w, beta))
+            ds = None if doc_start is None else doc_start[:, t : t + 1]
+        o_t, _, k_cache, u_cache = _step(*token, k_cache, u_cache, kernel, None, None, ds)
         outs.append(o_t)
     return (torch.cat(outs, dim=2) if T > 1 else outs[0]), (k_cache, u_cache)

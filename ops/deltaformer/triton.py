@@ -39,6 +39,13 @@ Backward, with M = I + diag(beta) A, U = M^-1 V, G = M^-T dU:
 relu and linear score unit vectors, S_ij = r_i (w_i.k_j) c_j with r, c the inverse norms of w_i and k_j
 (`_scaled`; the norms by one small kernel in the forward, `_row_norms`): with
 acc_j = sum_i dS_ij r_i w_i, dK_j = c_j acc_j - c_j^3 (k_j . acc_j) k_j, and dW likewise (`_key_grad`).
+
+Packed documents (doc_start, a [B, T] int tensor, passed to the kernels as DS; None: the kernels compile
+without any of it): A_ij = 0 unless doc_start_i <= j, in every block the kernels form, and the softmax
+log-sum-exps run over the row's document. doc_start is non-decreasing, so the rows of chunk c see no key
+before its first row's document start: the prep kernel, the forward wavefront and the dW pass start at that
+key chunk; the backward wavefront and the dK pass stop at the first row chunk that sees none of the column
+chunk (`_row_chunk_ends`). The wavefronts still wait for the chunks they skip: tiles publish in chunk order.
 """
 
 import contextlib
@@ -47,7 +54,7 @@ import torch
 import triton
 
 from ..common import default_scale
-from .naive import KERNELS
+from .naive import KERNELS, check_doc_start
 from .triton_bwd import _bwd_g_kernel, _dk_dw_kernel
 from .triton_fwd import _fwd_kernel, _prep_kernel, _row_norms_kernel
 
@@ -114,6 +121,16 @@ def _row_norms(k, w, same):
     return norms
 
 
+def _row_chunk_ends(doc_start, chunk, NC):
+    """[B, NC] int32: the row chunks from ends[b, c] on hold no row i with doc_start_i < (c + 1) chunk, so
+    none of them sees a key of chunk c (the rows are sorted by doc_start)."""
+    bounds = (torch.arange(1, NC + 1, device=doc_start.device, dtype=doc_start.dtype) * chunk).expand(
+        doc_start.shape[0], NC
+    )
+    rows = torch.searchsorted(doc_start, bounds.contiguous())  # rows with doc_start < (c + 1) chunk
+    return ((rows + chunk - 1) // chunk).to(torch.int32)
+
+
 def _device_guard(x):
     """Launch on the inputs' device, whatever the current one is."""
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
@@ -125,13 +142,15 @@ def _device_guard(x):
 # u_lo (the low half of u, `_store_split`) is empty for fp32 inputs.
 
 
-def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp):
+def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp, doc_start=None):
     """Launch the forward kernels: (u, u_lo, h, lse, xinv, norms), what the backward needs."""
     B, H, T, D = v.shape
     BH, NC, C = B * H, triton.cdiv(T, chunk), chunk
     prec, xprec, lowp, split, launch = _triton_cfg(v, chunk, lowp)
     kid, norm, same = _KERNEL_IDS[kernel], kernel != "softmax", w is k
     k, w, beta = (x.contiguous() for x in (k, w, beta))
+    # (doc_start, H) of the masked kernels; without a mask, constexpr Nones: the kernels as they were
+    doc = (None, None) if doc_start is None else (doc_start.contiguous(), H)
     v = v if v.stride(-1) == 1 else v.contiguous()  # read through its strides: no copy of a view
     f32 = dict(device=v.device, dtype=torch.float32)
     u = v.new_empty(v.shape)  # contiguous, as the fake says
@@ -144,13 +163,13 @@ def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp):
         norms = _row_norms(k, w, same) if norm else v.new_empty(0, dtype=torch.float32)  # softmax: unused
         nw, nk = norms if norm else (norms, norms)
         _prep_kernel[(NC, BH)](
-            w, k, nw, nk, beta, lse, xinv, scale, T, NC,
+            w, k, nw, nk, beta, lse, xinv, scale, T, NC, *doc,
             KERNEL=kid, NORM=norm, D=D, C=C, PREC=prec, XPREC=xprec, **launch,
         )  # fmt: skip
         _fwd_kernel[(BH * NC,)](
             w, k, nw, nk, v, beta, u, u_lo if split else u, h, lse, xinv, counters, counters[BH:],
-            scale, T, NC, BH, H, *v.stride()[:3], KERNEL=kid, NORM=norm, D=D, C=C, SPLIT=split, PREC=prec,
-            XPREC=xprec, SPIN_LIMIT=_SPIN_LIMIT, **launch,
+            scale, T, NC, BH, H, *v.stride()[:3], doc[0], KERNEL=kid, NORM=norm, D=D, C=C, SPLIT=split,
+            PREC=prec, XPREC=xprec, SPIN_LIMIT=_SPIN_LIMIT, **launch,
         )  # fmt: skip
     return u, u_lo, h, lse, xinv, norms
 
@@ -158,13 +177,13 @@ def _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp):
 @torch.library.custom_op("deltaformer::u_fwd", mutates_args=())
 def _u_fwd_op(
     k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, beta: torch.Tensor,
-    kernel: str, scale: float, chunk: int, lowp: bool,
+    kernel: str, scale: float, chunk: int, lowp: bool, doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    return _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp)
+    return _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp, doc_start)
 
 
 @_u_fwd_op.register_fake
-def _(k, v, w, beta, kernel, scale, chunk, lowp):
+def _(k, v, w, beta, kernel, scale, chunk, lowp, doc_start=None):
     B, H, T, D = v.shape
     NC = -(-T // chunk)
     f32 = dict(device=v.device, dtype=torch.float32)
@@ -178,7 +197,7 @@ def _(k, v, w, beta, kernel, scale, chunk, lowp):
     )
 
 
-def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, norms, kernel, scale, chunk, lowp):
+def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, norms, kernel, scale, chunk, lowp, doc_start=None):
     """Launch the backward kernels: (dk, dv, dw, dbeta)."""
     B, H, T, D = k.shape
     BH, NC, C = B * H, triton.cdiv(T, chunk), chunk
@@ -196,13 +215,16 @@ def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, norms, kernel, scale, chunk, l
     counters = torch.zeros(BH + 1, device=k.device, dtype=torch.int32)
     dkw = D <= DK_IN_WAVEFRONT_MAX_D
     g_launch = {**launch, "num_stages": LAUNCH["num_stages_bwd_g"]} if D == 128 else launch
+    doc = (None, None, None)  # (doc_start, row chunk ends, H) of the masked kernels: as in `_u_fwd`
+    if doc_start is not None:
+        doc = (doc_start.contiguous(), _row_chunk_ends(doc_start.contiguous(), C, NC), H)
     with _device_guard(k):
         _bwd_g_kernel[(BH * NC,)](
             w, k, nw, nk, du, beta, h, lse, xinv, gb, gb_lo, dv, dbeta, rowterm, counters, counters[BH:], u,
-            u_lo, dk, scale, T, NC, BH, KERNEL=kid, NORM=norm, D=D, C=C, SPLIT=split, PREC=prec,
-            XPREC=xprec, SPIN_LIMIT=_SPIN_LIMIT, DKW=dkw, LOWP=lowp, **g_launch,
+            u_lo, dk, scale, T, NC, BH, *doc, KERNEL=kid, NORM=norm, D=D, C=C, SPLIT=split,
+            PREC=prec, XPREC=xprec, SPIN_LIMIT=_SPIN_LIMIT, DKW=dkw, LOWP=lowp, **g_launch,
         )  # fmt: skip
-        args = (w, k, nw, nk, u, u_lo, gb, gb_lo, lse, rowterm, dk, dw, scale, T, NC)
+        args = (w, k, nw, nk, u, u_lo, gb, gb_lo, lse, rowterm, dk, dw, scale, T, NC, *doc)
         consts = dict(KERNEL=kid, NORM=norm, D=D, C=C, LOWP=lowp, PREC=prec, SPLIT=split)
         if not dkw:  # dK not already done by the wavefront
             dk_launch = {"num_stages": LAUNCH["num_stages_dk"], **launch}
@@ -215,26 +237,27 @@ def _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, norms, kernel, scale, chunk, l
 def _u_bwd_op(
     du: torch.Tensor, k: torch.Tensor, w: torch.Tensor, beta: torch.Tensor, u: torch.Tensor,
     u_lo: torch.Tensor, h: torch.Tensor, lse: torch.Tensor, xinv: torch.Tensor, norms: torch.Tensor,
-    kernel: str, scale: float, chunk: int, lowp: bool,
+    kernel: str, scale: float, chunk: int, lowp: bool, doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    return _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, norms, kernel, scale, chunk, lowp)
+    return _u_bwd(du, k, w, beta, u, u_lo, h, lse, xinv, norms, kernel, scale, chunk, lowp, doc_start)
 
 
 @_u_bwd_op.register_fake
-def _(du, k, w, beta, u, u_lo, h, lse, xinv, norms, kernel, scale, chunk, lowp):
+def _(du, k, w, beta, u, u_lo, h, lse, xinv, norms, kernel, scale, chunk, lowp, doc_start=None):
     return k.new_empty(k.shape), k.new_empty(k.shape), w.new_empty(w.shape), beta.new_empty(beta.shape)
 
 
 def _u_setup(ctx, inputs, output):
-    k, v, w, beta, kernel, scale, chunk, lowp = inputs
+    k, v, w, beta, kernel, scale, chunk, lowp, doc_start = inputs
     u, u_lo, h, lse, xinv, norms = output
-    ctx.save_for_backward(k, w, beta, u, u_lo, h, lse, xinv, norms)
+    ctx.save_for_backward(k, w, beta, u, u_lo, h, lse, xinv, norms, doc_start)
     ctx.cfg = (kernel, scale, chunk, lowp)
 
 
 def _u_grads(ctx, du, bwd):
-    """The gradients of (k, v, w, beta, and the four non-tensor arguments) by bwd (`_u_bwd` or its op)."""
-    return *bwd(du, *ctx.saved_tensors, *ctx.cfg), None, None, None, None
+    """The gradients of (k, v, w, beta, and the five other arguments) by bwd (`_u_bwd` or its op)."""
+    *saved, doc_start = ctx.saved_tensors
+    return *bwd(du, *saved, *ctx.cfg, doc_start), None, None, None, None, None
 
 
 def _u_backward(ctx, du, *_unused):  # u_lo, h, lse, xinv, norms are saved state, not differentiated
@@ -250,9 +273,9 @@ class _UStage(torch.autograd.Function):
     the GPU time of small inputs."""
 
     @staticmethod
-    def forward(ctx, k, v, w, beta, kernel, scale, chunk, lowp):
-        out = _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp)
-        _u_setup(ctx, (k, v, w, beta, kernel, scale, chunk, lowp), out)
+    def forward(ctx, k, v, w, beta, kernel, scale, chunk, lowp, doc_start):
+        out = _u_fwd(k, v, w, beta, kernel, scale, chunk, lowp, doc_start)
+        _u_setup(ctx, (k, v, w, beta, kernel, scale, chunk, lowp, doc_start), out)
         return out[0]
 
     @staticmethod
@@ -260,14 +283,15 @@ class _UStage(torch.autograd.Function):
         return _u_grads(ctx, du, _u_bwd)
 
 
-def deltaformer_u_triton(k, v, w, beta, kernel="softmax", scale=None, chunk=64, lowp=None):
+def deltaformer_u_triton(k, v, w, beta, kernel="softmax", scale=None, chunk=64, lowp=None, doc_start=None):
     """Stage 1 by the Triton kernels: u [B, H, T, D] in v's dtype, differentiable in k, v, w, beta.
 
     chunk: rows per tile (power of two, 16..128). lowp: half-precision operands in the non-recurrent
     O(T^2) products of the backward (default: when the inputs are bf16/fp16; lowp=False costs ~30% more GPU
     time and removes their error, see the package docstring); fp32 inputs ignore it. scale: softmax kappa's
     (default 1/sqrt(D)); relu and linear ignore it: their kappa is that of unit k, w at scale 1, which the
-    kernels form by scaling the raw scores by the rows' inverse norms (`_scaled`, `_key_grad`).
+    kernels form by scaling the raw scores by the rows' inverse norms (`_scaled`, `_key_grad`). doc_start
+    [B, T] (int32 / int64): A_ij over doc_start_i <= j < i only (module docstring).
     """
     if kernel not in KERNELS:
         raise ValueError(f"deltaformer: kernel must be one of {KERNELS}, got {kernel!r}")
@@ -276,15 +300,16 @@ def deltaformer_u_triton(k, v, w, beta, kernel="softmax", scale=None, chunk=64, 
             f"deltaformer (triton): k, v, w must share a dtype, got {k.dtype}, {v.dtype}, {w.dtype}"
         )
     _triton_cfg(v, chunk, lowp)  # clear errors before any launch
+    check_doc_start(doc_start, k.shape[0], k.shape[2], k.device, "deltaformer_u_triton")
     s = float(default_scale(k.shape[-1], scale))
     half = v.dtype != torch.float32
     lowp = half if lowp is None else bool(lowp) and half
-    return _u_stage(k, v, w, beta, kernel, s if kernel == "softmax" else 1.0, chunk, lowp)
+    return _u_stage(k, v, w, beta, kernel, s if kernel == "softmax" else 1.0, chunk, lowp, doc_start)
 
 
-def _u_stage(k, v, w, beta, kernel, scale, chunk, lowp):
+def _u_stage(k, v, w, beta, kernel, scale, chunk, lowp, doc_start=None):
     """The Triton stage 1 of exactly these inputs (`scale * w.k` scores), differentiable: the custom op
     under torch.compile, `_UStage` in eager mode."""
     if torch.compiler.is_compiling():
-        return _u_fwd_op(k, v, w, beta, kernel, scale, chunk, lowp)[0]
-    return _UStage.apply(k, v, w, beta, kernel, scale, chunk, lowp)
+        return _u_fwd_op(k, v, w, beta, kernel, scale, chunk, lowp, doc_start)[0]
+    return _UStage.apply(k, v, w, beta, kernel, scale, chunk, lowp, doc_start)

@@ -1,6 +1,7 @@
 """The Triton helpers Deltaformer's stage-1 kernels share: the wavefront's tickets, progress counters and
 tiles, the matrix products at the precision each needs (split hi + lo operands for the recurrence), the
-kappa scores and their derivatives, the in-chunk unit lower-triangular inverse, online log-sum-exps."""
+kappa scores and their derivatives, the in-chunk unit lower-triangular inverse, online log-sum-exps, the
+document starts of packed rows."""
 
 import triton
 import triton.language as tl
@@ -266,3 +267,16 @@ def _wavefront_tile(Ticket, T, NC, BH, D: tl.constexpr, C: tl.constexpr, REVERSE
     rows = c * C + offs_c
     rmask = rows < T
     return c, bh, bh64, offs_c, offs_d, rows, rmask, bh64 * T * D + rows[:, None] * D + offs_d[None, :]
+
+
+@triton.jit
+def _doc_starts(DS, bh, H, T, rows, rmask):
+    """doc_start [B, T] of these rows of head bh's sequence (batch bh // H); 0 past T."""
+    return tl.load(DS + (bh // H) * T + rows, mask=rmask, other=0)
+
+
+@triton.jit
+def _first_chunk(DS, bh, H, T, c, C: tl.constexpr):
+    """The first chunk of keys a row of chunk c can see: its first row's document's (doc_start is
+    non-decreasing along the rows, so no later row sees an earlier key), at least 0."""
+    return tl.maximum(tl.load(DS + (bh // H) * T + c * C) // C, 0)

@@ -1,11 +1,14 @@
 """Deltaformer stage 1, forward kernels (triton.py's docstring): `_prep_kernel`, parallel over (chunk, head):
 the softmax rows' log-sum-exps and each chunk's in-chunk inverse; `_fwd_kernel`, the wavefront: u chunk by
-chunk, and h = sum_{j<i} A_ij u_j for the backward."""
+chunk, and h = sum_{j<i} A_ij u_j for the backward. DS (doc_start [B, T], or None): kappa within each
+row's document; the chunks of keys before the document of a chunk's first row are skipped."""
 
 import triton
 import triton.language as tl
 
 from .triton_common import (
+    _doc_starts,
+    _first_chunk,
     _inv_norms,
     _kappa,
     _load_published,
@@ -23,11 +26,12 @@ from .triton_common import (
 
 @triton.jit
 def _prep_kernel(
-    W, K, NW, NK, Beta, LSE, Xinv, scale, T, NC,
+    W, K, NW, NK, Beta, LSE, Xinv, scale, T, NC, DS, H,
     KERNEL: tl.constexpr, NORM: tl.constexpr, D: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr,
     XPREC: tl.constexpr,
 ):  # fmt: skip
-    """Chunk c of head bh: the softmax lse of its rows over every j < i, and X_c (module docstring)."""
+    """Chunk c of head bh: the softmax lse of its rows over every j < i (in the row's document), and X_c
+    (module docstring)."""
     c = NC - 1 - tl.program_id(0)  # the longest rows (most earlier chunks) first: a shorter tail
     bh = tl.program_id(1).to(tl.int64)
     offs_c = tl.arange(0, C)
@@ -39,6 +43,11 @@ def _prep_kernel(
     k_c = tl.load(K + tile, mask=rmask[:, None], other=0.0)
     b = tl.load(Beta + bh * T + rows, mask=rmask, other=0.0).to(tl.float32)
     lower = offs_c[:, None] > offs_c[None, :]
+    first = 0
+    if DS is not None:
+        starts = _doc_starts(DS, bh, H, T, rows, rmask)
+        lower = lower & (rows[None, :] >= starts[:, None])
+        first = _first_chunk(DS, bh, H, T, c, C)
     rw, rk = _inv_norms(NW, bh * T + rows, rmask, NORM), _inv_norms(NK, bh * T + rows, rmask, NORM)
     s_cc = _scaled(tl.dot(w, tl.trans(k_c), input_precision=PREC), scale, rw, rk, NORM)
     lse = tl.zeros((C,), dtype=tl.float32)
@@ -46,9 +55,12 @@ def _prep_kernel(
         m = tl.full((C,), -1e30, dtype=tl.float32)
         l = tl.zeros((C,), dtype=tl.float32)
         m, l = _lse_update(m, l, tl.where(lower, s_cc, float("-inf")))
-        for cp in range(0, c):
+        for cp in range(first, c):
             keys = K + bh * T * D + (cp * C + offs_c)[:, None] * D + offs_d[None, :]
-            m, l = _lse_update(m, l, _scores(w, keys, None, scale, rw, rk, PREC, False))
+            s = _scores(w, keys, None, scale, rw, rk, PREC, False)
+            if DS is not None:
+                s = tl.where((cp * C + offs_c)[None, :] >= starts[:, None], s, float("-inf"))
+            m, l = _lse_update(m, l, s)
         lse = _lse_of(m, l)
         tl.store(LSE + bh * T + rows, lse, mask=rmask)
     a_cc = _kappa(s_cc, lower, lse, KERNEL)
@@ -58,7 +70,7 @@ def _prep_kernel(
 
 @triton.jit
 def _fwd_kernel(
-    W, K, NW, NK, V, Beta, U, ULO, Hs, LSE, Xinv, Prog, Ticket, scale, T, NC, BH, H, sv_b, sv_h, sv_t,
+    W, K, NW, NK, V, Beta, U, ULO, Hs, LSE, Xinv, Prog, Ticket, scale, T, NC, BH, H, sv_b, sv_h, sv_t, DS,
     KERNEL: tl.constexpr, NORM: tl.constexpr, D: tl.constexpr, C: tl.constexpr, SPLIT: tl.constexpr,
     PREC: tl.constexpr, XPREC: tl.constexpr, SPIN_LIMIT: tl.constexpr,
 ):  # fmt: skip
@@ -71,6 +83,10 @@ def _fwd_kernel(
     if KERNEL == 0:
         lse = tl.load(LSE + bh64 * T + rows, mask=rmask, other=0.0)
     everything = offs_c[:, None] >= 0  # earlier chunks: every j < i
+    first = 0
+    if DS is not None:  # the rows' documents: earlier chunks from `first` on, masked
+        starts = _doc_starts(DS, bh64, H, T, rows, rmask)
+        first = _first_chunk(DS, bh64, H, T, c, C)
     xt = Xinv + (bh64 * NC + c) * C * C + offs_c[:, None] * C + offs_c[None, :]
     # loaded before the waits: off the critical path (but live in registers through them)
     b = tl.load(Beta + bh64 * T + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -84,10 +100,16 @@ def _fwd_kernel(
         seen = _wait_progress(Prog + bh, done + 1, SPIN_LIMIT)
         ok = ok & (seen > done).to(tl.int32)
         ready = tl.where(seen > done, tl.minimum(seen, c), c)
-        for cp in range(done, ready):
+        lo = done
+        if DS is not None:  # (the chunks before still waited for: tiles publish in chunk order)
+            lo = tl.maximum(done, first)
+        for cp in range(lo, ready):
             prev = bh64 * T * D + (cp * C + offs_c)[:, None] * D + offs_d[None, :]
             rk = _inv_norms(NK, bh64 * T + cp * C + offs_c, offs_c < C, NORM)
-            p = _kappa(_scores(w, K + prev, None, scale, rw, rk, PREC, NORM), everything, lse, KERNEL)
+            valid = everything
+            if DS is not None:
+                valid = (cp * C + offs_c)[None, :] >= starts[:, None]
+            p = _kappa(_scores(w, K + prev, None, scale, rw, rk, PREC, NORM), valid, lse, KERNEL)
             u_hi, u_lo = _load_published(U, ULO, prev, None, SPLIT)
             acc += _mm_rec(p, u_hi, u_lo, W, SPLIT, PREC)
         done = ready
@@ -100,7 +122,10 @@ def _fwd_kernel(
     k_c = tl.load(K + tile, mask=rmask[:, None], other=0.0)
     rk = _inv_norms(NK, bh64 * T + rows, rmask, NORM)
     s_cc = _scaled(tl.dot(w, tl.trans(k_c), input_precision=PREC), scale, rw, rk, NORM)
-    a_cc = _kappa(s_cc, offs_c[:, None] > offs_c[None, :], lse, KERNEL)
+    lower = offs_c[:, None] > offs_c[None, :]
+    if DS is not None:
+        lower = lower & (rows[None, :] >= starts[:, None])
+    a_cc = _kappa(s_cc, lower, lse, KERNEL)
     h = acc + tl.dot(a_cc, u, input_precision=PREC)
     tl.store(Hs + tile, h, mask=rmask[:, None])
 
