@@ -1,9 +1,14 @@
 """The decoding caches of GPT.hidden_states (generate in sample.py, and the Hugging Face model of
 export_hf.py): Cache, grown by concatenation, and StaticCache, preallocated and written in place for
-torch.compile's CUDA graphs."""
+torch.compile's CUDA graphs; a model's StaticCache (static_cache) and the decoding step compiled over it
+(compiled_next_logits)."""
+
+import functools
+import weakref
 
 import torch
 
+from ops.common import autocast_dtype
 from ops.deltaformer import deltaformer_decode, deltaformer_step
 
 
@@ -116,3 +121,32 @@ def mark_static(buf):
     """buf, marked as an input whose address stays: CUDA graphs read it in place rather than copying it."""
     torch._dynamo.mark_static_address(buf)
     return buf
+
+
+_static_caches = weakref.WeakKeyDictionary()  # model -> (what its StaticCache was made for, the cache)
+
+
+def static_cache(model, idx):
+    """model's StaticCache, reset, for a prompt idx: the last one again (the same buffers, so the same
+    addresses for the CUDA graphs) unless the batch size, device or dtypes differ."""
+    device = idx.device
+    key = (idx.shape[0], device, autocast_dtype(device.type), next(model.parameters()).dtype)
+    made_for, cache = _static_caches.get(model, (None, None))
+    if made_for != key:
+        cache = StaticCache(model.config.block_size, device)
+        _static_caches[model] = (key, cache)
+    return cache.reset()
+
+
+def next_logits(model, cache, idx, attention_mask=None):
+    """Logits [B, V] of the token after idx [B, T], continuing cache's sequence (None: idx is all of it)."""
+    return model.lm_head(model.hidden_states(idx, cache, attention_mask)[:, -1])
+
+
+@functools.cache
+def compiled_next_logits(backend="inductor"):
+    """next_logits compiled for a decoding step (one token, a StaticCache): its shapes never change, so on
+    CUDA mode="reduce-overhead" replays the step as CUDA graphs, one launch instead of hundreds. backend:
+    torch.compile's ("aot_eager": the same graphs, run without Inductor's code; what CPU tests check)."""
+    mode = "reduce-overhead" if backend == "inductor" else None
+    return torch.compile(next_logits, backend=backend, mode=mode, dynamic=False)

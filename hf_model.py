@@ -6,23 +6,28 @@ kernels beside it (their imports made relative, as transformers' loader of remot
 exported model is model.py's GPT itself: the same forward, the same kernels (Triton's where it runs them,
 the PyTorch path elsewhere) and the same decoding cache as sample.generate.
 
-generate() decodes through cache.Cache: the prompt once, then one token a step (its keys/values,
-Deltaformer's u's, DDL's TC and EC histories); past block_size the window slides and each step reruns the
-last block_size tokens without a cache, as sample.generate does. attention_mask may left-pad a batch (0s
-before a row's tokens): the padding is a document of its own that no token sees (GPT.hidden_states), so each
-row's logits and tokens are those of the row alone; right padding is refused.
+generate() decodes through a cache: the prompt once, then one token a step (its keys/values, Deltaformer's
+u's, DDL's TC and EC histories); past block_size the window slides and each step reruns the last block_size
+tokens without a cache, as sample.generate does. On CUDA the steps run compiled (decode="compiled": a
+cache.StaticCache, each step one CUDA graph; the first generate() of a batch size compiles); decode="cache"
+(a generate() argument, or the config's `decode`, e.g. from_pretrained(..., decode="cache")) runs them
+eagerly through cache.Cache, the CPU's default. attention_mask may left-pad a batch (0s before a row's
+tokens): the padding is a document of its own that no token sees (GPT.hidden_states), so each row's logits
+and tokens are those of the row alone; right padding is refused.
 
 It runs as the folder's modeling file (export_hf.py copies it there with the modules it imports).
 """
 
+import torch
 import torch.nn.functional as F
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from cache import Cache
+from cache import Cache, StaticCache, compiled_next_logits, static_cache
 from model import GPT, GPTConfig
 
 EOT = 50256  # GPT-2's <|endoftext|>, the document separator
+DECODES = ("cache", "compiled")  # generate()'s decode: eager through a Cache (CPU), compiled steps (CUDA)
 # transformers 5 renamed the cache argument and output field past_key_values -> cache (both accepted here)
 CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
@@ -97,7 +102,12 @@ class DDLGPTForCausalLM(PreTrainedModel, GenerationMixin):
         if not isinstance(cache, Cache):
             cache = Cache() if use_cache else None
         mask = padding(attention_mask, cache)
-        logits = self.gpt.lm_head(self.gpt.hidden_states(input_ids, cache, mask))
+        if isinstance(cache, StaticCache) and not cache.prompt and input_ids.shape[1] == 1:  # a decoding step
+            logits = compiled_next_logits()(self.gpt, cache, input_ids)[:, None]
+        else:
+            logits = self.gpt.lm_head(self.gpt.hidden_states(input_ids, cache, mask))
+            if isinstance(cache, StaticCache):
+                cache.prompt = False  # the prompt is in: one token a step from here on
         loss = None
         if labels is not None:
             loss = F.cross_entropy(
@@ -105,18 +115,24 @@ class DDLGPTForCausalLM(PreTrainedModel, GenerationMixin):
             )
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE: cache})
 
-    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, decode=None, **kwargs):
         """The tokens generate() has not fed yet and the cache; past block_size the last block_size tokens,
-        without a cache (sample.generate's sliding window)."""
+        without a cache (sample.generate's sliding window). decode: DECODES' (None: the config's `decode`,
+        else "compiled" on CUDA and "cache" elsewhere)."""
         cache = kwargs.get("cache") or kwargs.get("past_key_values")
         block_size = self.gpt.config.block_size
         if input_ids.shape[1] > block_size:  # (the mask, cropped alike, goes with them: forward's `padding`)
             cache, input_ids = None, input_ids[:, -block_size:]
             attention_mask = None if attention_mask is None else attention_mask[:, -block_size:]
+        elif isinstance(cache, StaticCache) and not cache.prompt:  # the new token, in a tensor of its own
+            input_ids = input_ids[:, -1:].clone(memory_format=torch.contiguous_format)  # (a view: recompiles)
         elif isinstance(cache, Cache) and cache.pos > 0:
             input_ids = input_ids[:, cache.pos :]
         else:
-            cache = Cache()
+            decode = decode or getattr(self.config, "decode", None) or DECODES[input_ids.is_cuda]
+            if decode not in DECODES:
+                raise ValueError(f"DDLGPTForCausalLM: decode must be one of {DECODES}, got {decode!r}")
+            cache = static_cache(self.gpt, input_ids) if decode == "compiled" else Cache()
         return {"input_ids": input_ids, "attention_mask": attention_mask, CACHE: cache}
 
     def _reorder_cache(self, *args, **kwargs):

@@ -23,10 +23,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ops.attn import softmax_attention
-from ops.common import BACKENDS, EOT, doc_starts, fp32_linear, left_padding
+from ops.common import BACKENDS, EOT, acc_dtype, doc_starts, fp32_linear, left_padding
 from ops.ddl import expand_ec
 from ops.ddl.stream import Compressor, DDLStream, history_doc_start, identity_conv
 from ops.deltaformer import deltaformer_attention
+from ops.rope import rms_norm, rope_norm, rope_tables
 
 RESIDUALS = {}  # residual name -> its rule, a module class per sublayer (filled below, after the rules)
 ATTENTIONS = {}  # attention name -> its module class (filled below, after the attentions)
@@ -153,26 +154,11 @@ class RMSNorm(nn.Module):
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        return (xf * self.inv_rms(xf) * self.weight.to(xf.dtype)).to(x.dtype)
+        dt = acc_dtype(x)
+        return rms_norm(x.to(dt), self.weight.to(dt), self.eps).to(x.dtype)
 
     def inv_rms(self, xf):  # 1 / rms(x) [..., 1]
         return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-
-
-def rope_tables(length, D, base):
-    """cos, sin [length, D/2] of the angles t / base^(2i/D), t < length, in float64."""
-    inv_freq = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
-    angles = torch.arange(length, dtype=torch.float64)[:, None] * inv_freq
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x, cos, sin):
-    """Rotate pairs (x[..., i], x[..., i + D/2]) of x [B, H, T, D] by the angles of cos, sin [.., T, D/2]."""
-    dt = torch.promote_types(x.dtype, torch.float32)
-    cos, sin = cos.to(dt), sin.to(dt)
-    x1, x2 = x.to(dt).chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
 class MLP(nn.Module):
@@ -183,9 +169,9 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(cfg.n_embd, 2 * cfg.hidden, bias=False)
         self.c_proj = nn.Linear(cfg.hidden, cfg.n_embd, bias=False)
 
-    def forward(self, x):
-        gate, up = self.c_fc(x).chunk(2, dim=-1)
-        return self.c_proj(F.silu(gate) * up)
+    def forward(self, x):  # on x as [B*T, d]: the same matmuls, fewer ops than on [B, T, d]
+        gate, up = self.c_fc(x.flatten(0, -2)).chunk(2, dim=-1)
+        return self.c_proj(F.silu(gate) * up).view_as(x)
 
 
 class Attention(nn.Module):
@@ -213,17 +199,17 @@ class Attention(nn.Module):
 
     def forward(self, c, pos=0, cache=None, doc_start=None):
         B, T, _ = c.shape
-        heads = self.c_attn(c).view(B, T, -1, self.n_head, self.head_dim)
+        heads = self.c_attn(c.flatten(0, 1)).view(B, T, -1, self.n_head, self.head_dim)  # matmuls on [B*T, d]
         heads = heads.permute(2, 0, 3, 1, 4)  # [n, B, H, T, D], n = q, k, v (, w)
         at = slice(pos, pos + T) if isinstance(pos, int) else pos + torch.arange(T, device=c.device)
         if doc_start is not None:  # positions restart at each document: QK-norm after RoPE is not relative
             at = (pos + torch.arange(T, device=c.device) - doc_start)[:, None]  # [B, 1, T]
         cos, sin = self.rope_cos[at], self.rope_sin[at]  # pos + T <= block_size (a tensor: StaticCache)
-        q = self.q_norm(apply_rope(heads[0], cos, sin))
-        k = self.k_norm(apply_rope(heads[1], cos, sin))
-        w = self.w_norm(apply_rope(heads[3], cos, sin)) if heads.shape[0] == 4 else None  # own w: as k
-        y = self.attend(c, q, k, heads[2], w, cache, doc_start)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+        own_w = heads.shape[0] == 4  # roped and normed as k, in the same pass as q and k
+        norms = (self.q_norm, self.k_norm, self.w_norm) if own_w else (self.q_norm, self.k_norm)
+        q, k, *w = rope_norm(heads[[0, 1, 3]] if own_w else heads[:2], cos, sin, norms)
+        y = self.attend(c, q, k, heads[2], w[0] if w else None, cache, doc_start)
+        return self.c_proj(y.transpose(1, 2).reshape(B * T, -1)).view(B, T, -1)
 
 
 class SoftmaxAttention(Attention):
@@ -321,12 +307,12 @@ class Residual(Additive):
 
     def logit_weight(self):  # v's rows, then beta's if the rule has W_beta: all from one product of x_in
         g, linear = self.norm.weight, self.cfg.ddl_v == "linear"  # W c = (W g) x_in / rms(x_in), g c's norm
-        v = self.v_proj.weight * (g if linear else 1)
+        v = self.v_proj.weight * g if linear else self.v_proj.weight
         return torch.cat([v, self.beta.weight * g]) if self.beta_logit else v
 
     def value_and_gate(self, z, inv_rms):  # (v [B, T, d_v], beta [B, T]) in fp32 from z and 1 / rms(x_in)
-        beta = 2.0 * torch.sigmoid(z[..., -1] * inv_rms[..., 0] + self.beta.bias)
-        return self.value(z[..., :-1], inv_rms), beta
+        z, z_beta = z.split([z.shape[-1] - 1, 1], -1)
+        return self.value(z, inv_rms), (2.0 * torch.sigmoid(z_beta * inv_rms + self.beta.bias))[..., 0]
 
     def value(self, z, inv_rms):  # v [B, T, d_v] in fp32 from its logits z [B, T, d_v]
         linear = self.cfg.ddl_v == "linear"

@@ -6,58 +6,29 @@ Sample from a trained model (out_dir/ckpt.pt written by train.py); runs on CPU o
 
 The prompt is GPT-2 tokenized; "<|endoftext|>" in it is the EOT token (the document separator the model
 saw before every document, so it asks for the start of a fresh document). Generation uses the model's
-incremental cache (`generate` below, also what eval.py uses). --top_k=1 is greedy decoding. It prints the
+incremental cache (`generate` below, also what eval.py uses); on CUDA its steps run compiled (CUDA graphs;
+the first call compiles), --decode=cache runs them eagerly. --top_k=1 is greedy decoding. It prints the
 tokens/s of the generation (all samples, the prompt's pass included) on stderr.
 """
 
 import argparse
-import functools
 import os
 import re
 import sys
 import time
-import weakref
 
 import torch
 import torch.nn.functional as F
 
-from cache import Cache, StaticCache
+from cache import Cache, compiled_next_logits, next_logits, static_cache  # noqa: F401 (sample's API too)
 from checkpoint import CheckpointError, load_model
 from data.tokenizer import get_encoding
-from ops.common import autocast_dtype
 
 # Past block_size each new token is a forward pass over the whole window (no cache applies), so long
 # generations are slow: they report progress, and a bound keeps a typo from running for days.
 MAX_NEW_TOKENS = 1_000_000  # ~4 MB of text a sample
 PROGRESS_EVERY = 1000  # new tokens between progress lines on stderr
 DECODES = ("cache", "static", "compiled", "none")  # generate's ways to compute a token (generate's docstring)
-
-
-_static_caches = weakref.WeakKeyDictionary()  # model -> (what its StaticCache was made for, the cache)
-
-
-def static_cache(model, idx):
-    """model's StaticCache, reset, for a prompt idx: the last one again (the same buffers, so the same
-    addresses for the CUDA graphs) unless the batch size, device or dtypes differ."""
-    device = idx.device
-    key = (idx.shape[0], device, autocast_dtype(device.type), next(model.parameters()).dtype)
-    made_for, cache = _static_caches.get(model, (None, None))
-    if made_for != key:
-        cache = StaticCache(model.config.block_size, device)
-        _static_caches[model] = (key, cache)
-    return cache.reset()
-
-
-def next_logits(model, cache, idx, attention_mask=None):
-    """Logits [B, V] of the token after idx [B, T], continuing cache's sequence (None: idx is all of it)."""
-    return model.lm_head(model.hidden_states(idx, cache, attention_mask)[:, -1])
-
-
-@functools.cache
-def compiled_next_logits():
-    """next_logits compiled for a decoding step (one token, a StaticCache): its shapes never change, so on
-    CUDA mode="reduce-overhead" replays the step as CUDA graphs, one launch instead of hundreds."""
-    return torch.compile(next_logits, mode="reduce-overhead", dynamic=False)
 
 
 @torch.no_grad()
@@ -119,9 +90,11 @@ def parse_args(argv=None):
     p.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens; 0 = all")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--decode", default="cache", choices=DECODES, help="how each token is computed: cache, "
-                   "static (a preallocated cache), compiled (static, its step compiled), none")  # fmt: skip
+    p.add_argument("--decode", choices=DECODES, help="how each token is computed: cache, static (a "
+                   "preallocated cache), compiled (static, its step compiled: the default on CUDA), none "
+                   "(default on the CPU: cache)")  # fmt: skip
     args = p.parse_args(argv)
+    args.decode = args.decode or ("compiled" if args.device.startswith("cuda") else "cache")
     if args.num_samples < 1:
         p.error(f"--num_samples must be >= 1, got {args.num_samples}")
     if not 0 <= args.max_new_tokens <= MAX_NEW_TOKENS:

@@ -18,6 +18,8 @@ their shares of the CPU cores, their timed parts taking turns on the GPU while t
 (common.run_rows). --time-limit bounds the run (a row 300 s at most); the tables are saved after each row.
 """
 
+import collections
+import dataclasses
 import statistics
 import sys
 import traceback
@@ -31,7 +33,43 @@ VARIANTS = {
     **{r: dict(residual=r) for r in ("additive", "ddl", "ddl-cc", "ddl-tc")},
     **{f"{r}-noec": dict(residual=r, ddl_ec=False) for r in ("ddl-cc", "ddl-tc")},  # without EC
     "additive+deltaformer": dict(residual="additive", attention="deltaformer"),
+    "additive+deltaformer-relu": dict(attention="deltaformer", deltaformer_kernel="relu"),
+    "additive+deltaformer-linear": dict(attention="deltaformer", deltaformer_kernel="linear"),
+    "ddl-cc+deltaformer": dict(residual="ddl-cc", attention="deltaformer"),
 }
+
+
+def decode_ops(model, prompt):
+    """The ATen ops (a Counter by name) that one token decoded by sample.generate (decode="cache", greedy)
+    dispatches: those of generate(prompt, 2) less those of generate(prompt, 1), after a warm-up call."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sample import generate
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    generate(model, prompt, 2, top_k=1, decode="cache")
+    for n in (1, 2):
+        seen = collections.Counter()
+        with Ops():
+            generate(model, prompt, n, top_k=1, decode="cache")
+        counts.append(seen)
+    return difference(*counts)
+
+
+def ops_per_layer(make, prompt):
+    """decode_ops per block: make(n_layer) builds the model; the ops of 2 blocks less those of 1, so the
+    work outside the blocks (embedding, final norm, LM head, sampling) cancels."""
+    return difference(*(decode_ops(make(n), prompt) for n in (1, 2)))
+
+
+def difference(a, b):
+    """b - a of two Counters, negative counts kept (Counter's own - drops them), zeros dropped."""
+    return collections.Counter({k: b[k] - a[k] for k in a.keys() | b.keys() if b[k] != a[k]})
 
 
 def forward_row(model, cfg, args, row):
@@ -65,9 +103,13 @@ def forward_row(model, cfg, args, row):
 def decode_row(model, cfg, args, row):
     """Each batch x decode mode: tokens/s of sample.generate; fills row["decode"] with one entry each."""
     from cache import Cache
+    from model import GPT
     from sample import generate
 
     cuda, row["decode"] = args.device == "cuda", []
+    make = lambda n: GPT(dataclasses.replace(cfg, n_layer=n)).to(args.device).eval()  # noqa: E731
+    ops = ops_per_layer(make, torch.randint(0, cfg.vocab_size, (1, 4), device=args.device))
+    row["ops_layer"], row["ops_layer_by_op"] = sum(ops.values()), dict(ops.most_common())
     for B in args.decode_batches:
         prompt = torch.randint(0, cfg.vocab_size, (B, args.prompt), device=args.device)
         cache = Cache()  # after the prompt: its tuples grow with the tokens (keys and values, or u's), its
@@ -113,23 +155,26 @@ def worker(job, row):
 def tables(rows):
     """The forward rows' table (common.throughput_table), then the decode rows', one line per (model,
     variant, batch, mode): tokens/s against additive (the same model, batch and mode) and against the modes
-    "cache" and "none" of the same variant."""
+    "cache" and "none" of the same variant; on the "cache" lines, the ATen ops one eager decoded token
+    dispatches per layer (ops_per_layer: batch 1, the run's device and autocast)."""
     runs = {(r["model"], r["variant"], d["batch"], d["mode"]): d for r in rows for d in r.get("decode", [])}
+    ops = {(r["model"], r["variant"]): r.get("ops_layer", "?") for r in rows if r["section"] == "decode"}
     cells = []
     for (m, v, B, mode), d in runs.items():
         if "tok_s" not in d:
-            cells.append([m, v, B, mode, f"not measured: {d.get('error', '?')}"] + [""] * 9)
+            cells.append([m, v, B, mode, f"not measured: {d.get('error', '?')}"] + [""] * 10)
             continue
         against = [runs.get(key) for key in ((m, "additive", B, mode), (m, v, B, "cache"), (m, v, B, "none"))]
         ratios = [f"{d['tok_s'] / b['tok_s']:.3f}" if b and "tok_s" in b else "-" for b in against]
         cells.append([m, v, B, mode, d["new"], f"{d['tok_s']:,.1f}", *ratios, f"{d['ms_token']:.2f}"])
         cells[-1] += [f"{d['peak_GB']:.2f}", f"{d['kb_token']:.1f}", f"{d['kb_fixed']:.1f}", d["first_s"]]
+        cells[-1].append(ops[m, v] if mode == "cache" else "")
     for r in (r for r in rows if r["section"] == "decode" and "decode" not in r):  # no decode results
-        cells.append([r["model"], r["variant"], "", "", f"not measured: {r.get('error', '?')}"] + [""] * 9)
+        cells.append([r["model"], r["variant"], "", "", f"not measured: {r.get('error', '?')}"] + [""] * 10)
     head = ["model", "variant", "batch", "decode", "new tokens", "tokens/s", "×additive", "×cache", "×none"]
-    head += ["ms/token", "peak GB", "cache KB/token", "fixed KB", "first call s"]
+    head += ["ms/token", "peak GB", "cache KB/token", "fixed KB", "first call s", "ops/token/layer"]
     forward = common.throughput_table([r for r in rows if r["section"] == "forward"], ms="ms")
-    decode = "\n".join(common.markdown(head, cells, ["---"] * 4 + ["---:"] * 10))
+    decode = "\n".join(common.markdown(head, cells, ["---"] * 4 + ["---:"] * 11))
     return ["Forward:", "", forward, "", "Decode:", "", decode]
 
 

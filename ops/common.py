@@ -55,7 +55,7 @@ def autocast_dtype(device_type):
 def fp32_linear(x, weight, bias=None):
     """x W^T + b in fp32 (float64 stays float64) even under autocast: the logits of DDL's v and beta and of
     Deltaformer's beta where no kernel forms them."""
-    dt = torch.promote_types(x.dtype, torch.float32)
+    dt = acc_dtype(x)
     lp = (autocast_dtype(x.device.type) if dt == torch.float32 else None) or dt
     y = _Logits.apply(x.to(dt), weight.to(dt), lp)
     return y if bias is None else y + bias.to(dt)

@@ -1,12 +1,20 @@
 """bench/bench_infer.py: a CPU smoke run of the real workers (forward and decode sections), the cache sizes
-against their formulas, the tables' ratios against the JSON, and the flags' checks. The job queue and the
-GPU's turns: tests/test_bench_common.py."""
+against their formulas, the tables' ratios and ops per layer against the JSON and a count here, and the
+flags' checks. The job queue and the GPU's turns: tests/test_bench_common.py."""
 
+import dataclasses
 import json
 import math
 import os
 import subprocess
 import sys
+
+import torch
+
+from model import GPT, GPTConfig
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from bench_infer import VARIANTS, ops_per_layer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64)  # head_dim 128 (the preset's), K = 4, d_v = 4
@@ -75,6 +83,17 @@ def test_cpu_smoke(tmp_path):
     against = [("additive", 2, "static"), (df, 2, "cache"), (df, 2, "none")]
     want = [e["tok_s"] / by[key]["tok_s"] for key in against]  # ×additive, ×cache, ×none
     assert [float(c) for c in dec[6:9]] == [round(w, 3) for w in want], (dec, want)
+    # ops per token per layer, on the "cache" lines: those of the worker's model (bf16 autocast), counted here
+    for r in rows[3:]:
+        cfg = GPTConfig.preset("gpt2-small", block_size=16, **{**VARIANTS[r["variant"]], **TINY})
+        make = lambda n, cfg=cfg: GPT(dataclasses.replace(cfg, n_layer=n)).eval()  # noqa: E731
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            ops = ops_per_layer(make, torch.randint(0, 64, (1, 4)))
+        assert r["ops_layer"] == sum(ops.values()) == sum(r["ops_layer_by_op"].values()) > 20, r["variant"]
+        for B, mode in ((1, "cache"), (2, "cache"), (2, "static")):
+            assert cells(text, "gpt2-small", r["variant"], str(B), mode)[14] == (
+                str(r["ops_layer"]) if mode == "cache" else ""
+            )
 
 
 def test_flags_are_checked(tmp_path):

@@ -220,6 +220,44 @@ def test_left_padded_rows_equal_each_alone(exported, variant):
         assert torch.equal(hf["ids"][b, PROMPT:], ref["ids"][b]), b
 
 
+def test_generate_decodes_compiled_steps(monkeypatch):
+    """hf_model's generate(): decode="compiled" (CUDA's default; here asked for, its step compiled with
+    backend "aot_eager") gives decode="cache"'s greedy tokens (the CPU's default) and sample.generate's,
+    past block_size too, from one graph without recompiles (a second prompt too); the config's decode
+    is the default; a bad one is refused in one line."""
+    from torch._dynamo.utils import counters
+
+    import cache
+    import hf_model
+
+    aot_eager, calls = cache.compiled_next_logits("aot_eager"), []
+    monkeypatch.setattr(hf_model, "compiled_next_logits", lambda: calls.append(1) or aot_eager)
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    gpt = dict(n_layer=1, n_head=2, n_embd=32, head_dim=16, block_size=BLOCK, vocab_size=64)
+    gpt.update(residual="ddl-cc", attention="deltaformer")
+    model = hf_model.DDLGPTForCausalLM(hf_model.DDLGPTConfig(gpt=gpt))
+    model = model.double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    prompts = [torch.randint(0, 64, (2, n), generator=torch.Generator().manual_seed(n)) for n in (PROMPT, 3)]
+    run = lambda prompt, **kw: model.generate(prompt, max_new_tokens=NEW, do_sample=False, **kw)  # noqa: E731
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = [run(prompt, decode="compiled") for prompt in prompts]
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters)
+    steps = len(calls)
+    assert steps == (BLOCK - PROMPT) + (BLOCK - 3)  # the steps within the block (then no cache applies)
+    for prompt, ids in zip(prompts, compiled):
+        assert torch.equal(ids, run(prompt)) and torch.equal(ids, generate(model.gpt, prompt, NEW, top_k=1))
+    assert len(calls) == steps  # the CPU's default: eager
+    model.config.decode = "compiled"
+    assert torch.equal(run(prompts[1]), compiled[1]) and len(calls) == steps + BLOCK - 3
+    with pytest.raises(ValueError, match=r"decode must be one of \('cache', 'compiled'\), got 'fast'"):
+        run(prompts[0], decode="fast")
+
+
 def test_readme_recipes_export(tmp_path, monkeypatch):
     """The README's DDL-CC with one beta for the whole model and its Deltaformer at beta = 1, pasted at the
     end of model.py (and so of the model.py the folder holds), trained a few steps: the folder keeps the

@@ -13,14 +13,21 @@ Left-padded prompts of different lengths in one batch (attention_mask): each row
 of its prompt alone, on every decode mode, the window crossing block_size.
 """
 
+import os
 import re
+import sys
 
 import pytest
 import torch
 
+import cache as cache_module
+import sample
 from cache import Cache
 from model import ATTENTIONS, GPT, RESIDUALS, GPTConfig
 from sample import DECODES, generate, sample_token, static_cache
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from bench_infer import VARIANTS  # noqa: E402
 
 V = 67
 
@@ -196,6 +203,40 @@ def test_generate_compiled_equals_cache():
             outs.append(generate(model, prompt, 10, temperature=1.5, decode=decode))
         assert torch.equal(outs[0], outs[1]), case
         assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], (case, dict(counters))
+
+
+# Every row of bench_infer on the ops' PyTorch path; on their Triton path (interpreted here) the DDL rows
+# whose ops differ: d_v = 1 (the fused norm), CC, TC with EC (the EC kernel in the step)
+COMPILED_ROWS = [(row, "torch") for row in VARIANTS]
+COMPILED_ROWS += [(row, "triton") for row in ("ddl", "ddl-cc-noec", "ddl-tc")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row,backend", COMPILED_ROWS, ids=lambda x: x)
+def test_compiled_step_is_one_graph_without_recompiles(row, backend, monkeypatch):
+    """decode="compiled" for every bench_infer row (float64): dynamo traces the step (torch.compile with
+    backend "aot_eager": the graph capture and AOT trace Inductor would get, without its slow CPU code
+    generation) into one graph with no break, which every position and the next prompt (another length,
+    the same batch) replay without a recompile (error_on_recompile), emitting decode="cache"'s tokens,
+    greedy and sampled."""
+    from torch._dynamo.utils import counters
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+    torch._dynamo.reset()
+    counters.clear()
+    aot_eager = cache_module.compiled_next_logits("aot_eager")
+    monkeypatch.setattr(sample, "compiled_next_logits", lambda: aot_eager)
+    model = make({**VARIANTS[row], "n_layer": 1, "backend": backend})
+    prompt = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = generate(model, prompt, 6, top_k=1, decode="compiled")
+        torch.manual_seed(7)
+        sampled = generate(model, prompt[:, :3], 4, temperature=1.5, decode="compiled")
+    assert torch.equal(out, generate(model, prompt, 6, top_k=1))
+    torch.manual_seed(7)
+    assert torch.equal(sampled, generate(model, prompt[:, :3], 4, temperature=1.5))
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1, dict(counters)
 
 
 @pytest.mark.gpu

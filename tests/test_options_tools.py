@@ -68,6 +68,7 @@ SAMPLE = {
         f"{FX}test_sample_flags_reach_generate_and_the_prompt_is_tokenized_as_given",
         f"{FX}test_sample_refusals",
         "test_sample.py::test_greedy_sample_equals_full_forward_greedy",
+        "test_sample.py::test_decode_defaults_to_compiled_on_cuda_and_cache_on_cpu",
     ],
 }
 
@@ -98,6 +99,7 @@ GENERATE = {  # sample.generate's arguments
         "test_generate.py::test_generate_none_and_bad_decode",
         "test_generate.py::test_static_cache_is_reused_in_place",
         "test_generate.py::test_generate_compiled_equals_cache",
+        "test_generate.py::test_compiled_step_is_one_graph_without_recompiles",
     ],
     "attention_mask": [
         "test_generate.py::test_generate_left_padded_rows_equal_each_alone",
@@ -217,6 +219,7 @@ HF_PREPARE = {  # hf_model.DDLGPTForCausalLM.prepare_inputs_for_generation: gene
         f"{FX}test_hf_prepare_inputs_for_generation",
         "test_export_hf.py::test_left_padded_rows_equal_each_alone",
     ],
+    "decode": "test_export_hf.py::test_generate_decodes_compiled_steps",
     "kwargs": f"{FX}test_hf_prepare_inputs_for_generation",
 }
 
@@ -492,6 +495,9 @@ REFUSALS = {
     "hf_model.py": {
         "DDLGPTForCausalLM: attention_mask has right padding": [f"{FX}test_hf_forward_arguments"],
         "DDLGPTForCausalLM: attention_mask has a row of padding": [f"{FX}test_hf_forward_arguments"],
+        "DDLGPTForCausalLM: decode must be one of {}, got {}": [
+            "test_export_hf.py::test_generate_decodes_compiled_steps"
+        ],
         "DDLGPTForCausalLM's cache does not support beam search": [
             f"{FX}test_hf_generate_is_sample_generate"
         ],

@@ -260,3 +260,15 @@ def test_max_new_tokens_cap_is_accepted_and_one_more_is_refused(out_dir, monkeyp
         err = capsys.readouterr().err
         assert f"--max_new_tokens must be in 0..{cap:,}, got {n:,}" in err and "Traceback" not in err
     assert asked == [0, cap]  # refused before generating anything
+
+
+def test_decode_defaults_to_compiled_on_cuda_and_cache_on_cpu(monkeypatch):
+    """--decode's default: the compiled steps (CUDA graphs) on CUDA, the eager cache on the CPU; either way
+    --decode=cache (or any other) is what runs."""
+    import sample as sample_py
+
+    assert sample_py.parse_args(["--device=cpu"])[1].decode == "cache"
+    assert sample_py.parse_args(["--device=cpu", "--decode=compiled"])[1].decode == "compiled"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert sample_py.parse_args(["--device=cuda"])[1].decode == "compiled"
+    assert sample_py.parse_args(["--device=cuda:1", "--decode=cache"])[1].decode == "cache"

@@ -15,10 +15,12 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 def softmax_attention(q, k, v, pos=0, doc_start=None, dropout=0.0):
     """q [B, H, T, D] at positions pos.. (an int, or a one-element tensor), k, v [B, H, S, D] at 0..S-1."""
     T, S = q.shape[2], k.shape[2]
+    one_new = T == 1 and isinstance(pos, int) and S == pos + 1  # a token after the cached keys: sees them all
+    if doc_start is None and (S == T or one_new):  # causal (the keys are the queries'), or no mask at all
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=S == T)
     i, j = torch.arange(T, device=q.device)[:, None], torch.arange(S, device=q.device)
-    if doc_start is None:  # S == T: the keys are the queries' (pos = 0); else the cached keys come first
-        mask = None if S == T else j <= pos + i
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=S == T)
+    if doc_start is None:  # the cached keys come first (a static cache's slots after pos + i: masked)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=j <= pos + i, dropout_p=dropout)
     if torch.compiler.is_compiling() and dropout == 0.0 and S == T:
         return flex_attention(q, k, v, block_mask=document_block_mask(doc_start))
     mask = (j <= pos + i) & (j >= doc_start[:, None, :, None])  # [B, 1, T, S]

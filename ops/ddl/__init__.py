@@ -72,6 +72,7 @@ from .naive import (
     ddl_update_norm_ref,
     ddl_update_ref,
     expand_ec_ref,
+    tc_windows_ref,
     update_terms_ref,
 )
 
@@ -98,6 +99,7 @@ __all__ = [
     "ddl_update_ref",
     "expand_ec",
     "expand_ec_ref",
+    "tc_windows_ref",
     "update_terms_ref",
 ]
 
@@ -167,7 +169,7 @@ def ddl_update(
     if resolve_backend("ddl_update", backend, x, k, v, beta) == "torch":
         step = _ref_step(x, k, v, beta, eps, erase, return_step, seed)
         return _returned(ddl_update_ref(x, k, v, beta, eps=eps, erase=erase, seed=seed), step, return_step)
-    x_new, step = _triton.update(x, k, v, beta, eps, erase, rebuild_from, seed)
+    x_new, step = _triton.update(x, k, v, beta, eps, erase, rebuild_from, seed, return_step)
     return _returned(x_new, step, return_step)
 
 
@@ -186,7 +188,8 @@ def ddl_update_compress_cc(
         step = _ref_step(x, k, v, beta, eps, erase, return_step, seed)
         out = ddl_update_compress_cc_ref(x, k, v, beta, weight, eps, erase, seed)
         return _returned(out, step, return_step)
-    *out, step = _triton.update_compress_cc(x, k, v, beta, weight, eps, erase, rebuild_from, seed)
+    args = (eps, erase, rebuild_from, seed, return_step)
+    *out, step = _triton.update_compress_cc(x, k, v, beta, weight, *args)
     return _returned(tuple(out), step, return_step)
 
 
@@ -220,9 +223,8 @@ def ddl_update_compress_tc(
         kw = dict(eps=eps, erase=erase, seed=seed, doc_start=doc_start)
         out = ddl_update_compress_tc_ref(x, k, v, beta, conv_weight, read, **kw)
         return _returned(out, step, return_step)
-    *out, step = _triton.update_compress_tc(
-        x, k, v, beta, conv_weight, read, eps, erase, rebuild_from, seed, doc_start
-    )
+    args = (eps, erase, rebuild_from, seed, doc_start, return_step)
+    *out, step = _triton.update_compress_tc(x, k, v, beta, conv_weight, read, *args)
     return _returned(tuple(out), step, return_step)
 
 

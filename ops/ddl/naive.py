@@ -1,6 +1,8 @@
 """Deep Delta Learning (DDL) residual ops, the definitions: short, vectorised PyTorch, any dtype,
 differentiable by autograd (the equations: the package docstring)."""
 
+import functools
+
 import torch
 
 from ..common import acc_dtype
@@ -115,13 +117,18 @@ def round_state(x, dtype, seed=None):
 def update_terms_ref(x, k, v, eps=1e-5, erase=True):
     """(rs, r) of the update in the compute dtype: rs = 1/sqrt(|k|^2+eps^2) [...] and r = v - khat^T x
     (erase) or v [..., d_v], so that the update is x + beta * (k rs) r^T."""
+    _, rs, r = _update_terms(x, k, v, eps, erase)
+    return rs[..., 0], r
+
+
+def _update_terms(x, k, v, eps, erase):  # (khat, rs [..., 1], r) in the compute dtype: few ops, no matmul
     ct = acc_dtype(x, k, v)
     kf = k.to(ct)
-    rs = torch.rsqrt((kf * kf).sum(-1) + eps * eps)
-    r = v.to(ct)
+    rs = torch.rsqrt((kf * kf).sum(-1, keepdim=True) + eps * eps)
+    khat, r = kf * rs, v.to(ct)
     if erase:
-        r = r - torch.einsum("...i,...iv->...v", kf * rs[..., None], x.to(ct))  # v^T - khat^T x
-    return rs, r
+        r = r - (khat[..., None] * x.to(ct)).sum(-2)  # v^T - khat^T x
+    return khat, rs, r
 
 
 def ddl_update_ref(x, k, v, beta, eps=1e-5, erase=True, seed=None):
@@ -130,9 +137,8 @@ def ddl_update_ref(x, k, v, beta, eps=1e-5, erase=True, seed=None):
     _check_update_args(x, k, v, beta)
     _check_seed("ddl_update", x, seed)
     ct = acc_dtype(x, k, v, beta)
-    rs, r = (t.to(ct) for t in update_terms_ref(x, k, v, eps, erase))
-    khat = k.to(ct) * rs[..., None]
-    x_new = x.to(ct) + beta.to(ct)[..., None, None] * khat[..., :, None] * r[..., None, :]
+    khat, _, r = (t.to(ct) for t in _update_terms(x, k, v, eps, erase))
+    x_new = torch.addcmul(x.to(ct), (beta.to(ct)[..., None] * khat)[..., None], r[..., None, :])
     return round_state(x_new, x.dtype, seed)
 
 
@@ -156,10 +162,20 @@ def cc_read_weight(conv, read):
     as the one linear map compress_cc applies: W [d, d_v], W[i, v] = sum_j read[j] conv[i, v - j + (d_v-1)//2]
     (taps outside the kernel are 0)."""
     dv = read.shape[0]
-    ar = torch.arange(dv, device=conv.device)
-    tap = ar[:, None] - ar[None, :] + (dv - 1) // 2  # [v, j]
-    taps = conv[:, tap.clamp(0, dv - 1)] * ((tap >= 0) & (tap < dv)).to(conv.dtype)
-    return taps @ read
+    tap, inside = (_cc_taps if torch.compiler.is_compiling() else _cc_taps_kept)(dv, conv.device, conv.dtype)
+    return (conv[:, tap] * inside) @ read
+
+
+def _cc_taps(dv, device, dtype):  # [v, j]: the tap of conv that read[j] weighs in W[:, v], and 1 if inside
+    ar = torch.arange(dv, device=device)
+    tap = ar[:, None] - ar[None, :] + (dv - 1) // 2
+    return tap.clamp(0, dv - 1), ((tap >= 0) & (tap < dv)).to(dtype)
+
+
+@functools.lru_cache
+def _cc_taps_kept(dv, device, dtype):  # eager calls (decoding: every read) build them once, as plain tensors
+    with torch.inference_mode(False):
+        return _cc_taps(dv, device, dtype)
 
 
 def compress_cc_ref(x, weight):
@@ -168,7 +184,7 @@ def compress_cc_ref(x, weight):
     _check_float("weight", weight)
     _check_cc_weight("compress_cc", x, weight)
     ct = acc_dtype(x, weight)
-    return torch.einsum("btiv,iv->bti", x.to(ct), weight.to(ct)).to(x.dtype)
+    return (x.to(ct) * weight.to(ct)).sum(-1).to(x.dtype)
 
 
 def _check_doc_start(fn, doc_start, x):
@@ -185,17 +201,21 @@ def _check_doc_start(fn, doc_start, x):
         raise ValueError(f"{fn}: doc_start must be {want}, got it on {doc_start.device}")
 
 
-def _causal_shift(x, s, doc_start=None):
-    """x shifted s >= 0 steps later along dim 1 with zeros in front: out[:, t] = x[:, t - s]; given doc_start
-    [B, T], also zeros where t - s < doc_start[:, t] (a token before t's document)."""
-    if doc_start is not None:
-        t = torch.arange(x.shape[1], device=x.device)
-        keep = t - s >= doc_start
-        return torch.where(keep.view(keep.shape + (1,) * (x.dim() - 2)), _causal_shift(x, s), 0.0)
-    if s == 0:
-        return x
-    pad = torch.zeros_like(x[:, :s])
-    return torch.cat([pad, x[:, : x.shape[1] - s]], dim=1) if s < x.shape[1] else torch.zeros_like(x)
+def _windows(x, K, doc_start=None):
+    """The K-step windows [B, T, ..., K] of x [B, S, ...] along dim 1, one for each of its last T = S - (K-1)
+    steps (its step t - (K-1) + j at j); given doc_start [B, T] (x's frame), the steps before each one's
+    document zero."""
+    w = x.unfold(1, K, 1)
+    if doc_start is None:
+        return w
+    at = torch.arange(w.shape[1], device=x.device)[:, None] + torch.arange(K, device=x.device)  # [T, K]
+    keep = at >= doc_start[..., None]  # [B, T, K]
+    return torch.where(keep.view(keep.shape[:2] + (1,) * (w.dim() - 3) + (K,)), w, 0.0)
+
+
+def _pad_front(x, n):
+    """x [B, T, ...] with n zero steps in front along dim 1 (a causal conv's padding at t < 0)."""
+    return torch.cat([x.new_zeros((x.shape[0], n) + tuple(x.shape[2:])), x], dim=1) if n else x
 
 
 def compress_tc_ref(x, conv_weight, read, doc_start=None):
@@ -207,11 +227,18 @@ def compress_tc_ref(x, conv_weight, read, doc_start=None):
     _check_conv("compress_tc", "conv_weight", conv_weight, d, dv)
     _check_float("read", read)
     _check_read("compress_tc", x, read)
-    ct = acc_dtype(x, conv_weight, read)
-    xf, wf = x.to(ct), conv_weight.to(ct)
     K = conv_weight.shape[-1]
-    y = sum(wf[:, :, j] * _causal_shift(xf, K - 1 - j, doc_start) for j in range(K))  # [B, T, d, d_v]
-    return torch.einsum("btiv,v->bti", y, read.to(ct)).to(x.dtype)
+    doc_start = None if doc_start is None else doc_start + (K - 1)  # in the padded frame
+    return tc_windows_ref(_pad_front(x, K - 1), conv_weight, read, doc_start)
+
+
+def tc_windows_ref(x, conv_weight, read, doc_start=None):
+    """compress_tc's h of the last T = S - (K-1) tokens of x [B, S, d, d_v], each from the K states up to it
+    (x's first K-1 steps: the states before them, or zeros); doc_start [B, T] (x's frame): each token's
+    window within its document."""
+    ct, K = acc_dtype(x, conv_weight, read), conv_weight.shape[-1]
+    y = (_windows(x.to(ct), K, doc_start) * conv_weight.to(ct)).sum(-1)  # [B, T, d, d_v]
+    return (y * read.to(ct)).sum(-1).to(x.dtype)
 
 
 def expand_ec_ref(emb, conv_weight, doc_start=None):
@@ -222,11 +249,10 @@ def expand_ec_ref(emb, conv_weight, doc_start=None):
         raise ValueError(f"expand_ec: emb must be [B, T, d], got shape {tuple(emb.shape)}")
     _check_conv("expand_ec", "conv_weight", conv_weight, emb.shape[-1])
     _check_doc_start("expand_ec", doc_start, emb)
-    ct = acc_dtype(emb, conv_weight)
-    ef, wf = emb.to(ct), conv_weight.to(ct)
-    K = conv_weight.shape[-1]
-    out = sum(wf[:, :, j] * _causal_shift(ef, K - 1 - j, doc_start)[..., None] for j in range(K))
-    return out.to(emb.dtype)
+    ct, K = acc_dtype(emb, conv_weight), conv_weight.shape[-1]
+    doc_start = None if doc_start is None else doc_start + (K - 1)  # in the padded frame
+    windows = _windows(_pad_front(emb.to(ct), K - 1), K, doc_start)  # [B, T, d, K]
+    return (windows[..., None, :] * conv_weight.to(ct)).sum(-1).to(emb.dtype)
 
 
 def ddl_update_compress_cc_ref(x, k, v, beta, weight, eps=1e-5, erase=True, seed=None):

@@ -32,6 +32,7 @@ from . import (
     ddl_update_compress_cc,
     ddl_update_compress_tc,
     ddl_update_norm,
+    tc_windows_ref,
 )
 
 
@@ -59,6 +60,14 @@ class Compressor(nn.Module):
         if self.kind == "cc":
             return compress_cc(X, self.cc_weight(), backend=self.backend)
         return compress_tc(X, self.conv, self.read, backend=self.backend, doc_start=doc_start)
+
+    def windows(self, X, doc_start=None):
+        """TC: the read-outs of the last S - (K-1) tokens of X [B, S, d, d_v], its first K-1 steps the states
+        before them (decoding: the cached ones); doc_start [B, S] in X's frame (history_doc_start) or None.
+        PyTorch on every backend: a decoding step reads K states, for which five ops dispatch less than the
+        kernel's launch with its taps' and views' ops around it."""
+        doc_start = None if doc_start is None else doc_start[:, self.conv.shape[-1] - 1 :]
+        return tc_windows_ref(X, self.conv, self.read, doc_start)
 
 
 def identity_conv(*shape, tap=None):
@@ -155,6 +164,6 @@ class DDLStream:
     def _compress(self, slot):
         if self.cache is None or self.reader.kind != "tc":
             return self.reader(self.X, self.doc_start)
-        T, K = self.X.shape[1], self.reader.conv.shape[-1]  # the conv needs the K-1 states before the new
+        K = self.reader.conv.shape[-1]  # the conv needs the K-1 states before the new ones
         X = self.cache.history((self.reader, slot), self.X, K - 1)
-        return self.reader(X, history_doc_start(self.doc_start, self.cache.pos, K - 1))[:, X.shape[1] - T :]
+        return self.reader.windows(X, history_doc_start(self.doc_start, self.cache.pos, K - 1))

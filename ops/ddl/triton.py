@@ -552,11 +552,14 @@ def _flat_doc_start(doc_start):
     return None if doc_start is None else doc_start.reshape(-1).contiguous()
 
 
-def _update_any(x, k, v, beta, weight, wt, T, eps, erase, rebuild_from, seed, doc_start=None):
+def _update_any(
+    x, k, v, beta, weight, wt, T, eps, erase, rebuild_from, seed, doc_start=None, return_step=True
+):
     """(x_new, h, step) of the update (+ CC read-out with weight, + TC read-out with taps wt, within the
     documents of doc_start [B, T] where given), through the op that keeps x for the backward, or, given
     rebuild_from = (x0, steps) with x made from x0 by the updates steps = ((k0, beta0, rs0, r0, seed0), ...),
-    the op that rebuilds x there; step = (k, beta, rs, r, seed), this update's for a later rebuild_from."""
+    the op that rebuilds x there; step = (k, beta, rs, r, seed), this update's for a later rebuild_from (None
+    unless return_step: no views made for nothing)."""
     flat, eps, erase, seed = _flat(x, k, v, beta), float(eps), bool(erase), _flat_seed(seed)
     ds = _flat_doc_start(doc_start)
     d, dv = x.shape[-2:]
@@ -577,26 +580,31 @@ def _update_any(x, k, v, beta, weight, wt, T, eps, erase, rebuild_from, seed, do
             else _update_op(*flat, weight, eps, erase, seed)
         )
     lead = x.shape[:-2]
-    return out[0].view(x.shape), out[1], (k, beta, out[2].view(lead), out[3].view(*lead, dv), seed)
+    step = (k, beta, out[2].view(lead), out[3].view(*lead, dv), seed) if return_step else None
+    return out[0].view(x.shape), out[1], step
 
 
-def update(x, k, v, beta, eps, erase, rebuild_from=None, seed=None):
-    x_new, _, step = _update_any(x, k, v, beta, None, None, 0, eps, erase, rebuild_from, seed)
+def update(x, k, v, beta, eps, erase, rebuild_from=None, seed=None, return_step=True):
+    args = (eps, erase, rebuild_from, seed)
+    x_new, _, step = _update_any(x, k, v, beta, None, None, 0, *args, return_step=return_step)
     return x_new, step
 
 
-def update_compress_cc(x, k, v, beta, weight, eps, erase, rebuild_from=None, seed=None):
+def update_compress_cc(x, k, v, beta, weight, eps, erase, rebuild_from=None, seed=None, return_step=True):
     B, T, d, _ = x.shape
-    x_new, h, step = _update_any(x, k, v, beta, weight.contiguous(), None, T, eps, erase, rebuild_from, seed)
+    args = (weight.contiguous(), None, T, eps, erase, rebuild_from, seed)
+    x_new, h, step = _update_any(x, k, v, beta, *args, return_step=return_step)
     return x_new, h.view(B, T, d), step
 
 
 def update_compress_tc(
-    x, k, v, beta, conv_weight, read, eps, erase, rebuild_from=None, seed=None, doc_start=None
-):
+    x, k, v, beta, conv_weight, read, eps, erase, rebuild_from=None, seed=None, doc_start=None,
+    return_step=True,
+):  # fmt: skip
     B, T, d, _ = x.shape
     wt = _tap_weights(conv_weight, read)
-    x_new, h, step = _update_any(x, k, v, beta, None, wt, T, eps, erase, rebuild_from, seed, doc_start)
+    args = (None, wt, T, eps, erase, rebuild_from, seed, doc_start)
+    x_new, h, step = _update_any(x, k, v, beta, *args, return_step=return_step)
     return x_new, h.view(B, T, d), step
 
 

@@ -18,13 +18,12 @@ from .triton_update import _update_row_bwd_kernel, _update_row_fwd_kernel
 def _update_norm_op(
     x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, norm_weight: torch.Tensor,
     logit_weight: torch.Tensor, eps: float, norm_eps: float, erase: bool, c_dtype: torch.dtype,
-    seed: torch.Tensor | None,
+    seed: torch.Tensor | None, lead: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     (N, D), M = x.shape, logit_weight.shape[0]
     ft = acc_dtype(x)
-    x_new, c = _new((N, D), x), _new((N, D), x, dtype=c_dtype)
-    z = _new((N, M), x, dtype=ft)
-    inv, rs, r = (_new((N,), x, dtype=ft) for _ in range(3))
+    x_new, c, z, inv = (_new(shape, x, dtype=dt) for shape, dt in _read_shapes(N, D, M, lead, x, c_dtype))
+    rs, r = (_new((N,), x, dtype=ft) for _ in range(2))
     cfg = _cfg("update_norm", x.dtype)
     _update_row_fwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
         x, k, v, beta, x_new, rs, r, norm_weight, logit_weight, c, z, inv, _or(seed, x), N, D, eps, norm_eps,
@@ -35,10 +34,20 @@ def _update_norm_op(
 
 
 @_update_norm_op.register_fake
-def _(x, k, v, beta, norm_weight, logit_weight, eps, norm_eps, erase, c_dtype, seed):
-    (N, M), ft = (x.shape[0], logit_weight.shape[0]), acc_dtype(x)
-    inv, rs, r = (x.new_empty((N,), dtype=ft) for _ in range(3))  # three tensors, as the op returns
-    return torch.empty_like(x), x.new_empty(x.shape, dtype=c_dtype), x.new_empty((N, M), dtype=ft), inv, rs, r
+def _(x, k, v, beta, norm_weight, logit_weight, eps, norm_eps, erase, c_dtype, seed, lead=None):
+    (N, D), M, ft = x.shape, logit_weight.shape[0], acc_dtype(x)
+    rs, r = (x.new_empty((N,), dtype=ft) for _ in range(2))  # two tensors, as the op returns
+    return *(x.new_empty(s, dtype=dt) for s, dt in _read_shapes(N, D, M, lead, x, c_dtype)), rs, r
+
+
+def _read_shapes(N, D, M, lead, x, c_dtype):
+    """(shape, dtype) of x_new, c, z, inv: [N, D], [N, D], [N, M], [N]; given lead, the state's leading
+    dims, [*lead, D, 1], [*lead, D], [*lead, M], [*lead, 1] (what the caller wants, with no views to make)."""
+    ft = acc_dtype(x)
+    if lead is None:
+        return ((N, D), x.dtype), ((N, D), c_dtype), ((N, M), ft), ((N,), ft)
+    lead = tuple(lead)
+    return (lead + (D, 1), x.dtype), (lead + (D,), c_dtype), (lead + (M,), ft), (lead + (1,), ft)
 
 
 @torch.library.custom_op("ddl::update_norm_bwd", mutates_args=())
@@ -69,33 +78,33 @@ def _(x, k, v, beta, rs, r, norm_weight, logit_weight, inv, gx, gc, gz, ginv, er
 
 
 def _setup(ctx, inputs, output):
-    x, k, v, beta, norm_weight, logit_weight, eps, norm_eps, erase, c_dtype, seed = inputs
-    ctx.save_for_backward(x, k, v, beta, norm_weight, logit_weight, output[3], output[4], output[5], seed)
+    x, k, v, beta, norm_weight, logit_weight, eps, norm_eps, erase, c_dtype, seed, *_ = inputs
+    inv = output[3].reshape(-1)
+    ctx.save_for_backward(x, k, v, beta, norm_weight, logit_weight, inv, output[4], output[5], seed)
     ctx.erase = erase
 
 
 def _backward(ctx, gx, gc, gz, ginv, _grs, _gr):
     x, k, v, beta, norm_weight, logit_weight, inv, rs, r, seed = ctx.saved_tensors
     z_shape = (x.shape[0], logit_weight.shape[0])
-    grads = [
-        torch.zeros(shape, dtype=dt, device=x.device) if g is None else g.contiguous()
+    grads = [  # flat, as the kernels read them
+        torch.zeros(shape, dtype=dt, device=x.device) if g is None else g.reshape(shape).contiguous()
         for g, shape, dt in ((gx, x.shape, x.dtype), (gc, x.shape, x.dtype), (gz, z_shape, inv.dtype),
                              (ginv, inv.shape, inv.dtype))
     ]  # fmt: skip
     dx, dk, dv, dbeta, dnw, dlw = _update_norm_bwd_op(
         x, k, v, beta, rs, r, norm_weight, logit_weight, inv, *grads, ctx.erase, seed
     )
-    return dx, dk, dv, dbeta, dnw, dlw, None, None, None, None, None
+    return dx, dk, dv, dbeta, dnw, dlw, None, None, None, None, None, None
 
 
 torch.library.register_autograd("ddl::update_norm", _backward, setup_context=_setup)
 
 
 def update_norm(x, k, v, beta, norm_weight, logit_weight, eps, norm_eps, erase, c_dtype, seed=None):
-    """The public function's Triton branch: x [..., d, 1] flat to [N, d]; (x_new, c, z, inv_rms [..., 1])."""
+    """The public function's Triton branch: x [..., d, 1] flat to [N, d]; (x_new, c, z, inv_rms [..., 1]),
+    made by the op in these shapes."""
     lead, d = x.shape[:-2], x.shape[-2]
     flat = (x.reshape(-1, d), k.reshape(-1, d), v.reshape(-1), beta.reshape(-1), norm_weight, logit_weight)
-    x_new, c, z, inv, _, _ = _update_norm_op(
-        *(t.contiguous() for t in flat), float(eps), float(norm_eps), bool(erase), c_dtype, _flat_seed(seed)
-    )
-    return x_new.view(x.shape), c.view(*lead, d), z.view(*lead, -1), inv.view(*lead, 1)
+    args = (float(eps), float(norm_eps), bool(erase), c_dtype, _flat_seed(seed), list(lead))
+    return _update_norm_op(*(t.contiguous() for t in flat), *args)[:4]

@@ -65,6 +65,7 @@ from .naive import (
     KERNELS,
     NORM_EPS,
     _check_inputs,
+    _step,
     check_doc_start,
     deltaformer_reference,
     deltaformer_step,
@@ -116,16 +117,16 @@ def deltaformer_decode(q, k, v, w, beta, past=None, kernel="softmax", doc_start=
     if past is None:
         u = deltaformer_u_torch(k, v, w, beta, kernel=kernel, doc_start=doc_start)
         return attend(q, k, u, None, doc_start), (k, u)
+    _check_inputs(q, k, v, w, beta, kernel)
     k_cache, u_cache = past
     check_doc_start(doc_start, q.shape[0], q.shape[2], q.device, "deltaformer_decode", k_cache.shape[2])
-    outs = []
-    for t in range(q.shape[2]):
-        s = slice(t, t + 1)
-        mine = None if doc_start is None else doc_start[:, s]
-        o_t, u_t = deltaformer_step(
-            q[:, :, s], k[:, :, s], v[:, :, s], w[:, :, s], beta[:, :, s], k_cache, u_cache, kernel=kernel,
-            doc_start=mine,
-        )  # fmt: skip
-        k_cache, u_cache = torch.cat([k_cache, k[:, :, s]], dim=2), torch.cat([u_cache, u_t], dim=2)
+    T, outs = q.shape[2], []
+    for t in range(T):
+        if T == 1:  # the tensors themselves (no slices: fewer ops a decoded token)
+            token, ds = (q, k, v, w, beta), doc_start
+        else:
+            token = (x[:, :, t : t + 1] for x in (q, k, v, w, beta))
+            ds = None if doc_start is None else doc_start[:, t : t + 1]
+        o_t, _, k_cache, u_cache = _step(*token, k_cache, u_cache, kernel, None, None, ds)
         outs.append(o_t)
-    return torch.cat(outs, dim=2), (k_cache, u_cache)
+    return (torch.cat(outs, dim=2) if T > 1 else outs[0]), (k_cache, u_cache)

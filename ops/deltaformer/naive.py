@@ -169,38 +169,47 @@ def deltaformer_step(
             f"deltaformer_step: k_cache and u_cache must be [B, H, S, D] matching q_t {tuple(q_t.shape)}, "
             f"got {tuple(k_cache.shape)} and {tuple(u_cache.shape)}"
         )
-    D, S = q_t.shape[-1], k_cache.shape[2]
     if doc_start is not None:  # values unchecked with pos: a tensor, where reading it would sync
         check_doc_start(
-            doc_start, q_t.shape[0], 1, q_t.device, "deltaformer_step", S, None if pos is None else False
-        )
-        doc_start = doc_start.view(-1, 1, 1, 1)  # [B, 1, 1, 1] against slots [S]
-    s = default_scale(D, scale)
-    slots = torch.arange(S, device=q_t.device)
+            doc_start, q_t.shape[0], 1, q_t.device, "deltaformer_step", k_cache.shape[2],
+            None if pos is None else False,
+        )  # fmt: skip
+    return _step(q_t, k_t, v_t, w_t, beta_t, k_cache, u_cache, kernel, scale, pos, doc_start)[:2]
+
+
+def _step(q_t, k_t, v_t, w_t, beta_t, k_cache, u_cache, kernel, scale, pos, doc_start=None):
+    """deltaformer_step's (o_t, u_t), then the keys and u's its attention read (pos None: the caches with
+    k_t and u_t appended), in few ops: a sum of products for the scores, one bmm for a @ u."""
+    (S, D), s = k_cache.shape[2:], default_scale(q_t.shape[-1], scale)
+    slots = None if pos is None and doc_start is None else torch.arange(S, device=q_t.device)
+    ds = None if doc_start is None else doc_start.view(-1, 1, 1, 1)  # [B, 1, 1, 1] against slots [S]
     if S == 0:
         u_t = v_t
     else:
         acc = acc_dtype(v_t)  # bf16/fp16 caches: accumulate in fp32
         k1, w1, s1 = stage1_keys(k_cache, w_t, kernel, s, acc)
-        scores = s1 * (w1 @ k1.transpose(-1, -2))  # [B, H, 1, S]
-        past = None if pos is None else slots < pos  # only the first pos slots are earlier tokens
-        if doc_start is not None:
-            past = (slots >= doc_start) if past is None else past & (slots >= doc_start)
-        if past is not None:  # (softmax: none of them, 0 too)
-            a = _kappa(scores.masked_fill(~past, -torch.inf), kernel).masked_fill(~past, 0.0)
+        scores = (w1 * k1).sum(-1)  # [B, H, S]
+        scores = scores * s1 if s1 != 1.0 else scores
+        skip = None if pos is None else slots >= pos  # only the first pos slots are earlier tokens
+        if ds is not None:  # and those in the new token's document
+            skip = (slots < ds[..., 0]) if skip is None else skip | (slots < ds[..., 0])
+        if skip is not None:  # (softmax: none of them, 0 too)
+            a = _kappa(scores.masked_fill(skip, -torch.inf), kernel).masked_fill(skip, 0.0)
         else:
             a = _kappa(scores, kernel)
-        u_t = (v_t.to(acc) - beta_t.to(acc)[..., None] * (a @ u_cache.to(acc))).to(v_t.dtype)
+        # a @ u as one bmm: its sums do not change with masked slots appended
+        past = torch.bmm(a.reshape(-1, 1, S), u_cache.to(acc).reshape(-1, S, D)).view(v_t.shape)
+        u_t = (v_t.to(acc) - beta_t.to(acc)[..., None] * past).to(v_t.dtype)
     if pos is None:
         keys, values, mask = torch.cat([k_cache, k_t], dim=2), torch.cat([u_cache, u_t], dim=2), None
-        if doc_start is not None:
-            mask = torch.arange(S + 1, device=q_t.device) >= doc_start  # [B, 1, 1, S + 1]
+        if ds is not None:
+            mask = torch.arange(S + 1, device=q_t.device) >= ds  # [B, 1, 1, S + 1]
     else:
         k_cache.index_copy_(2, pos, k_t)
         u_cache.index_copy_(2, pos, u_t)
         keys, values, mask = k_cache, u_cache, (slots <= pos)[None]  # [1, S]
-        if doc_start is not None:
-            mask = mask & (slots >= doc_start)  # [B, 1, 1, S]
+        if ds is not None:
+            mask = mask & (slots >= ds)  # [B, 1, 1, S]
     # The new token attends to everything before it (in its document) and itself.
     o_t = F.scaled_dot_product_attention(q_t, keys, values, attn_mask=mask, scale=s)
-    return o_t, u_t
+    return o_t, u_t, keys, values
