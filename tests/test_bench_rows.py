@@ -4,6 +4,7 @@ with stand-ins for the clock, the compiler and the job queue (no GPU); and every
 recomputed from hand-made rows or by first principles."""
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -531,6 +532,13 @@ def test_decode_row_tokens_per_second_runs_and_cache_size(monkeypatch, dynamo):
         return torch.zeros(prompt.shape[0], prompt.shape[1] + n, dtype=torch.long)
 
     monkeypatch.setattr(sample, "generate", generate)
+    counted = []  # the ops column: ops_per_layer of the row's model at 1 and 2 blocks (test_decode_ops.py)
+
+    def ops_per_layer(make, prompt):
+        counted.append((make(1).config.n_layer, make(2).config.n_layer, make(1).config.n_embd, prompt.shape))
+        return collections.Counter({"aten.mm": 4, "aten.add": 3})
+
+    monkeypatch.setattr(bench_infer, "ops_per_layer", ops_per_layer)
     runs = {(1, "cache"): [0.1, 0.3, 0.2], (1, "none"): [1.5, 1.0], (2, "cache"): [0.4, 0.4, 0.1],
             (2, "none"): [0.5, 0.6, 0.7]}  # fmt: skip
     monkeypatch.setattr(common, "Span", Clock([x for key in runs for x in [9.0, *runs[key]]]))
@@ -544,6 +552,8 @@ def test_decode_row_tokens_per_second_runs_and_cache_size(monkeypatch, dynamo):
         for n in [min(new, 8)] + [new] * len(runs[B, mode])
     ]  # fmt: skip
     assert all(shape == (shape[0], 4) and top_k == 1 for shape, _, top_k, _ in seen)
+    assert counted == [(1, 2, cfg.n_embd, (1, 4))]
+    assert row["ops_layer"] == 7 and row["ops_layer_by_op"] == {"aten.mm": 4, "aten.add": 3}
     kv = 1 * 2 * 2 * 16 * 4 / 1e3  # layers x (keys, values) x heads x head_dim x fp32 bytes, in KB
     for d, ((B, mode), times) in zip(row["decode"], runs.items(), strict=True):
         new = 3 if mode == "none" else 10

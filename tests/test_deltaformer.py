@@ -1305,7 +1305,7 @@ def test_documents_under_torch_compile():
     q, k, v = inputs[:3]
     # (the compiled flex_attention CUDA runs, inside a compiled model: traced through)
     flex = torch.compile(
-        lambda q, k, v: flex_in_documents(q, k, v, 0.3, EDGES, _flex_compiled),
+        lambda q, k, v: flex_in_documents(q, k, v, 0.3, EDGES, _flex_compiled()),
         fullgraph=True,
         backend="eager",
     )

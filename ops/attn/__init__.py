@@ -9,7 +9,6 @@ its slower memory-efficient kernel over every block); in eager mode, and with dr
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 
 def softmax_attention(q, k, v, pos=0, doc_start=None, dropout=0.0):
@@ -22,6 +21,8 @@ def softmax_attention(q, k, v, pos=0, doc_start=None, dropout=0.0):
     if doc_start is None:  # the cached keys come first (a static cache's slots after pos + i: masked)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=j <= pos + i, dropout_p=dropout)
     if torch.compiler.is_compiling() and dropout == 0.0 and S == T:
+        from torch.nn.attention.flex_attention import flex_attention  # (imports torch._dynamo: seconds)
+
         return flex_attention(q, k, v, block_mask=document_block_mask(doc_start))
     mask = (j <= pos + i) & (j >= doc_start[:, None, :, None])  # [B, 1, T, S]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
@@ -29,6 +30,7 @@ def softmax_attention(q, k, v, pos=0, doc_start=None, dropout=0.0):
 
 def document_block_mask(doc_start):
     """flex_attention's BlockMask of causal attention within documents, T queries over their T keys."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
     def within(b, h, i, j):
         return (j <= i) & (j >= doc_start[b, i])

@@ -6,12 +6,12 @@ doc_start_i <= j <= i. On CUDA that runs as flex_attention, compiled, with a blo
 of a tile sees whole run without the mask. Elsewhere (CPU) SDPA with the dense [B, 1, T, T] mask.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 BLOCK = 128  # the block mask's tile (flex_attention's default)
-_flex_compiled = torch.compile(flex_attention, dynamic=False)  # compiled on first use (CUDA only)
 
 
 def attend(q, k, u, scale, doc_start=None):
@@ -19,7 +19,7 @@ def attend(q, k, u, scale, doc_start=None):
     if doc_start is None:
         return F.scaled_dot_product_attention(q, k, u, is_causal=True, scale=scale)
     if q.is_cuda:
-        return flex_in_documents(q, k, u, scale, doc_start, _flex_compiled)
+        return flex_in_documents(q, k, u, scale, doc_start, _flex_compiled())
     return F.scaled_dot_product_attention(q, k, u, attn_mask=dense_doc_mask(doc_start)[:, None], scale=scale)
 
 
@@ -29,9 +29,19 @@ def dense_doc_mask(doc_start):
     return (j[None, None, :] <= j[None, :, None]) & (j[None, None, :] >= doc_start[:, :, None])
 
 
-def flex_in_documents(q, k, u, scale, doc_start, flex=flex_attention):
-    """`attend` by flex_attention (flex: the compiled one on CUDA; eager elsewhere, for the tests)."""
-    return flex(q, k, u, block_mask=doc_block_mask(doc_start), scale=scale)
+@functools.cache
+def _flex_compiled():  # compiled on first use (CUDA only)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_in_documents(q, k, u, scale, doc_start, flex=None):
+    """`attend` by flex_attention (flex: the compiled one on CUDA; None: eager, for the tests)."""
+    # imported here, not at the top: flex_attention imports torch._dynamo, seconds of every process's start
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return (flex or flex_attention)(q, k, u, block_mask=doc_block_mask(doc_start), scale=scale)
 
 
 def doc_block_mask(doc_start, block=BLOCK):
@@ -40,6 +50,8 @@ def doc_block_mask(doc_start, block=BLOCK):
     non-decreasing): key tiles n < lo_m // block are seen by none of them, tiles ceil(hi_m / block) <= n < m
     by all of them whole ("full": no mask evaluated), the others (the ones between, and the diagonal tile m)
     in part."""
+    from torch.nn.attention.flex_attention import BlockMask
+
     B, T = doc_start.shape
     n = -(-T // block)
     dev = doc_start.device
