@@ -21,9 +21,10 @@ HAS_CUDA = torch.cuda.is_available()
 
 def _interpret_device_calls_without_repatching():
     """Triton's interpreter patches triton.language at a kernel's launch (undone at its end), and again at
-    every call of a @triton.jit helper inside it: a third of an interpreted kernel's time here. The second
-    patch changes nothing for these kernels (every module of ops/ imports `triton.language as tl`, the
-    module the launch patched), so a helper's call goes straight to its function. Left as it is when the
+    every call of a @triton.jit helper inside it: a third of an interpreted kernel's time here. For the
+    helpers of ops/ the second patch changes nothing (every module there imports `triton.language as tl`,
+    the module their kernel's launch patched), so their calls go straight to the function; Triton's own
+    (tl.zeros, ...), whose modules see triton.language.core, are patched as before. Left as it is when the
     interpreter's code is not the one this was written against."""
     try:
         from triton.runtime import interpreter
@@ -35,6 +36,8 @@ def _interpret_device_calls_without_repatching():
         return
 
     def device_call(self, *args, **kwargs):
+        if not self.fn.__module__.startswith("ops."):
+            interpreter._patch_lang(self.fn)
         fn = self.rewrite()
         try:
             return fn(*args, **kwargs)

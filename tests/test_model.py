@@ -826,13 +826,14 @@ def test_stochastic_bf16_state_decodes(residual):
     assert torch.equal(outs[0], outs[1]) and outs[0].shape == (2, 13)
 
 
-@pytest.mark.parametrize("residual,state", [("ddl-cc", {}), ("ddl-tc", {}), ("ddl-cc", SR)])
+@pytest.mark.parametrize("residual,state", [("ddl-tc", {}), ("ddl-cc", SR)])
 def test_inductor_compile_of_the_triton_deltaformer_model(residual, state):
     # Inductor (not only aot_eager) checks the custom ops' outputs against their fake strides; the model
     # feeds the Deltaformer op permuted views, which once made the GPU training benchmark fall back to eager.
     # Two layers: the second update of each block rebuilds its input state (and TC fuses its read-out).
     # Stochastic rounding: the updates' seeds drawn in the graph (eager's generator, fallback_random), the
     # rounding moved by a bf16 step where compiled fp32 sums differ from eager's: bf16-level tolerance.
+    # (CC's kernels at fp32 are those of the SR row less the rounding; each row is a minute of Inductor here.)
     torch.manual_seed(0)
     cfg = GPTConfig(
         n_layer=2, n_head=2, n_embd=32, head_dim=16, block_size=32, vocab_size=64,
@@ -863,7 +864,7 @@ def test_inductor_compile_of_the_triton_deltaformer_model(residual, state):
 def test_kept_states_follow_ddl_keep_state_every(residual):
     """Autograd keeps the [B, T, d, d_v] state at every N-th block's input and rebuilds the others in the
     backward: the gradients are those of keeping every state (0), and fewer states stay alive."""
-    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    idx = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))  # B = 1: interpreted
     grads, kept = {}, {}
     for every in (0, 1, 3):
         torch.manual_seed(0)
@@ -874,7 +875,7 @@ def test_kept_states_follow_ddl_keep_state_every(residual):
         model, states = GPT(cfg), set()
 
         def pack(t, states=states):
-            if tuple(t.shape) in ((2, 16, 32, 3), (32, 32, 3)):  # as the model or as the ops see it
+            if tuple(t.shape) in ((1, 16, 32, 3), (16, 32, 3)):  # as the model or as the ops see it
                 states.add(t.untyped_storage().data_ptr())
             return t
 
