@@ -18,6 +18,12 @@ if not torch.cuda.is_available():
 
 HAS_CUDA = torch.cuda.is_available()
 
+if os.environ.get("PYTEST_XDIST_WORKER") and not HAS_CUDA:
+    # one thread a worker (and for the processes tests start): `-n 2` on 2 cores runs 2 workers, and torch's
+    # default of a thread a core each would have 4 threads contend for 2 cores
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def _interpret_device_calls_without_repatching():
     """Triton's interpreter patches triton.language at a kernel's launch (undone at its end), and again at

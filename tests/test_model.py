@@ -866,7 +866,7 @@ def test_kept_states_follow_ddl_keep_state_every(residual):
     backward: the gradients are those of keeping every state (0), and fewer states stay alive."""
     idx = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))  # B = 1: interpreted
     grads, kept = {}, {}
-    for every in (0, 1, 3):
+    for every in (0, 3):  # (every block's input at 1: the same path, each rebuild one sublayer deep)
         torch.manual_seed(0)
         cfg = GPTConfig(
             n_layer=3, n_head=2, n_embd=32, head_dim=16, block_size=16, vocab_size=64, residual=residual,
@@ -884,10 +884,9 @@ def test_kept_states_follow_ddl_keep_state_every(residual):
         loss.backward()
         grads[every] = [p.grad for p in model.parameters()]
         kept[every] = len(states)
-    for every in (1, 3):
-        for a, b in zip(grads[every], grads[0]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert kept == {0: 6, 1: 3, 3: 1}  # 2 per block, 1 per block, 1 per 3 blocks
+    for a, b in zip(grads[3], grads[0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert kept == {0: 6, 3: 1}  # 2 per block, 1 per 3 blocks
 
 
 def test_ddl_keep_state_every_default():
