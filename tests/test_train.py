@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from readme_code import pasted, readme_blocks
+from train_inline import run_train
 
 from data.shards import write_shard
 from model import GPT, GPTConfig
@@ -267,10 +268,11 @@ def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path, data_dir):
     ],
 )
 def test_config_errors(tmp_path, data_dir, args, message):
-    result = train(str(tmp_path / "out"), data_dir, *args, check=False)
-    assert result.returncode != 0
-    assert message in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr
+    # in this process (train_inline): an exception other than the exit's fails the test, as a traceback would
+    code, _, err, _ = run_train(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", *args)
+    assert code != 0
+    assert message in err, err
+    assert "Traceback" not in err
 
 
 def test_gradient_accumulation_must_divide_among_ranks(tmp_path, data_dir):
@@ -352,11 +354,10 @@ def test_gpt2_configs_follow_the_paper_recipe(name, preset):
 def test_config_files_are_valid_for_train_py(config, millions):
     # every key the file sets is a train.py key of the right type and the model config is accepted;
     # the dry run builds the model on the meta device and prints its size (papers: 124M and 354M)
-    cmd = [sys.executable, "train.py", f"configs/{config}", "--device=cpu", "--dry_run=True"]
-    result = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=1800)
-    assert result.returncode == 0, result.stderr
-    assert f"dataset = {read_config(config)['dataset']!r}" in result.stdout
-    params = int(result.stdout.split("parameters: ")[1].split()[0].replace(",", ""))
+    code, out, err, _ = run_train(os.path.join(REPO, "configs", config), "--device=cpu", "--dry_run=True")
+    assert code == 0, err
+    assert f"dataset = {read_config(config)['dataset']!r}" in out
+    params = int(out.split("parameters: ")[1].split()[0].replace(",", ""))
     assert millions[0] * 1e6 <= params <= millions[1] * 1e6
 
 
