@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from train_inline import run_train
 
 from bench import bench_quality as bq
 from data import package_corpus
@@ -64,15 +65,15 @@ def test_table_of_a_setting_folder_and_of_nothing(tmp_path, capsys):
     [("shakespeare", "ddl-cc-write-only"), ("corpus", "ddl-cc-bf16-state"), ("corpus", "ddl-cc-doc-mask")],
 )
 def test_run_args_are_train_config_keys(setting, row, tmp_path):
-    """train.py accepts every key a run passes (its --dry_run resolves the config and exits)."""
+    """train.py accepts every key a run passes (its --dry_run resolves the config and exits; run in this
+    process by train_inline)."""
     cmd = bq.run_args(setting, row, 7, str(tmp_path / "run"), data_dir=str(tmp_path), extra=["dry_run=True"])
-    out = subprocess.run(
-        cmd + ["--device=cpu", "--compile=False"], capture_output=True, text=True, timeout=1800
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert cmd[:2] == [sys.executable, os.path.join(bq.REPO, "train.py")]
+    code, out, err, _ = run_train(*cmd[2:], "--device=cpu", "--compile=False")
+    assert code == 0, out + err
     for key, value in {**bq.SETTINGS[setting], **bq.ROWS[row], "seed": 7}.items():
         if key != "compile":
-            assert f"{key} = {value!r}" in out.stdout, key
+            assert f"{key} = {value!r}" in out, key
 
 
 def test_package_corpus_is_deterministic_deduplicated_and_capped(tmp_path):
