@@ -87,6 +87,19 @@ PASTED = (
 
 def train(out_dir, data_dir, *args, nproc=1, check=True, extra_env=None, file_size_limit=None, dump=None,
           paste=None):  # fmt: skip
+    """train.py's run (returncode, stdout, stderr): in a process of its own where the test needs one (ranks,
+    a changed model, an environment or file size limit of its own, the rank dump), else in this process
+    (train_inline: no interpreter start and torch import, seconds a run), on one thread as a process."""
+    if nproc == 1 and extra_env is file_size_limit is dump is paste is None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 (env()): the same sums as a run in a process
+        try:
+            code, out, err, _ = run_train(*TINY, f"--data_dir={data_dir}", f"--out_dir={out_dir}", *args)
+        finally:
+            torch.set_num_threads(threads)
+        if check and code != 0:
+            raise AssertionError(f"train.py {' '.join(args)} failed:\n{out}\n{err}")
+        return subprocess.CompletedProcess(["train.py", *args], code, out, err)
     launcher = [sys.executable] if paste is None else [sys.executable, "-c", PASTED, paste]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
