@@ -258,6 +258,40 @@ def test_generate_decodes_compiled_steps(monkeypatch):
         run(prompts[0], decode="fast")
 
 
+def test_generate_compiled_steps_of_a_left_padded_batch(monkeypatch):
+    """CUDA's default path for lm-eval's generation batches: decode="compiled" (its step compiled with
+    backend "aot_eager" here) after a left-padded prompt gives each row the greedy tokens of its prompt
+    alone (sample.generate, no padding), past block_size too, from one graph; the prompt pass takes the
+    mask, the steps continue the cache's documents."""
+    from torch._dynamo.utils import counters
+
+    import cache
+    import hf_model
+
+    aot_eager = cache.compiled_next_logits("aot_eager")
+    monkeypatch.setattr(hf_model, "compiled_next_logits", lambda: aot_eager)
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    gpt = dict(n_layer=1, n_head=2, n_embd=32, head_dim=16, block_size=BLOCK, vocab_size=64)
+    gpt.update(residual="ddl-cc", attention="deltaformer")
+    model = hf_model.DDLGPTForCausalLM(hf_model.DDLGPTConfig(gpt=gpt)).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    lengths = (PROMPT, 2, 4)
+    rows = [torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    ids = torch.zeros(len(rows), PROMPT, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, PROMPT - row.shape[1] :], mask[b, PROMPT - row.shape[1] :] = row[0], 1
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, decode="compiled")
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters)
+    for b, row in enumerate(rows):
+        assert torch.equal(out[b, PROMPT:], generate(model.gpt, row, NEW, top_k=1)[0, row.shape[1] :]), b
+
+
 def test_readme_recipes_export(tmp_path, monkeypatch):
     """The README's DDL-CC with one beta for the whole model and its Deltaformer at beta = 1, pasted at the
     end of model.py (and so of the model.py the folder holds), trained a few steps: the folder keeps the

@@ -218,8 +218,12 @@ HF_PREPARE = {  # hf_model.DDLGPTForCausalLM.prepare_inputs_for_generation: gene
     "attention_mask": [
         f"{FX}test_hf_prepare_inputs_for_generation",
         "test_export_hf.py::test_left_padded_rows_equal_each_alone",
+        "test_export_hf.py::test_generate_compiled_steps_of_a_left_padded_batch",
     ],
-    "decode": "test_export_hf.py::test_generate_decodes_compiled_steps",
+    "decode": [
+        "test_export_hf.py::test_generate_decodes_compiled_steps",
+        "test_export_hf.py::test_generate_compiled_steps_of_a_left_padded_batch",
+    ],
     "kwargs": f"{FX}test_hf_prepare_inputs_for_generation",
 }
 
