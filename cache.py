@@ -52,7 +52,7 @@ class Cache:
     def doc_start(self, start):
         """doc_start [B, T] of the new tokens (ops/common.doc_starts: 0 where no document began among them)
         continued from the cached tokens': the document of the last cached token goes on until one begins."""
-        last = self.store.get(Cache.doc_start)  # (a str key: torch.compile fails comparing it with a module)
+        last = self.store.get(Cache.doc_start)  # keyed by this method: a str key beside modules fails compile
         start = start if last is None else torch.maximum(start, last)
         self._keep(Cache.doc_start, start[:, -1:])
         self.documents = True

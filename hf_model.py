@@ -101,10 +101,10 @@ class DDLGPTForCausalLM(PreTrainedModel, GenerationMixin):
         cache = kwargs.pop("cache", None) or kwargs.pop("past_key_values", None)
         if not isinstance(cache, Cache):
             cache = Cache() if use_cache else None
-        mask = padding(attention_mask, cache)
         if isinstance(cache, StaticCache) and not cache.prompt and input_ids.shape[1] == 1:  # a decoding step
-            logits = compiled_next_logits()(self.gpt, cache, input_ids)[:, None]
+            logits = compiled_next_logits()(self.gpt, cache, input_ids)[:, None]  # (no mask: no host sync)
         else:
+            mask = padding(attention_mask, cache)
             logits = self.gpt.lm_head(self.gpt.hidden_states(input_ids, cache, mask))
             if isinstance(cache, StaticCache):
                 cache.prompt = False  # the prompt is in: one token a step from here on
